@@ -1,0 +1,41 @@
+//! `kivi::scheme!`: declare KV-cache schemes in Rust, validated at build time.
+//! The grammar, validator and messages live in `kivi-spec`; this crate only
+//! maps them onto compiler diagnostics and emits code.
+
+use proc_macro::TokenStream;
+use quote::{format_ident, quote};
+
+/// Declares one or more schemes. Each becomes a unit struct with a
+/// `spec()` constructor, its canonical text and its stable hash.
+///
+/// See the `kivi` crate docs for the grammar and an example.
+#[proc_macro]
+pub fn scheme(input: TokenStream) -> TokenStream {
+    let list = syn::parse_macro_input!(input as kivi_spec::SchemeList);
+    let mut out = proc_macro2::TokenStream::new();
+    for decl in list.0 {
+        let vis = &decl.vis;
+        let ident = &decl.ident;
+        let expr = kivi_spec::tokens::scheme_expr(&decl.scheme);
+        let canonical = kivi_spec::canonical(&decl.scheme);
+        let hash = kivi_spec::scheme_hash(&decl.scheme);
+        let doc = format!("KV-cache scheme `{ident}`.\n\n```text\n{canonical}```");
+        let _ = format_ident!("{}", ident);
+        out.extend(quote! {
+            #[doc = #doc]
+            #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+            #vis struct #ident;
+            impl #ident {
+                /// The canonical text of this scheme.
+                pub const CANONICAL: &'static str = #canonical;
+                /// Stable hash of the scheme's meaning (see `kivi::spec::scheme_hash`).
+                pub const HASH: u64 = #hash;
+                /// The validated scheme model.
+                pub fn spec() -> ::kivi::spec::Scheme {
+                    #expr
+                }
+            }
+        });
+    }
+    out.into()
+}

@@ -1,0 +1,669 @@
+//! The paged quantized KV cache.
+//!
+//! Quantized tokens live in fixed-size blocks taken from one pool (a single
+//! word arena, as on a GPU); each sequence has a block table, and blocks
+//! return to the pool when a sequence is freed. Sinks and the recent window
+//! stay in the activation dtype in per-sequence buffers sized once, at their
+//! maximum ([`kivi_spec::layout::window_capacity`]); the window is a ring
+//! indexed by token position, so appending never copies the cache.
+//!
+//! Appends are all-or-nothing: inputs are rounded and checked, blocks are
+//! reserved, and groups are quantized before anything a reader can see
+//! changes. On error the cache is exactly as before.
+//!
+//! ```
+//! use kivi_runtime::{PagedCache, CacheConfig};
+//! use kivi_spec::{presets, Heads, Tensor};
+//! let s = presets::kivi2().with_shape(Heads::Gqa { q: 4, kv: 2 }, 64).unwrap();
+//! let mut cache = PagedCache::new(s, CacheConfig::for_tokens(1024)).unwrap();
+//! let seq = cache.add_sequence();
+//! let row: Vec<f32> = (0..2 * 64).map(|i| (i as f32 * 0.37).sin()).collect();
+//! for _ in 0..300 {
+//!     cache.append(seq, &row, &row).unwrap();
+//! }
+//! let m = cache.memory();
+//! assert_eq!(m.total, m.codes + m.scales + m.zeros + m.windows + m.tables);
+//! assert_eq!(cache.dequantize(seq, Tensor::Key).unwrap().len(), 300 * 2 * 64);
+//! ```
+
+use crate::error::{Error, Result};
+use crate::quant::{self, decode, encode, group_params, GroupParams};
+use crate::reference::round_inputs;
+use kivi_spec::layout::{self, regions, BlockLayout, TensorLayout};
+use kivi_spec::{Axis, Codec, Dtype, Quant, ScaleDtype, Scheme, Shape, Tensor};
+use std::collections::BTreeMap;
+
+/// Identifies a sequence within one cache.
+pub type SeqId = u64;
+
+/// Block size and pool capacity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheConfig {
+    /// Tokens per block; `None` picks [`layout::default_block_tokens`].
+    pub block_tokens: Option<usize>,
+    /// Blocks in the pool (the pool is reserved once, pages are touched on use).
+    pub max_blocks: usize,
+}
+
+impl CacheConfig {
+    /// Room for about `tokens` quantized tokens in total, default block size.
+    pub fn for_tokens(tokens: usize) -> Self {
+        CacheConfig {
+            block_tokens: None,
+            max_blocks: tokens.div_ceil(16) + 1,
+        }
+    }
+}
+
+/// Values in the activation dtype, stored at their real width.
+#[derive(Clone, Debug)]
+enum Buf {
+    Half(Vec<u16>, Dtype),
+    Single(Vec<f32>),
+}
+
+impl Buf {
+    fn new(len: usize, dtype: Dtype) -> Buf {
+        match dtype {
+            Dtype::F32 => Buf::Single(vec![0.0; len]),
+            d => Buf::Half(vec![0; len], d),
+        }
+    }
+    #[inline]
+    fn get(&self, i: usize) -> f32 {
+        match self {
+            Buf::Half(v, d) => quant::from_bits_16(v[i], *d),
+            Buf::Single(v) => v[i],
+        }
+    }
+    /// `x` must already be rounded to the dtype (it is stored exactly).
+    #[inline]
+    fn set(&mut self, i: usize, x: f32) {
+        match self {
+            Buf::Half(v, d) => v[i] = quant::to_bits_16(x, *d),
+            Buf::Single(v) => v[i] = x,
+        }
+    }
+    fn bytes(&self) -> usize {
+        match self {
+            Buf::Half(v, _) => v.len() * 2,
+            Buf::Single(v) => v.len() * 4,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Sequence {
+    tokens: usize,
+    table: Vec<u32>,
+    /// Quantized (block-resident) tokens per tensor.
+    quantized: [usize; 2],
+    sinks: [Buf; 2],
+    ring: [Buf; 2],
+    ring_cap: [usize; 2],
+}
+
+fn ti(t: Tensor) -> usize {
+    match t {
+        Tensor::Key => 0,
+        Tensor::Value => 1,
+    }
+}
+
+/// Bytes in use, by kind. `total` is the sum of the others.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryReport {
+    /// Code words of blocks in use (raw rows for `full` tensors).
+    pub codes: usize,
+    pub scales: usize,
+    pub zeros: usize,
+    /// Sink and window buffers (their full capacity, as allocated).
+    pub windows: usize,
+    /// Block-table entries (4 bytes each).
+    pub tables: usize,
+    pub blocks_in_use: usize,
+    pub total: usize,
+}
+
+/// A paged quantized KV cache for one scheme and shape.
+pub struct PagedCache {
+    scheme: Scheme,
+    shape: Shape,
+    layout: BlockLayout,
+    pool: Vec<u32>,
+    free: Vec<u32>,
+    max_blocks: usize,
+    seqs: BTreeMap<SeqId, Sequence>,
+    next_id: SeqId,
+}
+
+/// Where a token of one tensor lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Loc {
+    Sink(usize),
+    /// Block id and token offset within it.
+    Block(u32, usize),
+    /// Ring slot.
+    Window(usize),
+}
+
+#[inline]
+fn read_param(words: &[u32], i: usize, dtype: ScaleDtype) -> f32 {
+    match dtype {
+        ScaleDtype::F16 => half::f16::from_bits((words[i / 2] >> (16 * (i % 2))) as u16).to_f32(),
+        ScaleDtype::F32 => f32::from_bits(words[i]),
+    }
+}
+
+#[inline]
+fn write_param(words: &mut [u32], i: usize, x: f32, dtype: ScaleDtype) {
+    match dtype {
+        ScaleDtype::F16 => {
+            let shift = 16 * (i % 2);
+            let b = half::f16::from_f32(x).to_bits() as u32;
+            words[i / 2] = (words[i / 2] & !(0xffff << shift)) | (b << shift);
+        }
+        ScaleDtype::F32 => words[i] = x.to_bits(),
+    }
+}
+
+/// Reads element `i` of a row stored raw in the activation dtype.
+#[inline]
+pub fn read_raw(words: &[u32], i: usize, dtype: Dtype) -> f32 {
+    match dtype {
+        Dtype::F32 => f32::from_bits(words[i]),
+        d => quant::from_bits_16((words[i / 2] >> (16 * (i % 2))) as u16, d),
+    }
+}
+
+fn write_raw_row(words: &mut [u32], vals: &[f32], dtype: Dtype) {
+    match dtype {
+        Dtype::F32 => {
+            for (w, v) in words.iter_mut().zip(vals) {
+                *w = v.to_bits();
+            }
+        }
+        d => {
+            for (w, pair) in words.iter_mut().zip(vals.chunks(2)) {
+                let lo = quant::to_bits_16(pair[0], d) as u32;
+                let hi = pair.get(1).map_or(0, |x| quant::to_bits_16(*x, d) as u32);
+                *w = lo | (hi << 16);
+            }
+        }
+    }
+}
+
+/// Scale and zero point of token `t` (in block), channel `d`.
+#[inline]
+pub fn params_at(tl: &TensorLayout, words: &[u32], q: &Quant, t: usize, d: usize) -> GroupParams {
+    let i = tl.param_index(t, d);
+    GroupParams {
+        scale: read_param(&words[tl.scales_offset..], i, q.scale),
+        zero: read_param(&words[tl.zeros_offset..], i, q.scale),
+    }
+}
+
+impl PagedCache {
+    /// A cache for a scheme with a bound shape ([`Scheme::with_shape`]).
+    pub fn new(scheme: Scheme, config: CacheConfig) -> Result<Self> {
+        kivi_spec::validate(&scheme)?;
+        let shape = scheme.shape().ok_or_else(|| Error::Unbound(scheme.name.clone()))?;
+        let block_tokens = config
+            .block_tokens
+            .unwrap_or_else(|| layout::default_block_tokens(&scheme));
+        layout::check_block_tokens(&scheme, block_tokens).map_err(Error::Config)?;
+        if config.max_blocks > u32::MAX as usize {
+            return Err(Error::Config(format!("{} blocks is more than a block table can address", config.max_blocks)));
+        }
+        let layout = BlockLayout::new(&scheme, shape, block_tokens);
+        let words = config
+            .max_blocks
+            .checked_mul(layout.block_words)
+            .filter(|w| *w <= isize::MAX as usize / 4)
+            .ok_or_else(|| Error::Config(format!("a pool of {} blocks does not fit in memory", config.max_blocks)))?;
+        Ok(PagedCache {
+            scheme,
+            shape,
+            layout,
+            // calloc'd: pages are only touched when a block is first written.
+            pool: vec![0u32; words],
+            free: (0..config.max_blocks as u32).rev().collect(),
+            max_blocks: config.max_blocks,
+            seqs: BTreeMap::new(),
+            next_id: 0,
+        })
+    }
+
+    pub fn scheme(&self) -> &Scheme {
+        &self.scheme
+    }
+    pub fn shape(&self) -> Shape {
+        self.shape
+    }
+    pub fn layout(&self) -> &BlockLayout {
+        &self.layout
+    }
+    /// The whole block arena (`max_blocks * block_words` words).
+    pub fn pool(&self) -> &[u32] {
+        &self.pool
+    }
+    pub fn max_blocks(&self) -> usize {
+        self.max_blocks
+    }
+    pub fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Starts an empty sequence; its sink and window buffers are allocated now.
+    pub fn add_sequence(&mut self) -> SeqId {
+        let (h, d) = (self.shape.kv_heads, self.shape.head_dim);
+        let s = &self.scheme;
+        let sinks = |_t: Tensor| s.sinks as usize;
+        let cap = [layout::window_capacity(s, Tensor::Key), layout::window_capacity(s, Tensor::Value)];
+        let seq = Sequence {
+            tokens: 0,
+            table: Vec::new(),
+            quantized: [0, 0],
+            sinks: [
+                Buf::new(sinks(Tensor::Key) * h * d, s.dtype),
+                Buf::new(sinks(Tensor::Value) * h * d, s.dtype),
+            ],
+            ring: [Buf::new(cap[0] * h * d, s.dtype), Buf::new(cap[1] * h * d, s.dtype)],
+            ring_cap: cap,
+        };
+        let id = self.next_id;
+        self.next_id += 1;
+        self.seqs.insert(id, seq);
+        id
+    }
+
+    /// Frees a sequence; its blocks go back to the pool for reuse.
+    pub fn free_sequence(&mut self, id: SeqId) -> Result<()> {
+        let seq = self.seqs.remove(&id).ok_or(Error::UnknownSequence(id))?;
+        self.free.extend(seq.table.iter().rev());
+        Ok(())
+    }
+
+    /// Live sequence ids, ascending.
+    pub fn sequences(&self) -> Vec<SeqId> {
+        self.seqs.keys().copied().collect()
+    }
+
+    /// Tokens held by a sequence.
+    pub fn len(&self, id: SeqId) -> Result<usize> {
+        Ok(self.seq(id)?.tokens)
+    }
+
+    fn seq(&self, id: SeqId) -> Result<&Sequence> {
+        self.seqs.get(&id).ok_or(Error::UnknownSequence(id))
+    }
+
+    /// The sequence's block table.
+    pub fn block_table(&self, id: SeqId) -> Result<&[u32]> {
+        Ok(&self.seq(id)?.table)
+    }
+
+    /// Appends one token: `k`, `v` are `[Hkv, D]`.
+    pub fn append(&mut self, id: SeqId, k: &[f32], v: &[f32]) -> Result<()> {
+        let row = self.shape.kv_heads * self.shape.head_dim;
+        if k.len() != row || v.len() != row {
+            return Err(Error::Shape {
+                what: "appended token",
+                expected: format!("{row} values (kv_heads x head_dim) for key and value"),
+                got: format!("{} and {}", k.len(), v.len()),
+            });
+        }
+        self.extend(id, k, v)
+    }
+
+    /// Appends many tokens at once (prefill): `k`, `v` are `[n, Hkv, D]`.
+    /// Gives the same cache, bit for bit, as `n` calls to [`Self::append`].
+    pub fn extend(&mut self, id: SeqId, k: &[f32], v: &[f32]) -> Result<()> {
+        let (h, d) = (self.shape.kv_heads, self.shape.head_dim);
+        if k.len() != v.len() || k.len() % (h * d) != 0 {
+            return Err(Error::Shape {
+                what: "key/value input",
+                expected: format!("equal lengths, multiples of {} (kv_heads x head_dim)", h * d),
+                got: format!("{} and {}", k.len(), v.len()),
+            });
+        }
+        let n = k.len() / (h * d);
+        let old_tokens = self.seq(id)?.tokens;
+        let shift = |e: Error| match e {
+            Error::NonFinite { tensor, value, token, head, channel, policy } => Error::NonFinite {
+                tensor,
+                value,
+                token: token + old_tokens,
+                head,
+                channel,
+                policy,
+            },
+            e => e,
+        };
+        let inputs = [
+            round_inputs(&self.scheme, "key", k, h, d).map_err(shift)?,
+            round_inputs(&self.scheme, "value", v, h, d).map_err(shift)?,
+        ];
+        let new_tokens = old_tokens + n;
+        let target = [
+            regions(&self.scheme, Tensor::Key, new_tokens).quantized,
+            regions(&self.scheme, Tensor::Value, new_tokens).quantized,
+        ];
+        let bt = self.layout.block_tokens;
+        let seq = self.seqs.get_mut(&id).expect("checked above");
+        let blocks = target[0].max(target[1]).div_ceil(bt);
+        let need = blocks.saturating_sub(seq.table.len());
+        if need > self.free.len() {
+            return Err(Error::OutOfBlocks {
+                need,
+                free: self.free.len(),
+                total: self.max_blocks,
+            });
+        }
+        let split = self.free.len() - need;
+        let fresh: Vec<u32> = self.free[split..].iter().rev().copied().collect();
+        let mut table = seq.table.clone();
+        table.extend(&fresh);
+        let sinks = self.scheme.sinks as usize;
+        for t in [Tensor::Key, Tensor::Value] {
+            let i = ti(t);
+            let seq_ref: &Sequence = seq;
+            let input = &inputs[i];
+            // Row of relative token j (position sinks + j) of head `hh`.
+            let src = |j: usize, hh: usize, out: &mut [f32]| {
+                let p = sinks + j;
+                if p >= old_tokens {
+                    out.copy_from_slice(&input[((p - old_tokens) * h + hh) * d..][..d]);
+                } else {
+                    let base = ((j % seq_ref.ring_cap[i]) * h + hh) * d;
+                    for (c, o) in out.iter_mut().enumerate() {
+                        *o = seq_ref.ring[i].get(base + c);
+                    }
+                }
+            };
+            if let Err(e) = quantize_range(
+                &self.scheme,
+                &self.layout,
+                t,
+                &mut self.pool,
+                &table,
+                seq_ref.quantized[i]..target[i],
+                sinks,
+                &src,
+            ) {
+                return Err(e); // nothing visible changed; `fresh` is still free
+            }
+        }
+        // Commit: nothing below can fail.
+        self.free.truncate(split);
+        seq.table = table;
+        for t in [Tensor::Key, Tensor::Value] {
+            let i = ti(t);
+            let input = &inputs[i];
+            for p in old_tokens..new_tokens {
+                let row = &input[(p - old_tokens) * h * d..][..h * d];
+                let dst = if p < sinks {
+                    Some((&mut seq.sinks[i], p * h * d))
+                } else if p >= sinks + target[i] {
+                    let slot = (p - sinks) % seq.ring_cap[i];
+                    Some((&mut seq.ring[i], slot * h * d))
+                } else {
+                    None
+                };
+                if let Some((buf, base)) = dst {
+                    for (c, x) in row.iter().enumerate() {
+                        buf.set(base + c, *x);
+                    }
+                }
+            }
+            seq.quantized[i] = target[i];
+        }
+        seq.tokens = new_tokens;
+        Ok(())
+    }
+
+    /// Read access to one sequence for kernels and tests.
+    pub fn view(&self, id: SeqId) -> Result<SeqView<'_>> {
+        let seq = self.seq(id)?;
+        Ok(SeqView { cache: self, seq })
+    }
+
+    /// The cache's view of one tensor: `[T, Hkv, D]` f32, dequantized where
+    /// quantized, stored values for sinks and window tokens.
+    pub fn dequantize(&self, id: SeqId, t: Tensor) -> Result<Vec<f32>> {
+        let view = self.view(id)?;
+        let (h, d) = (self.shape.kv_heads, self.shape.head_dim);
+        let mut out = vec![0f32; view.tokens() * h * d];
+        for p in 0..view.tokens() {
+            for hh in 0..h {
+                view.row(t, p, hh, &mut out[(p * h + hh) * d..][..d]);
+            }
+        }
+        Ok(out)
+    }
+
+    fn seq_memory(&self, seq: &Sequence) -> MemoryReport {
+        let l = &self.layout;
+        let blocks = seq.table.len();
+        let heads = self.shape.kv_heads;
+        let codes = blocks * heads * (l.key.codes_words() + l.value.codes_words()) * 4;
+        let params = blocks * heads * (l.key.param_words + l.value.param_words) * 4;
+        let windows: usize = seq.sinks.iter().chain(&seq.ring).map(Buf::bytes).sum();
+        let tables = seq.table.len() * 4;
+        MemoryReport {
+            codes,
+            scales: params,
+            zeros: params,
+            windows,
+            tables,
+            blocks_in_use: blocks,
+            total: codes + 2 * params + windows + tables,
+        }
+    }
+
+    /// Bytes one sequence holds.
+    pub fn sequence_memory(&self, id: SeqId) -> Result<MemoryReport> {
+        Ok(self.seq_memory(self.seq(id)?))
+    }
+
+    /// Bytes the whole cache holds: every sequence's blocks, windows and tables.
+    pub fn memory(&self) -> MemoryReport {
+        let mut m = MemoryReport::default();
+        for s in self.seqs.values() {
+            let r = self.seq_memory(s);
+            m.codes += r.codes;
+            m.scales += r.scales;
+            m.zeros += r.zeros;
+            m.windows += r.windows;
+            m.tables += r.tables;
+            m.blocks_in_use += r.blocks_in_use;
+            m.total += r.total;
+        }
+        m
+    }
+}
+
+/// Words of a tensor part of one block of the pool.
+fn part_mut<'a>(l: &BlockLayout, pool: &'a mut [u32], block: u32, h: usize, t: Tensor) -> &'a mut [u32] {
+    let start = block as usize * l.block_words + l.tensor_offset(h, t);
+    &mut pool[start..start + l.tensor(t).words]
+}
+
+/// Quantizes relative tokens `range` of tensor `t` into the blocks of `table`.
+#[allow(clippy::too_many_arguments)]
+fn quantize_range(
+    s: &Scheme,
+    l: &BlockLayout,
+    t: Tensor,
+    pool: &mut [u32],
+    table: &[u32],
+    range: std::ops::Range<usize>,
+    sinks: usize,
+    src: &dyn Fn(usize, usize, &mut [f32]),
+) -> Result<()> {
+    let (h, d) = (l.shape.kv_heads, l.shape.head_dim);
+    let tl = *l.tensor(t);
+    let bt = l.block_tokens;
+    let wpt = tl.words_per_token;
+    let mut row = vec![0f32; d];
+    let mut codes = vec![0u32; d];
+    let q = match s.codec(t) {
+        Codec::Full => {
+            for j in range {
+                for hh in 0..h {
+                    src(j, hh, &mut row);
+                    let part = part_mut(l, pool, table[j / bt], hh, t);
+                    write_raw_row(&mut part[(j % bt) * wpt..][..wpt], &row, s.dtype);
+                }
+            }
+            return Ok(());
+        }
+        Codec::Quant(q) => *q,
+    };
+    let overflow = |p: GroupParams, lo: f32, hi: f32, j: usize, hh: usize, c: usize| -> Result<()> {
+        if p.is_finite() {
+            Ok(())
+        } else {
+            Err(Error::ScaleOverflow {
+                tensor: t.name(),
+                token: sinks + j,
+                head: hh,
+                channel: c,
+                lo,
+                hi,
+                dtype: q.scale.name(),
+            })
+        }
+    };
+    let g = q.group as usize;
+    match q.axis {
+        Axis::Channel => {
+            let mut grp = vec![0f32; g * d];
+            let mut ps = vec![GroupParams { scale: 0.0, zero: 0.0 }; d];
+            for j0 in range.step_by(g) {
+                for hh in 0..h {
+                    for k in 0..g {
+                        src(j0 + k, hh, &mut grp[k * d..(k + 1) * d]);
+                    }
+                    for (c, p) in ps.iter_mut().enumerate() {
+                        let (gp, lo, hi) = group_params((0..g).map(|k| grp[k * d + c]), &q);
+                        overflow(gp, lo, hi, j0, hh, c)?;
+                        *p = gp;
+                    }
+                    let part = part_mut(l, pool, table[j0 / bt], hh, t);
+                    for (c, p) in ps.iter().enumerate() {
+                        let i = tl.param_index(j0 % bt, c);
+                        write_param(&mut part[tl.scales_offset..], i, p.scale, q.scale);
+                        write_param(&mut part[tl.zeros_offset..], i, p.zero, q.scale);
+                    }
+                    for k in 0..g {
+                        for c in 0..d {
+                            codes[c] = encode(grp[k * d + c], ps[c], q.max_code());
+                        }
+                        let off = (j0 + k) % bt;
+                        quant::pack(&codes, q.bits, &mut part[off * wpt..(off + 1) * wpt]);
+                    }
+                }
+            }
+        }
+        Axis::Token => {
+            for j in range {
+                for hh in 0..h {
+                    src(j, hh, &mut row);
+                    let part = part_mut(l, pool, table[j / bt], hh, t);
+                    let off = j % bt;
+                    for c0 in (0..d).step_by(g) {
+                        let (p, lo, hi) = group_params(row[c0..c0 + g].iter().copied(), &q);
+                        overflow(p, lo, hi, j, hh, c0)?;
+                        let i = tl.param_index(off, c0);
+                        write_param(&mut part[tl.scales_offset..], i, p.scale, q.scale);
+                        write_param(&mut part[tl.zeros_offset..], i, p.zero, q.scale);
+                        for c in c0..c0 + g {
+                            codes[c] = encode(row[c], p, q.max_code());
+                        }
+                    }
+                    quant::pack(&codes, q.bits, &mut part[off * wpt..(off + 1) * wpt]);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Read-only access to one sequence.
+pub struct SeqView<'a> {
+    cache: &'a PagedCache,
+    seq: &'a Sequence,
+}
+
+impl<'a> SeqView<'a> {
+    pub fn tokens(&self) -> usize {
+        self.seq.tokens
+    }
+    pub fn table(&self) -> &'a [u32] {
+        &self.seq.table
+    }
+    /// Quantized (block-resident) tokens of a tensor.
+    pub fn quantized(&self, t: Tensor) -> usize {
+        self.seq.quantized[ti(t)]
+    }
+    /// Where token `p` of tensor `t` lives.
+    #[inline]
+    pub fn locate(&self, t: Tensor, p: usize) -> Loc {
+        let sinks = self.cache.scheme.sinks as usize;
+        let i = ti(t);
+        if p < sinks {
+            return Loc::Sink(p);
+        }
+        let j = p - sinks;
+        if j < self.seq.quantized[i] {
+            let bt = self.cache.layout.block_tokens;
+            Loc::Block(self.seq.table[j / bt], j % bt)
+        } else {
+            Loc::Window(j % self.seq.ring_cap[i])
+        }
+    }
+    /// Words of tensor `t`, KV head `h`, in block `block`.
+    #[inline]
+    pub fn block_part(&self, block: u32, h: usize, t: Tensor) -> &'a [u32] {
+        let l = &self.cache.layout;
+        let start = block as usize * l.block_words + l.tensor_offset(h, t);
+        &self.cache.pool[start..start + l.tensor(t).words]
+    }
+    /// Stored (unquantized) value of a sink or window token.
+    #[inline]
+    fn buf_row(&self, buf: &Buf, slot: usize, h: usize, out: &mut [f32]) {
+        let d = self.cache.shape.head_dim;
+        let base = (slot * self.cache.shape.kv_heads + h) * d;
+        for (c, o) in out.iter_mut().enumerate() {
+            *o = buf.get(base + c);
+        }
+    }
+    /// The cache's value of token `p`, KV head `h`, of tensor `t` (dequantized
+    /// if quantized) into `out` (`D` floats).
+    pub fn row(&self, t: Tensor, p: usize, h: usize, out: &mut [f32]) {
+        let i = ti(t);
+        match self.locate(t, p) {
+            Loc::Sink(s) => self.buf_row(&self.seq.sinks[i], s, h, out),
+            Loc::Window(w) => self.buf_row(&self.seq.ring[i], w, h, out),
+            Loc::Block(b, off) => {
+                let part = self.block_part(b, h, t);
+                let tl = self.cache.layout.tensor(t);
+                let row = &part[off * tl.words_per_token..][..tl.words_per_token];
+                match self.cache.scheme.codec(t) {
+                    Codec::Full => {
+                        for (c, o) in out.iter_mut().enumerate() {
+                            *o = read_raw(row, c, self.cache.scheme.dtype);
+                        }
+                    }
+                    Codec::Quant(q) => {
+                        for (c, o) in out.iter_mut().enumerate() {
+                            let code = quant::unpack_one(row, q.bits, c);
+                            *o = decode(code, params_at(tl, part, q, off, c));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,49 @@
+use kivi_spec::Invalid;
+
+/// Everything that can go wrong in the runtime. Each variant names the
+/// offending value; none of them leaves a cache half-updated.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid scheme: {0}")]
+    Scheme(#[from] Invalid),
+    #[error("scheme `{0}` has no head layout or head_dim; bind one with Scheme::with_shape")]
+    Unbound(String),
+    #[error("{what}: expected {expected}, got {got}")]
+    Shape {
+        what: &'static str,
+        expected: String,
+        got: String,
+    },
+    #[error("non-finite {tensor} value ({value}) at token {token}, head {head}, channel {channel}; the {policy} policy refuses it")]
+    NonFinite {
+        tensor: &'static str,
+        value: f32,
+        token: usize,
+        head: usize,
+        channel: usize,
+        policy: &'static str,
+    },
+    #[error("{tensor} values near token {token}, kv head {head}, channel {channel} span [{lo}, {hi}], which a {dtype} scale or zero point cannot hold; use scale = f32")]
+    ScaleOverflow {
+        tensor: &'static str,
+        token: usize,
+        head: usize,
+        channel: usize,
+        lo: f32,
+        hi: f32,
+        dtype: &'static str,
+    },
+    #[error("out of cache blocks: the append needs {need} more, {free} of {total} are free")]
+    OutOfBlocks { need: usize, free: usize, total: usize },
+    #[error("unknown sequence id {0}")]
+    UnknownSequence(u64),
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("the {backend} backend is unavailable: {reason}")]
+    Unavailable {
+        backend: &'static str,
+        reason: String,
+    },
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

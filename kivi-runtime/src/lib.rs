@@ -1,0 +1,21 @@
+//! kivi runtime: the reference oracle, the paged quantized KV cache and the
+//! backends that run decode attention over it.
+//!
+//! - [`reference`] — DESIGN.md §3, plainly; the oracle for everything else.
+//! - [`quant`] — the quantization math (one copy on the host).
+//! - [`cache`] — the paged cache with exact memory accounting.
+//! - [`cpu`] — fused dequantize + decode attention on the CPU.
+//! - [`backend`] — the interface every backend implements.
+
+pub mod backend;
+pub mod cache;
+pub mod cpu;
+mod error;
+pub mod quant;
+pub mod reference;
+
+pub use backend::{Backend, ReferenceBackend};
+pub use cache::{CacheConfig, MemoryReport, PagedCache, SeqId};
+pub use cpu::{CpuBackend, CpuParams};
+pub use error::{Error, Result};
+pub use reference::AttnParams;

@@ -1,0 +1,196 @@
+//! The oracle: DESIGN.md §3 written plainly, on whole tensors, with no
+//! paging, no windows kept incrementally and no fusion. Every other path —
+//! the paged cache, the CPU kernels, the simulator, CUDA, every tuning
+//! variant — is checked against these functions.
+
+use crate::error::{Error, Result};
+use crate::quant::{decode, encode, group_params, round_to_dtype, GroupParams};
+use kivi_spec::layout::regions;
+use kivi_spec::{Axis, Codec, Scheme, Shape, Tensor};
+
+/// Softmax scale and sliding window in effect for one call.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnParams {
+    pub softmax_scale: f32,
+    /// Attend only to the last `W` tokens.
+    pub window: Option<usize>,
+}
+
+impl AttnParams {
+    /// The scheme's own settings: `softmax_scale` or `1/sqrt(D)`, and its
+    /// sliding window.
+    pub fn of(s: &Scheme, shape: Shape) -> AttnParams {
+        AttnParams {
+            softmax_scale: s.effective_softmax_scale(shape.head_dim),
+            window: s.sliding_window.map(|w| w as usize),
+        }
+    }
+}
+
+/// The bound shape of a scheme, or a clear error.
+pub fn shape_of(s: &Scheme) -> Result<Shape> {
+    s.shape().ok_or_else(|| Error::Unbound(s.name.clone()))
+}
+
+/// Rounds inputs to the activation dtype, refusing non-finite results.
+/// `x` is `[tokens, heads, D]`.
+pub fn round_inputs(s: &Scheme, tensor: &'static str, x: &[f32], heads: usize, d: usize) -> Result<Vec<f32>> {
+    x.iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            let r = round_to_dtype(v, s.dtype);
+            if r.is_finite() {
+                Ok(r)
+            } else {
+                Err(Error::NonFinite {
+                    tensor,
+                    value: v,
+                    token: i / (heads * d),
+                    head: (i / d) % heads,
+                    channel: i % d,
+                    policy: "reject",
+                })
+            }
+        })
+        .collect()
+}
+
+/// The cache's view of one tensor holding `x` (`[T, Hkv, D]`, f32): the
+/// rounded value for sinks and window tokens, the dequantized value for
+/// quantized tokens. Returns `[T, Hkv, D]`.
+pub fn cache_view(s: &Scheme, t: Tensor, x: &[f32]) -> Result<Vec<f32>> {
+    let shape = shape_of(s)?;
+    let (h, d) = (shape.kv_heads, shape.head_dim);
+    if x.len() % (h * d) != 0 {
+        return Err(Error::Shape {
+            what: "tensor length",
+            expected: format!("a multiple of {} (heads x head_dim)", h * d),
+            got: x.len().to_string(),
+        });
+    }
+    let tokens = x.len() / (h * d);
+    let x = round_inputs(s, t.name(), x, h, d)?;
+    let mut out = x.clone();
+    let q = match s.codec(t) {
+        Codec::Full => return Ok(out),
+        Codec::Quant(q) => *q,
+    };
+    let r = regions(s, t, tokens);
+    let first = r.sinks; // first quantized token
+    let at = |tok: usize, head: usize, ch: usize| (tok * h + head) * d + ch;
+    let check = |p: GroupParams, lo: f32, hi: f32, tok: usize, head: usize, ch: usize| -> Result<()> {
+        if p.is_finite() {
+            Ok(())
+        } else {
+            Err(Error::ScaleOverflow {
+                tensor: t.name(),
+                token: tok,
+                head,
+                channel: ch,
+                lo,
+                hi,
+                dtype: q.scale.name(),
+            })
+        }
+    };
+    let g = q.group as usize;
+    match q.axis {
+        // A group: G consecutive tokens of one channel, counted from the
+        // first token after the sinks.
+        Axis::Channel => {
+            for g0 in (first..first + r.quantized).step_by(g) {
+                for head in 0..h {
+                    for ch in 0..d {
+                        let (p, lo, hi) = group_params((g0..g0 + g).map(|tok| x[at(tok, head, ch)]), &q);
+                        check(p, lo, hi, g0, head, ch)?;
+                        for tok in g0..g0 + g {
+                            out[at(tok, head, ch)] = decode(encode(x[at(tok, head, ch)], p, q.max_code()), p);
+                        }
+                    }
+                }
+            }
+        }
+        // A group: G consecutive channels of one token.
+        Axis::Token => {
+            for tok in first..first + r.quantized {
+                for head in 0..h {
+                    for c0 in (0..d).step_by(g) {
+                        let (p, lo, hi) = group_params((c0..c0 + g).map(|ch| x[at(tok, head, ch)]), &q);
+                        check(p, lo, hi, tok, head, c0)?;
+                        for ch in c0..c0 + g {
+                            out[at(tok, head, ch)] = decode(encode(x[at(tok, head, ch)], p, q.max_code()), p);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Decode attention of one query `q` (`[Hq, D]`, rounded to the activation
+/// dtype first) over cache views `k`, `v` (`[T, Hkv, D]`). Returns `[Hq, D]`.
+///
+/// `score_t = (q . k_t) * scale` over the last `W` tokens (all when no
+/// window), `p = softmax(score)`, `out = sum_t p_t v_t`. Accumulates in f64
+/// so that the oracle's own rounding is far below any tolerance.
+pub fn decode_attention(s: &Scheme, q: &[f32], k: &[f32], v: &[f32], params: AttnParams) -> Result<Vec<f32>> {
+    let shape = shape_of(s)?;
+    let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+    if q.len() != hq * d {
+        return Err(Error::Shape {
+            what: "query length",
+            expected: format!("{} (q_heads x head_dim)", hq * d),
+            got: q.len().to_string(),
+        });
+    }
+    if k.len() != v.len() || k.len() % (hkv * d) != 0 {
+        return Err(Error::Shape {
+            what: "key/value length",
+            expected: format!("equal multiples of {}", hkv * d),
+            got: format!("{} and {}", k.len(), v.len()),
+        });
+    }
+    let q = round_inputs(s, "query", q, hq, d)?;
+    let tokens = k.len() / (hkv * d);
+    let start = params.window.map_or(0, |w| tokens.saturating_sub(w));
+    let group = hq / hkv;
+    let mut out = vec![0f32; hq * d];
+    for head in 0..hq {
+        let kvh = head / group;
+        let qh = &q[head * d..(head + 1) * d];
+        let scores: Vec<f64> = (start..tokens)
+            .map(|t| {
+                let kt = &k[(t * hkv + kvh) * d..][..d];
+                let dot: f64 = qh.iter().zip(kt).map(|(a, b)| *a as f64 * *b as f64).sum();
+                dot * params.softmax_scale as f64
+            })
+            .collect();
+        if scores.is_empty() {
+            continue; // an empty cache attends to nothing: the output is zero
+        }
+        let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let weights: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+        let sum: f64 = weights.iter().sum();
+        let mut acc = vec![0f64; d];
+        for (i, t) in (start..tokens).enumerate() {
+            let vt = &v[(t * hkv + kvh) * d..][..d];
+            let p = weights[i] / sum;
+            for (a, x) in acc.iter_mut().zip(vt) {
+                *a += p * *x as f64;
+            }
+        }
+        for (o, a) in out[head * d..(head + 1) * d].iter_mut().zip(acc) {
+            *o = a as f32;
+        }
+    }
+    Ok(out)
+}
+
+/// The whole oracle for one sequence: fill a cache with `k`, `v`
+/// (`[T, Hkv, D]`) and attend with `q` (`[Hq, D]`).
+pub fn attend(s: &Scheme, q: &[f32], k: &[f32], v: &[f32], params: AttnParams) -> Result<Vec<f32>> {
+    let kv = cache_view(s, Tensor::Key, k)?;
+    let vv = cache_view(s, Tensor::Value, v)?;
+    decode_attention(s, q, &kv, &vv, params)
+}

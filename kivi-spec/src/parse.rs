@@ -1,0 +1,462 @@
+//! The one parser of the scheme language, shared by `kivi::scheme!` (at
+//! compile time) and scheme files (at run time, via [`parse_scheme`]).
+//!
+//! Grammar (whitespace and a trailing comma are free):
+//!
+//! ```text
+//! scheme   := [pub] NAME '{' field (',' field)* '}'
+//! field    := key: codec | value: codec | residual: INT | sinks: INT
+//!           | flush: eager|chunked | heads: heads | head_dim: INT
+//!           | dtype: f16|bf16|f32 | softmax_scale: NUMBER
+//!           | sliding_window: INT|none | nonfinite: reject
+//! codec    := full | quant(bits = INT, axis = channel|token, group = INT [, scale = f16|f32])
+//! heads    := mha(INT) | gqa(q = INT, kv = INT) | mqa(q = INT)
+//! ```
+//!
+//! Names reserved for what comes next (`rope`, `rotation`, `codebook`,
+//! `outliers`, `mla`, ...) are recognised and rejected with "not supported
+//! yet" rather than ignored.
+
+use crate::model::*;
+use crate::validate::{validate, Field};
+use proc_macro2::Span;
+use std::collections::HashMap;
+use syn::parse::{Parse, ParseStream};
+use syn::{braced, parenthesized, Ident, LitInt, Token};
+
+/// One parsed declaration: visibility, name, the validated scheme, and the
+/// span of every field (for error reporting by later passes).
+pub struct SchemeDecl {
+    pub vis: syn::Visibility,
+    pub ident: Ident,
+    pub scheme: Scheme,
+    pub spans: HashMap<Field, Span>,
+}
+
+/// One or more declarations, as a macro invocation or a file holds them.
+pub struct SchemeList(pub Vec<SchemeDecl>);
+
+/// Top-level fields planned but not implemented, with what they will mean.
+const FUTURE_FIELDS: &[(&str, &str)] = &[
+    ("rope", "pre-RoPE keys with RoPE applied in the kernel"),
+    ("pre_rope", "pre-RoPE keys with RoPE applied in the kernel"),
+    ("rotation", "Hadamard / learned rotations before quantization"),
+    ("hadamard", "Hadamard rotations before quantization"),
+    ("codebook", "non-uniform codebooks"),
+    ("outliers", "dense-and-sparse outlier storage"),
+    ("mla", "multi-head latent attention caches"),
+    ("latent", "multi-head latent attention caches"),
+    ("low_rank", "low-rank keys"),
+    ("vq", "vector quantization"),
+    ("normalize", "per-channel key normalisation folded into the query"),
+];
+
+/// Arguments of `quant(...)` planned but not implemented.
+const FUTURE_QUANT_ARGS: &[&str] = &[
+    "codebook",
+    "symmetric",
+    "outliers",
+    "rotation",
+    "clip",
+    "nuq",
+];
+
+const FIELDS: &str = "key, value, residual, sinks, flush, heads, head_dim, dtype, softmax_scale, sliding_window, nonfinite";
+
+fn err<T>(span: Span, msg: impl std::fmt::Display) -> syn::Result<T> {
+    Err(syn::Error::new(span, msg))
+}
+
+fn parse_u32(input: ParseStream, what: &str) -> syn::Result<(u32, Span)> {
+    let lit: LitInt = input
+        .parse()
+        .map_err(|e| syn::Error::new(e.span(), format!("expected an integer for {what}")))?;
+    let v = lit
+        .base10_parse::<u32>()
+        .map_err(|_| syn::Error::new(lit.span(), format!("{what} = {lit} is not a valid size")))?;
+    Ok((v, lit.span()))
+}
+
+fn parse_choice<'a>(input: ParseStream, what: &str, options: &[&'a str]) -> syn::Result<(&'a str, Span)> {
+    let id: Ident = input
+        .parse()
+        .map_err(|e| syn::Error::new(e.span(), format!("expected {what}: one of {}", options.join(", "))))?;
+    let s = id.to_string();
+    match options.iter().find(|o| **o == s) {
+        Some(o) => Ok((o, id.span())),
+        None => err(
+            id.span(),
+            format!("unknown {what} `{s}`; expected one of {}", options.join(", ")),
+        ),
+    }
+}
+
+fn expect_eq(input: ParseStream, name: &Ident) -> syn::Result<()> {
+    input
+        .parse::<Token![=]>()
+        .map_err(|e| syn::Error::new(e.span(), format!("expected `=` after `{name}`")))
+        .map(|_| ())
+}
+
+fn parse_codec(input: ParseStream, t: Tensor, spans: &mut HashMap<Field, Span>) -> syn::Result<Codec> {
+    let head: Ident = input
+        .parse()
+        .map_err(|e| syn::Error::new(e.span(), "expected `full` or `quant(...)`"))?;
+    spans.insert(Field::Codec(t), head.span());
+    match head.to_string().as_str() {
+        "full" => return Ok(Codec::Full),
+        "quant" => {}
+        "nuq" | "codebook" | "vq" | "lut" => {
+            return err(
+                head.span(),
+                format!("`{head}` codecs are not supported yet; use `quant(...)` or `full`"),
+            )
+        }
+        other => {
+            return err(
+                head.span(),
+                format!("unknown codec `{other}`; expected `full` or `quant(...)`"),
+            )
+        }
+    }
+    let content;
+    parenthesized!(content in input);
+    let (mut bits, mut axis, mut group, mut scale) = (None, None, None, None);
+    while !content.is_empty() {
+        let arg: Ident = content.parse()?;
+        let name = arg.to_string();
+        let dup = |seen: bool| -> syn::Result<()> {
+            if seen {
+                err(arg.span(), format!("duplicate quant argument `{name}`"))
+            } else {
+                Ok(())
+            }
+        };
+        match name.as_str() {
+            "bits" => {
+                dup(bits.is_some())?;
+                expect_eq(&content, &arg)?;
+                let (v, sp) = parse_u32(&content, "bits")?;
+                spans.insert(Field::Bits(t), sp);
+                bits = Some(v);
+            }
+            "axis" => {
+                dup(axis.is_some())?;
+                expect_eq(&content, &arg)?;
+                let (v, sp) = parse_choice(&content, "axis", &["channel", "token"])?;
+                spans.insert(Field::Axis(t), sp);
+                axis = Some(if v == "channel" { Axis::Channel } else { Axis::Token });
+            }
+            "group" => {
+                dup(group.is_some())?;
+                expect_eq(&content, &arg)?;
+                let (v, sp) = parse_u32(&content, "group")?;
+                spans.insert(Field::Group(t), sp);
+                group = Some(v);
+            }
+            "scale" => {
+                dup(scale.is_some())?;
+                expect_eq(&content, &arg)?;
+                let (v, sp) = parse_choice(&content, "scale dtype", &["f16", "f32"])?;
+                spans.insert(Field::Scale(t), sp);
+                scale = Some(if v == "f16" { ScaleDtype::F16 } else { ScaleDtype::F32 });
+            }
+            n if FUTURE_QUANT_ARGS.contains(&n) => {
+                return err(arg.span(), format!("quant argument `{n}` is not supported yet"));
+            }
+            n => {
+                return err(
+                    arg.span(),
+                    format!("unknown quant argument `{n}`; expected bits, axis, group or scale"),
+                )
+            }
+        }
+        if !content.is_empty() {
+            content.parse::<Token![,]>()?;
+        }
+    }
+    let missing = |what: &str| syn::Error::new(head.span(), format!("{} quant(...) is missing `{what}`", t.name()));
+    Ok(Codec::Quant(Quant {
+        bits: bits.ok_or_else(|| missing("bits"))?,
+        axis: axis.ok_or_else(|| missing("axis"))?,
+        group: group.ok_or_else(|| missing("group"))?,
+        scale: scale.unwrap_or(ScaleDtype::F16),
+    }))
+}
+
+fn parse_named_u32(content: ParseStream, expect: &str, field: Field, spans: &mut HashMap<Field, Span>) -> syn::Result<u32> {
+    let id: Ident = content.parse()?;
+    if id != expect {
+        return err(id.span(), format!("expected `{expect} = ...`, found `{id}`"));
+    }
+    expect_eq(content, &id)?;
+    let (v, sp) = parse_u32(content, expect)?;
+    spans.insert(field, sp);
+    Ok(v)
+}
+
+fn parse_heads(input: ParseStream, spans: &mut HashMap<Field, Span>) -> syn::Result<Heads> {
+    let kind: Ident = input.parse()?;
+    spans.insert(Field::Heads, kind.span());
+    let content;
+    let k = kind.to_string();
+    match k.as_str() {
+        "mha" => {
+            parenthesized!(content in input);
+            let (n, sp) = parse_u32(&content, "mha heads")?;
+            spans.insert(Field::QHeads, sp);
+            spans.insert(Field::KvHeads, sp);
+            Ok(Heads::Mha(n))
+        }
+        "gqa" => {
+            parenthesized!(content in input);
+            let q = parse_named_u32(&content, "q", Field::QHeads, spans)?;
+            content.parse::<Token![,]>()?;
+            let kv = parse_named_u32(&content, "kv", Field::KvHeads, spans)?;
+            if !content.is_empty() {
+                content.parse::<Token![,]>()?;
+            }
+            Ok(Heads::Gqa { q, kv })
+        }
+        "mqa" => {
+            parenthesized!(content in input);
+            let q = parse_named_u32(&content, "q", Field::QHeads, spans)?;
+            spans.insert(Field::KvHeads, kind.span());
+            if !content.is_empty() {
+                content.parse::<Token![,]>()?;
+            }
+            Ok(Heads::Mqa(q))
+        }
+        "mla" => err(kind.span(), "`mla` head layouts are not supported yet; use mha, gqa or mqa"),
+        other => err(
+            kind.span(),
+            format!("unknown head layout `{other}`; expected mha(N), gqa(q = N, kv = M) or mqa(q = N)"),
+        ),
+    }
+}
+
+fn parse_number(input: ParseStream) -> syn::Result<(f32, Span)> {
+    let lit: syn::Lit = input
+        .parse()
+        .map_err(|e| syn::Error::new(e.span(), "expected a positive number"))?;
+    let v = match &lit {
+        syn::Lit::Float(f) => f.base10_parse::<f32>()?,
+        syn::Lit::Int(i) => i.base10_parse::<f32>()?,
+        _ => return err(lit.span(), "expected a positive number"),
+    };
+    Ok((v, lit.span()))
+}
+
+impl Parse for SchemeDecl {
+    fn parse(input: ParseStream) -> syn::Result<Self> {
+        let vis: syn::Visibility = input.parse()?;
+        let ident: Ident = input
+            .parse()
+            .map_err(|e| syn::Error::new(e.span(), "expected a scheme name, e.g. `pub Kivi2 { ... }`"))?;
+        let body;
+        braced!(body in input);
+        let mut spans = HashMap::new();
+        spans.insert(Field::Name, ident.span());
+        let mut seen: HashMap<String, Span> = HashMap::new();
+        let mut key = None;
+        let mut value = None;
+        let mut residual = 0;
+        let mut sinks = 0;
+        let mut flush = Flush::Eager;
+        let mut heads = None;
+        let mut head_dim = None;
+        let mut dtype = Dtype::F16;
+        let mut softmax_scale = None;
+        let mut sliding_window = None;
+        let mut nonfinite = NonFinite::Reject;
+        while !body.is_empty() {
+            let field: Ident = body.parse()?;
+            let name = field.to_string();
+            if seen.contains_key(&name) {
+                return err(field.span(), format!("duplicate field `{name}`"));
+            }
+            if let Some((_, what)) = FUTURE_FIELDS.iter().find(|(n, _)| *n == name) {
+                return err(field.span(), format!("field `{name}` is not supported yet (planned: {what})"));
+            }
+            body.parse::<Token![:]>()
+                .map_err(|e| syn::Error::new(e.span(), format!("expected `:` after `{name}`")))?;
+            match name.as_str() {
+                "key" => key = Some(parse_codec(&body, Tensor::Key, &mut spans)?),
+                "value" => value = Some(parse_codec(&body, Tensor::Value, &mut spans)?),
+                "residual" => {
+                    let (v, sp) = parse_u32(&body, "residual")?;
+                    spans.insert(Field::Residual, sp);
+                    residual = v;
+                }
+                "sinks" => {
+                    let (v, sp) = parse_u32(&body, "sinks")?;
+                    spans.insert(Field::Sinks, sp);
+                    sinks = v;
+                }
+                "flush" => {
+                    let (v, sp) = parse_choice(&body, "flush policy", &["eager", "chunked"])?;
+                    spans.insert(Field::Flush, sp);
+                    flush = if v == "eager" { Flush::Eager } else { Flush::Chunked };
+                }
+                "heads" => heads = Some(parse_heads(&body, &mut spans)?),
+                "head_dim" => {
+                    let (v, sp) = parse_u32(&body, "head_dim")?;
+                    spans.insert(Field::HeadDim, sp);
+                    head_dim = Some(v);
+                }
+                "dtype" => {
+                    let (v, sp) = parse_choice(&body, "dtype", &["f16", "bf16", "f32"])?;
+                    spans.insert(Field::Dtype, sp);
+                    dtype = match v {
+                        "f16" => Dtype::F16,
+                        "bf16" => Dtype::Bf16,
+                        _ => Dtype::F32,
+                    };
+                }
+                "softmax_scale" => {
+                    let (v, sp) = parse_number(&body)?;
+                    spans.insert(Field::SoftmaxScale, sp);
+                    softmax_scale = Some(v);
+                }
+                "sliding_window" => {
+                    if body.peek(Ident) {
+                        let (_, sp) = parse_choice(&body, "sliding window", &["none"])?;
+                        spans.insert(Field::SlidingWindow, sp);
+                    } else {
+                        let (v, sp) = parse_u32(&body, "sliding_window")?;
+                        spans.insert(Field::SlidingWindow, sp);
+                        sliding_window = Some(v);
+                    }
+                }
+                "nonfinite" => {
+                    let (_, sp) = parse_choice(&body, "non-finite policy", &["reject"])?;
+                    spans.insert(Field::NonFinite, sp);
+                    nonfinite = NonFinite::Reject;
+                }
+                other => {
+                    return err(field.span(), format!("unknown field `{other}`; expected one of {FIELDS}"));
+                }
+            }
+            seen.insert(name, field.span());
+            if !body.is_empty() {
+                body.parse::<Token![,]>()
+                    .map_err(|e| syn::Error::new(e.span(), "expected `,` between fields"))?;
+            }
+        }
+        let scheme = Scheme {
+            name: ident.to_string(),
+            key: key.ok_or_else(|| syn::Error::new(ident.span(), "scheme is missing field `key`"))?,
+            value: value.ok_or_else(|| syn::Error::new(ident.span(), "scheme is missing field `value`"))?,
+            residual,
+            sinks,
+            flush,
+            heads,
+            head_dim,
+            dtype,
+            softmax_scale,
+            sliding_window,
+            nonfinite,
+        };
+        if let Err(e) = validate(&scheme) {
+            let span = span_for(&spans, e.field).unwrap_or_else(|| ident.span());
+            return Err(syn::Error::new(span, e.message));
+        }
+        Ok(SchemeDecl { vis, ident, scheme, spans })
+    }
+}
+
+/// The span that best points at `field`, falling back to its parent.
+pub fn span_for(spans: &HashMap<Field, Span>, field: Field) -> Option<Span> {
+    let parent = match field {
+        Field::Bits(t) | Field::Axis(t) | Field::Group(t) | Field::Scale(t) => Some(Field::Codec(t)),
+        Field::QHeads | Field::KvHeads => Some(Field::Heads),
+        _ => None,
+    };
+    spans
+        .get(&field)
+        .or_else(|| parent.and_then(|p| spans.get(&p)))
+        .or_else(|| spans.get(&Field::Name))
+        .copied()
+}
+
+impl Parse for SchemeList {
+    fn parse(input: ParseStream) -> syn::Result<Self> {
+        let mut v = Vec::new();
+        while !input.is_empty() {
+            v.push(input.parse()?);
+        }
+        if v.is_empty() {
+            return Err(input.error("expected at least one scheme declaration"));
+        }
+        Ok(SchemeList(v))
+    }
+}
+
+/// A scheme text that failed to parse or validate, with its position.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParseError {
+    pub message: String,
+    /// 1-based line.
+    pub line: usize,
+    /// 1-based column.
+    pub column: usize,
+}
+
+impl std::fmt::Display for ParseError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}: {}", self.line, self.column, self.message)
+    }
+}
+
+impl std::error::Error for ParseError {}
+
+fn to_parse_error(e: syn::Error) -> ParseError {
+    let start = e.span().start();
+    ParseError {
+        message: e.to_string(),
+        line: start.line.max(1),
+        column: start.column + 1,
+    }
+}
+
+/// Parses every scheme in `text` (the same grammar as `kivi::scheme!`).
+///
+/// ```
+/// let s = kivi_spec::parse_schemes("pub A { key: full, value: full } B { key: full, value: full }").unwrap();
+/// assert_eq!(s.len(), 2);
+/// ```
+pub fn parse_schemes(text: &str) -> Result<Vec<Scheme>, ParseError> {
+    let tokens: proc_macro2::TokenStream = text.parse().map_err(|e: proc_macro2::LexError| {
+        let start = e.span().start();
+        ParseError {
+            message: "the text is not valid scheme syntax (unbalanced brackets or a stray character)".into(),
+            line: start.line.max(1),
+            column: start.column + 1,
+        }
+    })?;
+    syn::parse2::<SchemeList>(tokens)
+        .map(|l| l.0.into_iter().map(|d| d.scheme).collect())
+        .map_err(to_parse_error)
+}
+
+/// Parses a text that holds exactly one scheme.
+///
+/// ```
+/// let s = kivi_spec::parse_scheme(
+///     "Kivi2 { key: quant(bits = 2, axis = channel, group = 32), value: quant(bits = 2, axis = token, group = 32), residual: 128 }",
+/// ).unwrap();
+/// assert_eq!(s.residual, 128);
+/// let e = kivi_spec::parse_scheme("X {\n  key: full,\n  value: quant(bits = 5, axis = token, group = 32) }").unwrap_err();
+/// assert_eq!((e.line, e.column), (3, 23));
+/// ```
+pub fn parse_scheme(text: &str) -> Result<Scheme, ParseError> {
+    let mut all = parse_schemes(text)?;
+    if all.len() != 1 {
+        return Err(ParseError {
+            message: format!("expected one scheme, found {}", all.len()),
+            line: 1,
+            column: 1,
+        });
+    }
+    Ok(all.remove(0))
+}

@@ -1,0 +1,197 @@
+//! The one validator. The macro, the run-time parser and hand-built schemes
+//! all go through [`validate`]; the parser maps each [`Field`] back to the
+//! token that set it, so a compile error points at the offending value.
+
+use crate::model::*;
+use std::fmt;
+
+/// The part of a scheme an error is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Field {
+    Name,
+    Codec(Tensor),
+    Bits(Tensor),
+    Axis(Tensor),
+    Group(Tensor),
+    Scale(Tensor),
+    Residual,
+    Sinks,
+    Flush,
+    Heads,
+    QHeads,
+    KvHeads,
+    HeadDim,
+    Dtype,
+    SoftmaxScale,
+    SlidingWindow,
+    NonFinite,
+}
+
+/// A scheme that breaks a rule: which field, and what is wrong with it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Invalid {
+    pub field: Field,
+    pub message: String,
+}
+
+impl Invalid {
+    pub fn new(field: Field, message: impl Into<String>) -> Self {
+        Invalid {
+            field,
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for Invalid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Invalid {}
+
+/// Code widths the packer and the kernels implement.
+pub const ALLOWED_BITS: [u32; 5] = [1, 2, 3, 4, 8];
+/// Upper bounds beyond which a value is a typo, not a scheme.
+pub const MAX_GROUP: u32 = 4096;
+pub const MAX_WINDOW: u32 = 1 << 20;
+pub const MAX_SINKS: u32 = 1 << 16;
+pub const MAX_HEADS: u32 = 1024;
+pub const MAX_HEAD_DIM: u32 = 1024;
+
+/// Checks every rule of the scheme language; the first broken rule wins.
+///
+/// ```
+/// let mut s = kivi_spec::presets::kivi2();
+/// s.residual = 100; // chunked flush needs R to be a multiple of the channel group
+/// s.flush = kivi_spec::Flush::Chunked;
+/// let e = kivi_spec::validate(&s).unwrap_err();
+/// assert_eq!(e.field, kivi_spec::Field::Residual);
+/// ```
+pub fn validate(s: &Scheme) -> Result<(), Invalid> {
+    for t in [Tensor::Key, Tensor::Value] {
+        if let Codec::Quant(q) = s.codec(t) {
+            if !ALLOWED_BITS.contains(&q.bits) {
+                return Err(Invalid::new(
+                    Field::Bits(t),
+                    format!(
+                        "{} bits = {} is not supported; expected one of 1, 2, 3, 4, 8",
+                        t.name(),
+                        q.bits
+                    ),
+                ));
+            }
+            if q.group == 0 || q.group > MAX_GROUP {
+                return Err(Invalid::new(
+                    Field::Group(t),
+                    format!("{} group = {} must be between 1 and {MAX_GROUP}", t.name(), q.group),
+                ));
+            }
+            if let (Axis::Token, Some(d)) = (q.axis, s.head_dim) {
+                if d % q.group != 0 {
+                    return Err(Invalid::new(
+                        Field::Group(t),
+                        format!(
+                            "{} group = {} does not divide head_dim {d}; token-axis groups split one token's channels",
+                            t.name(),
+                            q.group
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    if s.residual > MAX_WINDOW {
+        return Err(Invalid::new(
+            Field::Residual,
+            format!("residual = {} is absurd; at most {MAX_WINDOW}", s.residual),
+        ));
+    }
+    if s.sinks > MAX_SINKS {
+        return Err(Invalid::new(
+            Field::Sinks,
+            format!("sinks = {} is absurd; at most {MAX_SINKS}", s.sinks),
+        ));
+    }
+    let any_quant = s.key.quant().is_some() || s.value.quant().is_some();
+    if !any_quant && (s.residual > 0 || s.sinks > 0) {
+        let field = if s.residual > 0 { Field::Residual } else { Field::Sinks };
+        return Err(Invalid::new(
+            field,
+            "full-precision windows have no effect when neither key nor value is quantized; set residual and sinks to 0",
+        ));
+    }
+    if s.flush == Flush::Chunked {
+        if s.residual == 0 {
+            return Err(Invalid::new(
+                Field::Flush,
+                "flush = chunked needs a residual window; set residual to a multiple of the channel groups",
+            ));
+        }
+        for t in [Tensor::Key, Tensor::Value] {
+            if let Some(q) = s.codec(t).quant() {
+                if q.axis == Axis::Channel && s.residual % q.group != 0 {
+                    return Err(Invalid::new(
+                        Field::Residual,
+                        format!(
+                            "residual = {} is not a multiple of the {} group {}; chunked flush quantizes the whole window at once",
+                            s.residual,
+                            t.name(),
+                            q.group
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    if let Some(h) = s.heads {
+        let (q, kv) = (h.q_heads(), h.kv_heads());
+        if q == 0 || q > MAX_HEADS {
+            return Err(Invalid::new(
+                Field::QHeads,
+                format!("{q} query heads is out of range; expected 1 to {MAX_HEADS}"),
+            ));
+        }
+        if kv == 0 || kv > MAX_HEADS {
+            return Err(Invalid::new(
+                Field::KvHeads,
+                format!("{kv} kv heads is out of range; expected 1 to {MAX_HEADS}"),
+            ));
+        }
+        if q % kv != 0 {
+            return Err(Invalid::new(
+                Field::KvHeads,
+                format!("{q} query heads is not a multiple of {kv} kv heads"),
+            ));
+        }
+    }
+    if let Some(d) = s.head_dim {
+        if d == 0 || d > MAX_HEAD_DIM {
+            return Err(Invalid::new(
+                Field::HeadDim,
+                format!("head_dim = {d} is out of range; expected 1 to {MAX_HEAD_DIM}"),
+            ));
+        }
+    }
+    if let Some(sc) = s.softmax_scale {
+        if !(sc.is_finite() && sc > 0.0) {
+            return Err(Invalid::new(
+                Field::SoftmaxScale,
+                format!("softmax_scale = {sc} must be a finite positive number"),
+            ));
+        }
+    }
+    if let Some(w) = s.sliding_window {
+        if w == 0 || w > MAX_WINDOW {
+            return Err(Invalid::new(
+                Field::SlidingWindow,
+                format!("sliding_window = {w} is out of range; expected 1 to {MAX_WINDOW}"),
+            ));
+        }
+    }
+    if s.name.is_empty() {
+        return Err(Invalid::new(Field::Name, "a scheme needs a name"));
+    }
+    Ok(())
+}

@@ -1,0 +1,2 @@
+pub use kivi_macros::scheme;
+pub use kivi_spec as spec;

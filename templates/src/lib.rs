@@ -1,0 +1,1 @@
+//! CUDA templates (`cuda/`) and the generator: scheme + variant -> source.

@@ -1,0 +1,15 @@
+//! One module per subcommand: `Args` (clap) and `run`.
+
+pub mod attend;
+pub mod bench;
+pub mod codegen;
+pub mod demo;
+pub mod eval;
+pub mod inspect;
+pub mod schemes;
+pub mod show;
+pub mod tune;
+
+/// Errors bubble up to `main`, which prints them on one line.
+pub type Error = Box<dyn std::error::Error + Send + Sync>;
+pub type Result<T = ()> = std::result::Result<T, Error>;

@@ -1,0 +1,1 @@
+//! Tuning and the decision cache.
