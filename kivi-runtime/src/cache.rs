@@ -590,6 +590,23 @@ fn quantize_range(
     Ok(())
 }
 
+/// Raw rows of a sink or window buffer, `[slot][kv_head][D]` in the
+/// activation dtype (f16/bf16 bits, or f32) — what a kernel reads.
+#[derive(Clone, Copy, Debug)]
+pub enum RawRows<'a> {
+    Bits16(&'a [u16]),
+    F32(&'a [f32]),
+}
+
+impl Buf {
+    fn raw(&self) -> RawRows<'_> {
+        match self {
+            Buf::Half(v, _) => RawRows::Bits16(v),
+            Buf::Single(v) => RawRows::F32(v),
+        }
+    }
+}
+
 /// Read-only access to one sequence.
 pub struct SeqView<'a> {
     cache: &'a PagedCache,
@@ -606,6 +623,19 @@ impl<'a> SeqView<'a> {
     /// Quantized (block-resident) tokens of a tensor.
     pub fn quantized(&self, t: Tensor) -> usize {
         self.seq.quantized[ti(t)]
+    }
+    /// The sink buffer of tensor `t` (`sinks` slots).
+    pub fn sinks_raw(&self, t: Tensor) -> RawRows<'a> {
+        self.seq.sinks[ti(t)].raw()
+    }
+    /// The window ring of tensor `t`; token `p` (not a sink, not quantized)
+    /// sits in slot `(p - sinks) % ring_capacity(t)`.
+    pub fn ring_raw(&self, t: Tensor) -> RawRows<'a> {
+        self.seq.ring[ti(t)].raw()
+    }
+    /// Slots of the window ring of tensor `t`.
+    pub fn ring_capacity(&self, t: Tensor) -> usize {
+        self.seq.ring_cap[ti(t)]
     }
     /// Where token `p` of tensor `t` lives.
     #[inline]

@@ -15,7 +15,7 @@ pub mod quant;
 pub mod reference;
 
 pub use backend::{Backend, ReferenceBackend};
-pub use cache::{CacheConfig, MemoryReport, PagedCache, SeqId};
+pub use cache::{CacheConfig, MemoryReport, PagedCache, RawRows, SeqId, SeqView};
 pub use cpu::{CpuBackend, CpuParams};
 pub use error::{Error, Result};
 pub use reference::AttnParams;
