@@ -1,0 +1,135 @@
+//! The run-time parser (`kivi::parse_scheme`, used for scheme files and by
+//! the CLI) must reject exactly what `kivi::scheme!` rejects, with the same
+//! message, at the same place. For every compile-fail case in `tests/ui/`
+//! this test blanks everything outside the macro's braces (keeping line
+//! breaks, so positions do not move), parses the rest at run time and
+//! compares message, line and column with the compiler's `.stderr` snapshot.
+
+use std::path::{Path, PathBuf};
+
+/// The compiler's verdict from a trybuild snapshot: message, line, column.
+fn expected(stderr: &str) -> (String, usize, usize) {
+    let mut lines = stderr.lines();
+    let message = lines
+        .next()
+        .and_then(|l| l.strip_prefix("error: "))
+        .expect("snapshot starts with `error: `")
+        .to_string();
+    let arrow = lines
+        .find_map(|l| l.trim_start().strip_prefix("--> "))
+        .expect("snapshot has a `-->` location line");
+    let mut parts = arrow.rsplitn(3, ':');
+    let column = parts.next().unwrap().parse().unwrap();
+    let line = parts.next().unwrap().parse().unwrap();
+    (message, line, column)
+}
+
+/// The text of `source` with everything outside the body of the
+/// `kivi::scheme! { ... }` invocation replaced by spaces (newlines kept).
+fn macro_body_in_place(source: &str) -> String {
+    let open = source.find("kivi::scheme! {").expect("a kivi::scheme! invocation") + "kivi::scheme! ".len();
+    let mut depth = 0usize;
+    let mut close = None;
+    for (i, c) in source[open..].char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    close = Some(open + i);
+                    break;
+                }
+            }
+            _ => {}
+        }
+    }
+    let close = close.expect("balanced braces");
+    source
+        .char_indices()
+        .map(|(i, c)| if c == '\n' || (i > open && i < close) { c } else { ' ' })
+        .collect()
+}
+
+fn ui_cases() -> Vec<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/ui");
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "rs"))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn runtime_parser_agrees_with_every_compile_fail_case() {
+    let cases = ui_cases();
+    assert!(
+        cases.len() >= 14,
+        "expected one case per class of error, found {}",
+        cases.len()
+    );
+    for rs in cases {
+        let stderr = std::fs::read_to_string(rs.with_extension("stderr"))
+            .unwrap_or_else(|_| panic!("{} has no .stderr snapshot", rs.display()));
+        let (message, line, column) = expected(&stderr);
+        let text = macro_body_in_place(&std::fs::read_to_string(&rs).unwrap());
+        let err = kivi::parse_scheme(&text)
+            .err()
+            .unwrap_or_else(|| panic!("{}: the run-time parser accepted it", rs.display()));
+        assert_eq!(err.message, message, "{}", rs.display());
+        assert_eq!((err.line, err.column), (line, column), "{}: position", rs.display());
+        // The run-time error names its place as `line:column: message`.
+        assert_eq!(err.to_string(), format!("{line}:{column}: {message}"));
+    }
+}
+
+/// Every planned extension is refused by name, never ignored.
+#[test]
+fn future_fields_are_not_supported_yet() {
+    let body = "key: quant(bits = 2, axis = channel, group = 32), value: full,";
+    for field in [
+        "rope", "pre_rope", "rotation", "hadamard", "codebook", "outliers", "mla", "latent", "low_rank", "vq",
+    ] {
+        let text = format!("S {{ {body} {field}: x }}");
+        let e = kivi::parse_scheme(&text).unwrap_err();
+        assert!(e.message.contains("not supported yet"), "{field}: {}", e.message);
+        assert!(e.message.contains(&format!("`{field}`")), "{field}: {}", e.message);
+        assert_eq!(e.column, text.find(&format!("{field}:")).unwrap() + 1, "{field}");
+    }
+    for arg in ["codebook", "symmetric", "outliers", "rotation", "clip"] {
+        let text = format!("S {{ key: quant(bits = 2, axis = channel, group = 32, {arg} = x), value: full }}");
+        let e = kivi::parse_scheme(&text).unwrap_err();
+        assert!(e.message.contains("not supported yet"), "{arg}: {}", e.message);
+    }
+    let e = kivi::parse_scheme("S { key: full, value: full, heads: mla(q = 8) }").unwrap_err();
+    assert!(e.message.contains("not supported yet"), "{}", e.message);
+}
+
+/// Good schemes parse the same at run time as through the macro.
+#[test]
+fn macro_and_runtime_parser_build_the_same_scheme() {
+    kivi::scheme! {
+        pub Kivi2 {
+            key: quant(bits = 2, axis = channel, group = 32),
+            value: quant(bits = 2, axis = token, group = 32),
+            residual: 128,
+            heads: gqa(q = 32, kv = 8),
+            head_dim: 128,
+        }
+    }
+    let from_text = kivi::parse_scheme(
+        "pub Kivi2 { key: quant(bits = 2, axis = channel, group = 32), value: quant(bits = 2, axis = token, group = 32), residual: 128, heads: gqa(q = 32, kv = 8), head_dim: 128 }",
+    )
+    .unwrap();
+    assert_eq!(Kivi2::spec(), from_text);
+    assert_eq!(Kivi2::CANONICAL, kivi::canonical(&from_text));
+    // Same meaning as the preset bound to the same shape: same hash.
+    let preset = kivi::presets::kivi2()
+        .with_shape(kivi::Heads::Gqa { q: 32, kv: 8 }, 128)
+        .unwrap();
+    assert_eq!(Kivi2::HASH, kivi::scheme_hash(&preset));
+    // The exact cost from the issue: 96 bytes per token per KV head.
+    let (bytes, per) = kivi::spec::layout::bytes_per_token_per_head(&Kivi2::spec());
+    assert_eq!((bytes, per), (96 * per, per));
+}
