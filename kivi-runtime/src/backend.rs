@@ -21,7 +21,13 @@ pub fn check_batch(cache: &PagedCache, seqs: &[SeqId], q: &[f32]) -> Result<usiz
     if q.len() != seqs.len() * per {
         return Err(Error::Shape {
             what: "query batch",
-            expected: format!("{} values ({} sequences x {} q_heads x {} head_dim)", seqs.len() * per, seqs.len(), shape.q_heads, shape.head_dim),
+            expected: format!(
+                "{} values ({} sequences x {} q_heads x {} head_dim)",
+                seqs.len() * per,
+                seqs.len(),
+                shape.q_heads,
+                shape.head_dim
+            ),
             got: q.len().to_string(),
         });
     }
@@ -46,7 +52,13 @@ impl Backend for ReferenceBackend {
         for (b, &s) in seqs.iter().enumerate() {
             let k = cache.dequantize(s, Tensor::Key)?;
             let v = cache.dequantize(s, Tensor::Value)?;
-            out.extend(reference::decode_attention(cache.scheme(), &q[b * per..(b + 1) * per], &k, &v, attn)?);
+            out.extend(reference::decode_attention(
+                cache.scheme(),
+                &q[b * per..(b + 1) * per],
+                &k,
+                &v,
+                attn,
+            )?);
         }
         Ok(out)
     }

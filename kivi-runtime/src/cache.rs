@@ -213,7 +213,10 @@ impl PagedCache {
             .unwrap_or_else(|| layout::default_block_tokens(&scheme));
         layout::check_block_tokens(&scheme, block_tokens).map_err(Error::Config)?;
         if config.max_blocks > u32::MAX as usize {
-            return Err(Error::Config(format!("{} blocks is more than a block table can address", config.max_blocks)));
+            return Err(Error::Config(format!(
+                "{} blocks is more than a block table can address",
+                config.max_blocks
+            )));
         }
         let layout = BlockLayout::new(&scheme, shape, block_tokens);
         let words = config
@@ -259,7 +262,10 @@ impl PagedCache {
         let (h, d) = (self.shape.kv_heads, self.shape.head_dim);
         let s = &self.scheme;
         let sinks = |_t: Tensor| s.sinks as usize;
-        let cap = [layout::window_capacity(s, Tensor::Key), layout::window_capacity(s, Tensor::Value)];
+        let cap = [
+            layout::window_capacity(s, Tensor::Key),
+            layout::window_capacity(s, Tensor::Value),
+        ];
         let seq = Sequence {
             tokens: 0,
             table: Vec::new(),
@@ -330,7 +336,14 @@ impl PagedCache {
         let n = k.len() / (h * d);
         let old_tokens = self.seq(id)?.tokens;
         let shift = |e: Error| match e {
-            Error::NonFinite { tensor, value, token, head, channel, policy } => Error::NonFinite {
+            Error::NonFinite {
+                tensor,
+                value,
+                token,
+                head,
+                channel,
+                policy,
+            } => Error::NonFinite {
                 tensor,
                 value,
                 token: token + old_tokens,

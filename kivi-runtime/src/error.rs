@@ -40,10 +40,7 @@ pub enum Error {
     #[error("invalid configuration: {0}")]
     Config(String),
     #[error("the {backend} backend is unavailable: {reason}")]
-    Unavailable {
-        backend: &'static str,
-        reason: String,
-    },
+    Unavailable { backend: &'static str, reason: String },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -21,7 +21,8 @@ fn fill(c: &mut PagedCache, k: &[f32], v: &[f32], row: usize, rng: &mut Rng, max
     let mut at = 0;
     while at < t {
         let n = (1 + rng.below(max_chunk)).min(t - at);
-        c.extend(id, &k[at * row..(at + n) * row], &v[at * row..(at + n) * row]).unwrap();
+        c.extend(id, &k[at * row..(at + n) * row], &v[at * row..(at + n) * row])
+            .unwrap();
         at += n;
     }
     id
@@ -52,9 +53,24 @@ fn streaming_equals_prefill_bit_for_bit_random_lengths() {
                     let got_a = a.dequantize(sa, t_).unwrap();
                     let got_b = b.dequantize(sb, t_).unwrap();
                     let got_c = cm.dequantize(sc, t_).unwrap();
-                    assert!(got_a.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()), "{} {:?} t={t} stream", s.name, t_);
-                    assert!(got_b.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()), "{} {:?} t={t} prefill", s.name, t_);
-                    assert!(got_c.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()), "{} {:?} t={t} chunks", s.name, t_);
+                    assert!(
+                        got_a.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{} {:?} t={t} stream",
+                        s.name,
+                        t_
+                    );
+                    assert!(
+                        got_b.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{} {:?} t={t} prefill",
+                        s.name,
+                        t_
+                    );
+                    assert!(
+                        got_c.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{} {:?} t={t} chunks",
+                        s.name,
+                        t_
+                    );
                 }
                 // Same allocation order, so the very words must agree.
                 let (va, vb) = (a.view(sa).unwrap(), b.view(sb).unwrap());
@@ -78,7 +94,9 @@ fn streaming_equals_prefill_bit_for_bit_random_lengths() {
 fn quantized_elements_within_half_step_plus_parameter_rounding() {
     let mut rng = Rng(42);
     for s in schemes() {
-        let Some(s) = bound(&s, Heads::Gqa { q: 4, kv: 2 }, 64) else { continue };
+        let Some(s) = bound(&s, Heads::Gqa { q: 4, kv: 2 }, 64) else {
+            continue;
+        };
         let (h, d) = (2, 64);
         let t = 250;
         let k = rng.kv(t, h, d, true);
@@ -128,7 +146,14 @@ fn blocks_are_reused_after_free_without_leaking() {
     let s = presets::kivi2().with_shape(Heads::Gqa { q: 4, kv: 2 }, 64).unwrap();
     let row = 2 * 64;
     let mut rng = Rng(7);
-    let mut c = PagedCache::new(s.clone(), CacheConfig { block_tokens: Some(32), max_blocks: 24 }).unwrap();
+    let mut c = PagedCache::new(
+        s.clone(),
+        CacheConfig {
+            block_tokens: Some(32),
+            max_blocks: 24,
+        },
+    )
+    .unwrap();
     // A sequence of huge values fills most of the pool, then goes away.
     let big: Vec<f32> = (0..700 * row).map(|i| 1000.0 + (i % 13) as f32).collect();
     let a = c.add_sequence();
@@ -144,12 +169,22 @@ fn blocks_are_reused_after_free_without_leaking() {
     let v = rng.kv(400, 2, 64, false);
     let b = c.add_sequence();
     for i in 0..400 {
-        c.append(b, &k[i * row..(i + 1) * row], &v[i * row..(i + 1) * row]).unwrap();
+        c.append(b, &k[i * row..(i + 1) * row], &v[i * row..(i + 1) * row])
+            .unwrap();
     }
     let table_b = c.block_table(b).unwrap().to_vec();
-    assert!(table_b.iter().all(|x| table_a.contains(x)), "freed blocks are reused first");
-    assert_eq!(c.dequantize(b, Tensor::Key).unwrap(), reference::cache_view(&s, Tensor::Key, &k).unwrap());
-    assert_eq!(c.dequantize(b, Tensor::Value).unwrap(), reference::cache_view(&s, Tensor::Value, &v).unwrap());
+    assert!(
+        table_b.iter().all(|x| table_a.contains(x)),
+        "freed blocks are reused first"
+    );
+    assert_eq!(
+        c.dequantize(b, Tensor::Key).unwrap(),
+        reference::cache_view(&s, Tensor::Key, &k).unwrap()
+    );
+    assert_eq!(
+        c.dequantize(b, Tensor::Value).unwrap(),
+        reference::cache_view(&s, Tensor::Value, &v).unwrap()
+    );
     let q: Vec<f32> = (0..4 * 64).map(|_| rng.f32()).collect();
     let ap = AttnParams::of(&s, s.shape().unwrap());
     let want = reference::attend(&s, &q, &k, &v, ap).unwrap();
@@ -163,7 +198,9 @@ fn blocks_are_reused_after_free_without_leaking() {
 fn memory_report_is_the_sum_of_allocations() {
     let mut rng = Rng(3);
     for s in schemes() {
-        let Some(s) = bound(&s, Heads::Gqa { q: 8, kv: 4 }, 128) else { continue };
+        let Some(s) = bound(&s, Heads::Gqa { q: 8, kv: 4 }, 128) else {
+            continue;
+        };
         let shape = s.shape().unwrap();
         let mut c = PagedCache::new(s.clone(), CacheConfig::for_tokens(5000)).unwrap();
         let lens = [1usize, 31, 33, 127, 1000];
@@ -175,7 +212,9 @@ fn memory_report_is_the_sum_of_allocations() {
             c.extend(id, &k, &k).unwrap();
             let blocks = c.block_table(id).unwrap().len();
             // exactly enough blocks for the quantized tokens
-            let nq = regions(&s, Tensor::Key, t).quantized.max(regions(&s, Tensor::Value, t).quantized);
+            let nq = regions(&s, Tensor::Key, t)
+                .quantized
+                .max(regions(&s, Tensor::Value, t).quantized);
             assert_eq!(blocks, nq.div_ceil(c.layout().block_tokens), "{}", s.name);
             want_tables += blocks * 4;
             for tn in [Tensor::Key, Tensor::Value] {
@@ -184,7 +223,12 @@ fn memory_report_is_the_sum_of_allocations() {
             }
         }
         let m = c.memory();
-        assert_eq!(m.blocks_in_use * c.layout().block_bytes(), m.codes + m.scales + m.zeros, "{}", s.name);
+        assert_eq!(
+            m.blocks_in_use * c.layout().block_bytes(),
+            m.codes + m.scales + m.zeros,
+            "{}",
+            s.name
+        );
         assert_eq!(m.windows, want_windows, "{}", s.name);
         assert_eq!(m.tables, want_tables);
         assert_eq!(m.total, m.codes + m.scales + m.zeros + m.windows + m.tables);
@@ -219,7 +263,14 @@ fn bad_input_is_refused_and_changes_nothing() {
     let s = presets::kivi2().with_shape(Heads::Mha(2), 32).unwrap();
     let row = 64;
     let mut rng = Rng(9);
-    let mut c = PagedCache::new(s.clone(), CacheConfig { block_tokens: Some(32), max_blocks: 3 }).unwrap();
+    let mut c = PagedCache::new(
+        s.clone(),
+        CacheConfig {
+            block_tokens: Some(32),
+            max_blocks: 3,
+        },
+    )
+    .unwrap();
     let id = c.add_sequence();
     let k = rng.kv(150, 2, 32, false);
     c.extend(id, &k, &k).unwrap();
@@ -228,17 +279,40 @@ fn bad_input_is_refused_and_changes_nothing() {
     let mut nan = k[..40 * row].to_vec();
     nan[37 * row + 5] = f32::NAN;
     let e = c.extend(id, &nan, &k[..40 * row]).unwrap_err();
-    assert!(matches!(e, Error::NonFinite { token: 187, head: 0, channel: 5, .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::NonFinite {
+                token: 187,
+                head: 0,
+                channel: 5,
+                ..
+            }
+        ),
+        "{e}"
+    );
     assert_eq!(snapshot(&c, id), before);
 
     let mut inf = k[..row].to_vec();
     inf[3] = 1e6; // overflows f16
-    assert!(matches!(c.append(id, &k[..row], &inf), Err(Error::NonFinite { tensor: "value", .. })));
+    assert!(matches!(
+        c.append(id, &k[..row], &inf),
+        Err(Error::NonFinite { tensor: "value", .. })
+    ));
     assert_eq!(snapshot(&c, id), before);
 
-    assert!(matches!(c.append(id, &k[..row - 1], &k[..row]), Err(Error::Shape { .. })));
-    assert!(matches!(c.extend(id, &k[..row * 2], &k[..row]), Err(Error::Shape { .. })));
-    assert!(matches!(c.append(99, &k[..row], &k[..row]), Err(Error::UnknownSequence(99))));
+    assert!(matches!(
+        c.append(id, &k[..row - 1], &k[..row]),
+        Err(Error::Shape { .. })
+    ));
+    assert!(matches!(
+        c.extend(id, &k[..row * 2], &k[..row]),
+        Err(Error::Shape { .. })
+    ));
+    assert!(matches!(
+        c.append(99, &k[..row], &k[..row]),
+        Err(Error::UnknownSequence(99))
+    ));
 
     // The pool holds 3 blocks of 32 tokens: 150 tokens use 1 (key: 0 quantized
     // groups past R=128 ... values 22 tokens); 200 more need more than 3.
@@ -266,9 +340,18 @@ fn bad_input_is_refused_and_changes_nothing() {
     assert_eq!(snapshot(&c2, id2), before2);
 
     // Unbound schemes and bad block sizes are configuration errors.
-    assert!(matches!(PagedCache::new(presets::kivi2(), CacheConfig::for_tokens(10)), Err(Error::Unbound(_))));
     assert!(matches!(
-        PagedCache::new(s, CacheConfig { block_tokens: Some(48), max_blocks: 4 }),
+        PagedCache::new(presets::kivi2(), CacheConfig::for_tokens(10)),
+        Err(Error::Unbound(_))
+    ));
+    assert!(matches!(
+        PagedCache::new(
+            s,
+            CacheConfig {
+                block_tokens: Some(48),
+                max_blocks: 4
+            }
+        ),
         Err(Error::Config(_))
     ));
 }

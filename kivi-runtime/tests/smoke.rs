@@ -19,7 +19,8 @@ fn smoke_cache_matches_reference() {
     let mut c = PagedCache::new(s.clone(), CacheConfig::for_tokens(1000)).unwrap();
     let a = c.add_sequence();
     for i in 0..t {
-        c.append(a, &k[i * 128..(i + 1) * 128], &v[i * 128..(i + 1) * 128]).unwrap();
+        c.append(a, &k[i * 128..(i + 1) * 128], &v[i * 128..(i + 1) * 128])
+            .unwrap();
     }
     let b = c.add_sequence();
     c.extend(b, &k, &v).unwrap();

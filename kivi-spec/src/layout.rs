@@ -210,11 +210,13 @@ fn lcm(a: usize, b: usize) -> usize {
 /// Why a block size does not fit a scheme.
 pub fn check_block_tokens(s: &Scheme, block_tokens: usize) -> Result<(), String> {
     if block_tokens == 0 || block_tokens > 1 << 16 {
-        return Err(format!("block size {block_tokens} tokens is out of range; expected 1 to 65536"));
+        return Err(format!(
+            "block size {block_tokens} tokens is out of range; expected 1 to 65536"
+        ));
     }
     for t in [Tensor::Key, Tensor::Value] {
         if let Some(q) = s.codec(t).quant() {
-            if q.axis == Axis::Channel && block_tokens % q.group as usize != 0 {
+            if q.axis == Axis::Channel && !block_tokens.is_multiple_of(q.group as usize) {
                 return Err(format!(
                     "block size {block_tokens} tokens is not a multiple of the {} channel group {}",
                     t.name(),

@@ -246,8 +246,7 @@ impl Scheme {
 
     /// The softmax scale in effect (`1/sqrt(D)` unless set).
     pub fn effective_softmax_scale(&self, head_dim: usize) -> f32 {
-        self.softmax_scale
-            .unwrap_or_else(|| 1.0 / (head_dim as f32).sqrt())
+        self.softmax_scale.unwrap_or_else(|| 1.0 / (head_dim as f32).sqrt())
     }
 
     /// Binds a model shape to this scheme and re-validates the whole.

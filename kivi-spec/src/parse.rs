@@ -52,16 +52,10 @@ const FUTURE_FIELDS: &[(&str, &str)] = &[
 ];
 
 /// Arguments of `quant(...)` planned but not implemented.
-const FUTURE_QUANT_ARGS: &[&str] = &[
-    "codebook",
-    "symmetric",
-    "outliers",
-    "rotation",
-    "clip",
-    "nuq",
-];
+const FUTURE_QUANT_ARGS: &[&str] = &["codebook", "symmetric", "outliers", "rotation", "clip", "nuq"];
 
-const FIELDS: &str = "key, value, residual, sinks, flush, heads, head_dim, dtype, softmax_scale, sliding_window, nonfinite";
+const FIELDS: &str =
+    "key, value, residual, sinks, flush, heads, head_dim, dtype, softmax_scale, sliding_window, nonfinite";
 
 fn err<T>(span: Span, msg: impl std::fmt::Display) -> syn::Result<T> {
     Err(syn::Error::new(span, msg))
@@ -184,7 +178,12 @@ fn parse_codec(input: ParseStream, t: Tensor, spans: &mut HashMap<Field, Span>) 
     }))
 }
 
-fn parse_named_u32(content: ParseStream, expect: &str, field: Field, spans: &mut HashMap<Field, Span>) -> syn::Result<u32> {
+fn parse_named_u32(
+    content: ParseStream,
+    expect: &str,
+    field: Field,
+    spans: &mut HashMap<Field, Span>,
+) -> syn::Result<u32> {
     let id: Ident = content.parse()?;
     if id != expect {
         return err(id.span(), format!("expected `{expect} = ...`, found `{id}`"));
@@ -227,7 +226,10 @@ fn parse_heads(input: ParseStream, spans: &mut HashMap<Field, Span>) -> syn::Res
             }
             Ok(Heads::Mqa(q))
         }
-        "mla" => err(kind.span(), "`mla` head layouts are not supported yet; use mha, gqa or mqa"),
+        "mla" => err(
+            kind.span(),
+            "`mla` head layouts are not supported yet; use mha, gqa or mqa",
+        ),
         other => err(
             kind.span(),
             format!("unknown head layout `{other}`; expected mha(N), gqa(q = N, kv = M) or mqa(q = N)"),
@@ -276,7 +278,10 @@ impl Parse for SchemeDecl {
                 return err(field.span(), format!("duplicate field `{name}`"));
             }
             if let Some((_, what)) = FUTURE_FIELDS.iter().find(|(n, _)| *n == name) {
-                return err(field.span(), format!("field `{name}` is not supported yet (planned: {what})"));
+                return err(
+                    field.span(),
+                    format!("field `{name}` is not supported yet (planned: {what})"),
+                );
             }
             body.parse::<Token![:]>()
                 .map_err(|e| syn::Error::new(e.span(), format!("expected `:` after `{name}`")))?;
@@ -334,7 +339,10 @@ impl Parse for SchemeDecl {
                     nonfinite = NonFinite::Reject;
                 }
                 other => {
-                    return err(field.span(), format!("unknown field `{other}`; expected one of {FIELDS}"));
+                    return err(
+                        field.span(),
+                        format!("unknown field `{other}`; expected one of {FIELDS}"),
+                    );
                 }
             }
             seen.insert(name, field.span());
@@ -361,7 +369,12 @@ impl Parse for SchemeDecl {
             let span = span_for(&spans, e.field).unwrap_or_else(|| ident.span());
             return Err(syn::Error::new(span, e.message));
         }
-        Ok(SchemeDecl { vis, ident, scheme, spans })
+        Ok(SchemeDecl {
+            vis,
+            ident,
+            scheme,
+            spans,
+        })
     }
 }
 

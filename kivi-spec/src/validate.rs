@@ -131,7 +131,7 @@ pub fn validate(s: &Scheme) -> Result<(), Invalid> {
         }
         for t in [Tensor::Key, Tensor::Value] {
             if let Some(q) = s.codec(t).quant() {
-                if q.axis == Axis::Channel && s.residual % q.group != 0 {
+                if q.axis == Axis::Channel && !s.residual.is_multiple_of(q.group) {
                     return Err(Invalid::new(
                         Field::Residual,
                         format!(
