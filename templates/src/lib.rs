@@ -1,1 +1,322 @@
-//! CUDA templates (`cuda/`) and the generator: scheme + variant -> source.
+//! CUDA templates (`cuda/`) and the generator: scheme + kernel + variant ->
+//! CUDA source.
+//!
+//! The templates are real CUDA (`cuda/kivi_common.cuh`, `kivi_decode.cuh`,
+//! `kivi_extend.cuh`), written as C++ templates over a configuration struct.
+//! Generation only writes that struct — the scheme's layout constants from
+//! [`kivi_spec::layout`] and the variant's launch constants — then pastes the
+//! template text and a few `extern "C"` entry points that instantiate it.
+//! The launch shape (threads, lanes per row, loads per lane) is derived in
+//! one place, `generate::team_of`, and written into the source as constants.
+//!
+//! ```
+//! use kivi_spec::{presets, Heads};
+//! use kivi_templates::{default_variant, generate, variants, Kernel};
+//! let s = presets::kivi2().with_shape(Heads::Gqa { q: 32, kv: 8 }, 128).unwrap();
+//! assert!(variants(&s, Kernel::Decode).len() >= 24);
+//! let g = generate(&s, Kernel::Decode, &default_variant(&s, Kernel::Decode)).unwrap();
+//! assert!(g.name.starts_with("kivi2-k.c.g32.b2-v.t.g32.b2-r128/gqa32x8.d128/decode/"));
+//! assert_eq!(g.entry_points, ["kivi_decode", "kivi_combine"]);
+//! assert_eq!(g.hash, kivi_spec::fnv1a64(g.source.as_bytes()));
+//! ```
+//!
+//! # Kernel arguments
+//!
+//! Every entry point takes its arguments in the order of
+//! [`EntryLaunch::params`]; pointers are device pointers, `act` is the
+//! activation element (`unsigned short` holding f16/bf16 bits, or `float`).
+//!
+//! - `kivi_decode(pool, tables, table_stride, seq_lens, q, sinks_k, sinks_v,
+//!   ring_k, ring_v, sm_scale, window, part_ml, part_acc)`: grid
+//!   `(splits, kv_heads * group / heads_per_block, batch)`. `pool` is the
+//!   block arena (`u32` words, [`kivi_spec::layout::BlockLayout`]);
+//!   `tables[b * table_stride + i]` the `i`-th block of sequence `b`;
+//!   `seq_lens[b]` its tokens (the quantized counts follow from the scheme,
+//!   [`kivi_spec::layout::regions`]); `q` is `[batch][q_heads][D]` act;
+//!   sink buffers are `[batch][sinks][kv_heads][D]` act and window rings
+//!   `[batch][ring][kv_heads][D]` act (`PagedCache`'s per-sequence buffers,
+//!   stacked), token `p` in slot `(p - sinks) % ring`; `sm_scale` multiplies
+//!   `q . k`; `window > 0` attends only to the last `window` tokens. Writes
+//!   `part_ml[((b * q_heads + h) * splits + s) * 2 + {0, 1}]` = (max, sum) of
+//!   the split's scores in base 2 and `part_acc[((b * q_heads + h) * splits
+//!   + s) * D + d]`, both f32.
+//! - `kivi_combine(part_ml, part_acc, out)`: grid `(q_heads, 1, batch)`; writes
+//!   `out` `[batch][q_heads][D]` f32.
+//! - `kivi_prefill` / `kivi_append(pool, tables, table_stride, old_lens,
+//!   new_counts, k_new, v_new, max_new, sinks_k, sinks_v, ring_k, ring_v,
+//!   status)`: grid `(kv_heads, 2, batch)`. Adds `new_counts[b]` tokens
+//!   (`k_new`/`v_new` `[batch][max_new][kv_heads][D]` act, already rounded to
+//!   the activation dtype) to a sequence holding `old_lens[b]`: quantizes
+//!   what leaves the window into the blocks of `tables` (the host reserves
+//!   them, as `PagedCache` does) and stores the rest in the sink and ring
+//!   buffers — the same words `PagedCache::extend` writes. `status[b]` is set
+//!   to 1 when a scale or zero point overflowed its dtype (the append must
+//!   then be treated as failed).
+
+mod generate;
+mod variant;
+
+pub use variant::Variant;
+
+use kivi_spec::layout::{default_block_tokens, BlockLayout};
+use kivi_spec::Scheme;
+use std::fmt;
+
+/// The kernels a scheme needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    /// Quantize-and-pack a prompt (many tokens per sequence).
+    Prefill,
+    /// One decode step: store the new token, flush what leaves the window.
+    Append,
+    /// Fused dequantize + decode attention, split over the sequence; its
+    /// source also holds the combine kernel.
+    Decode,
+    /// Merges the per-split partial results of [`Kernel::Decode`].
+    Combine,
+}
+
+impl Kernel {
+    /// Lower-case name used in variant names and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Prefill => "prefill",
+            Kernel::Append => "append",
+            Kernel::Decode => "decode",
+            Kernel::Combine => "combine",
+        }
+    }
+
+    /// Parses [`Kernel::name`].
+    pub fn parse(s: &str) -> Result<Kernel, GenError> {
+        match s {
+            "prefill" => Ok(Kernel::Prefill),
+            "append" => Ok(Kernel::Append),
+            "decode" => Ok(Kernel::Decode),
+            "combine" => Ok(Kernel::Combine),
+            _ => Err(GenError::BadKernel(s.to_string())),
+        }
+    }
+
+    /// Every kernel.
+    pub const ALL: [Kernel; 4] = [Kernel::Prefill, Kernel::Append, Kernel::Decode, Kernel::Combine];
+}
+
+impl fmt::Display for Kernel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Why source could not be generated. Messages are one line, lower case,
+/// and name the value that was wrong.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GenError {
+    /// The scheme has no heads / head_dim bound.
+    Unbound(String),
+    /// The scheme breaks a rule of the language.
+    Scheme(String),
+    /// The variant does not fit this scheme and shape.
+    InvalidVariant { variant: String, why: String },
+    /// A `--variant` name that does not parse.
+    BadVariantName(String),
+    /// A kernel name that is not `prefill`, `append`, `decode` or `combine`.
+    BadKernel(String),
+    /// A block size the scheme cannot use.
+    BlockTokens(String),
+}
+
+impl fmt::Display for GenError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GenError::Unbound(n) => write!(
+                f,
+                "scheme `{n}` has no head layout or head_dim; kernels are generated for a shape (Scheme::with_shape)"
+            ),
+            GenError::Scheme(m) => write!(f, "invalid scheme: {m}"),
+            GenError::InvalidVariant { variant, why } => write!(f, "variant `{variant}` is not valid here: {why}"),
+            GenError::BadVariantName(n) => write!(
+                f,
+                "`{n}` is not a variant name; expected e.g. `t128.tile32.s8.h4.w4.u1`"
+            ),
+            GenError::BadKernel(k) => write!(f, "unknown kernel `{k}`; expected prefill, append, decode or combine"),
+            GenError::BlockTokens(m) => write!(f, "{m}"),
+        }
+    }
+}
+
+impl std::error::Error for GenError {}
+
+/// The type of one kernel argument.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ParamTy {
+    /// `const unsigned int*` (read-only words or block ids).
+    PtrU32,
+    /// `unsigned int*` (written words).
+    PtrU32Mut,
+    /// `const int*`.
+    PtrI32,
+    /// `int*` (written).
+    PtrI32Mut,
+    /// `const act*`: activation elements (`unsigned short` bits or `float`).
+    PtrAct,
+    /// `act*` (written).
+    PtrActMut,
+    /// `const float*`.
+    PtrF32,
+    /// `float*` (written).
+    PtrF32Mut,
+    /// `int` by value.
+    I32,
+    /// `float` by value.
+    F32,
+}
+
+/// One kernel argument: its name in the source and its type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Param {
+    pub name: &'static str,
+    pub ty: ParamTy,
+}
+
+/// How one entry point is launched.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EntryLaunch {
+    /// The `extern "C"` name in the source.
+    pub entry: String,
+    /// Threads per block (x, y, z).
+    pub block: [u32; 3],
+    /// Grid x and y; grid z is always the batch.
+    pub grid_xy: [u32; 2],
+    /// Static shared memory per block, bytes.
+    pub shared_bytes: u32,
+    /// Arguments, in order.
+    pub params: Vec<Param>,
+}
+
+impl EntryLaunch {
+    /// Grid dimensions for a batch of `batch` sequences whose longest holds
+    /// `max_tokens` tokens (the current kernels do not depend on it).
+    pub fn grid(&self, batch: u32, _max_tokens: u32) -> [u32; 3] {
+        [self.grid_xy[0], self.grid_xy[1], batch]
+    }
+}
+
+/// Launch shapes of every entry point of one generated source.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchInfo {
+    pub entries: Vec<EntryLaunch>,
+    /// Splits over the sequence (decode); the partial buffers hold
+    /// `batch * q_heads * splits` rows.
+    pub splits: u32,
+    pub q_heads: u32,
+    pub head_dim: u32,
+}
+
+impl LaunchInfo {
+    /// The launch of entry point `name`.
+    pub fn entry(&self, name: &str) -> Option<&EntryLaunch> {
+        self.entries.iter().find(|e| e.entry == name)
+    }
+    /// f32 elements of `part_ml` for a batch.
+    pub fn part_ml_len(&self, batch: usize) -> usize {
+        batch * self.q_heads as usize * self.splits as usize * 2
+    }
+    /// f32 elements of `part_acc` for a batch.
+    pub fn part_acc_len(&self, batch: usize) -> usize {
+        batch * self.q_heads as usize * self.splits as usize * self.head_dim as usize
+    }
+}
+
+/// One generated kernel source.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Generated {
+    /// `scheme/shape/kernel/variant`, e.g.
+    /// `kivi2-k.c.g32.b2-v.t.g32.b2-r128/gqa32x8.d128/decode/t128.tile32.s8.h4.w4.u1`.
+    pub name: String,
+    /// Complete CUDA source; needs only `cuda_fp16.h`.
+    pub source: String,
+    /// FNV-1a of `source` ([`kivi_spec::fnv1a64`]).
+    pub hash: u64,
+    /// The `extern "C"` kernels the source defines.
+    pub entry_points: Vec<String>,
+    pub launch: LaunchInfo,
+    /// Tokens per block of the layout the source was generated for.
+    pub block_tokens: usize,
+}
+
+/// Options that change the generated layout rather than the tuning.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GenOptions {
+    /// Tokens per cache block; `None` = [`default_block_tokens`] (what
+    /// `PagedCache` uses by default).
+    pub block_tokens: Option<usize>,
+}
+
+fn layout_of(scheme: &Scheme, opts: GenOptions) -> Result<BlockLayout, GenError> {
+    kivi_spec::validate(scheme).map_err(|e| GenError::Scheme(e.message))?;
+    let shape = scheme.shape().ok_or_else(|| GenError::Unbound(scheme.name.clone()))?;
+    let bt = opts.block_tokens.unwrap_or_else(|| default_block_tokens(scheme));
+    kivi_spec::layout::check_block_tokens(scheme, bt).map_err(GenError::BlockTokens)?;
+    Ok(BlockLayout::new(scheme, shape, bt))
+}
+
+/// Every valid variant of `kernel` for this scheme (with a shape), the
+/// canonical default first. Empty when the scheme has no shape.
+pub fn variants(scheme: &Scheme, kernel: Kernel) -> Vec<Variant> {
+    variants_with(scheme, kernel, GenOptions::default())
+}
+
+/// [`variants`] for a non-default layout.
+pub fn variants_with(scheme: &Scheme, kernel: Kernel, opts: GenOptions) -> Vec<Variant> {
+    let Ok(layout) = layout_of(scheme, opts) else {
+        return Vec::new();
+    };
+    let mut out: Vec<Variant> = Vec::new();
+    for v in variant::space(&layout.shape, kernel) {
+        if v.check(kernel, &layout).is_ok() && !out.contains(&v) {
+            out.push(v);
+        }
+    }
+    out
+}
+
+/// The canonical variant: the first of [`variants`]. For a scheme without
+/// a shape, the first point of the space for a one-head MHA layout.
+pub fn default_variant(scheme: &Scheme, kernel: Kernel) -> Variant {
+    variants(scheme, kernel)
+        .into_iter()
+        .next()
+        .unwrap_or_else(|| variant::space(&kivi_spec::Shape { q_heads: 1, kv_heads: 1, head_dim: 64 }, kernel)[0])
+}
+
+/// Generates the source of `kernel` for `scheme` (which must have a shape)
+/// instantiated with `variant`, for the default block size.
+pub fn generate(scheme: &Scheme, kernel: Kernel, variant: &Variant) -> Result<Generated, GenError> {
+    generate_with(scheme, kernel, variant, GenOptions::default())
+}
+
+/// [`generate`] for a non-default layout.
+pub fn generate_with(scheme: &Scheme, kernel: Kernel, variant: &Variant, opts: GenOptions) -> Result<Generated, GenError> {
+    let layout = layout_of(scheme, opts)?;
+    variant.check(kernel, &layout)?;
+    Ok(generate::generate(scheme, &layout, kernel, variant, opts))
+}
+
+/// The readable scheme + shape part of a kernel name, e.g.
+/// `kivi2-k.c.g32.b2-v.t.g32.b2-r128/gqa32x8.d128`.
+pub fn scheme_tag(scheme: &Scheme) -> String {
+    generate::scheme_tag(scheme, None)
+}
+
+/// The text of the simulator shim header (`cuda/sim_shim.h`), for the `sim`
+/// backend: compiles a generated source as C++ on the host.
+pub const SIM_SHIM: &str = include_str!("../cuda/sim_shim.h");
+
+/// The template files, `(file name, text)`, in the order the generator
+/// pastes them.
+pub const TEMPLATES: [(&str, &str); 3] = [
+    ("kivi_common.cuh", include_str!("../cuda/kivi_common.cuh")),
+    ("kivi_decode.cuh", include_str!("../cuda/kivi_decode.cuh")),
+    ("kivi_extend.cuh", include_str!("../cuda/kivi_extend.cuh")),
+];

@@ -1,0 +1,386 @@
+// kivi_decode.cuh — fused dequantize + decode attention, flash-decoding style.
+//
+// One block = (split of the sequence, KV head, chunk of Cfg::HEADS query
+// heads of its GQA group, sequence). It reads the KV head's bytes of its
+// split once and serves every query head of the chunk from that pass:
+//
+//   for each tile of Cfg::TILE tokens:
+//     1. scores  a team of K::TEAM lanes per key row; each lane decodes its
+//                words (one vector load of Cfg::WIDTH words per step) and
+//                dots them with its slice of every query head, scales
+//                folded in (see below); a butterfly of shuffles sums the team
+//     2. softmax one warp per head: tile max, rescale factor, p = 2^(s - m)
+//     3. values  a team of V::TEAM lanes per value row accumulates p * v
+//                into registers (each lane owns fixed channels)
+//   then the teams' accumulators are summed (shuffles, then shared memory)
+//   and the split writes its partial (m, l, acc) for the combine kernel.
+//
+// Scores are kept in base 2: the query is pre-multiplied by
+// sm_scale * log2(e), so exp2f replaces expf and the combine kernel merges
+// in the same base.
+//
+// Scale folding: for token-axis keys whose groups cover whole words, one word
+// shares (s, z), so q . (c * s + z) = s * (q . c) + z * sum(q): the lane keeps
+// sum(q) per word and multiplies by s and z once per word. Channel-axis keys
+// have a scale per channel: the lane dequantizes with one FMA per channel.
+
+namespace kivi {
+
+template <class C, class T> struct Lanes {
+  static constexpr int TEAMS = C::THREADS / T::TEAM;         // rows in flight per block
+  static constexpr int SLOTS = T::STEPS * C::WIDTH;          // words a lane owns per row
+  static constexpr int CH = SLOTS * T::CPW;                  // values a lane owns per row
+  static_assert(T::TEAM >= 1 && T::TEAM <= 32 && (T::TEAM & (T::TEAM - 1)) == 0, "team: power of two <= 32");
+  static_assert(C::THREADS % 32 == 0, "threads per block: a multiple of the warp");
+  static_assert(T::TEAM * T::STEPS * C::WIDTH >= T::WPT, "a team covers a whole row");
+  static_assert(T::WPT % C::WIDTH == 0, "rows are whole vector loads");
+  // First word of load `k` of lane `tl`.
+  __device__ __forceinline__ static int word(int k, int tl) { return (k * T::TEAM + tl) * C::WIDTH; }
+};
+
+// q . k for the row `r` of a key, this lane's share, every head of the block.
+template <class C, int H>
+__device__ __forceinline__ void key_dot(const RowRef<C>& r, int tl,
+                                        const float (&qr)[H][Lanes<C, typename C::K>::CH],
+                                        const float (&qsum)[H][Lanes<C, typename C::K>::SLOTS],
+                                        float (&s)[H]) {
+  typedef typename C::K K;
+  typedef Lanes<C, K> L;
+#pragma unroll
+  for (int k = 0; k < K::STEPS; ++k) {
+    const int w0 = L::word(k, tl);
+    if (w0 >= K::WPT) break;
+    if (r.part != nullptr) {
+      u32 wv[C::WIDTH];
+      load_words<C::WIDTH>(r.part + r.off * K::WPT + w0, wv);
+#pragma unroll
+      for (int j = 0; j < C::WIDTH; ++j) {
+        const int slot = k * C::WIDTH + j;
+        const int d0 = (w0 + j) * K::CPW;
+        if constexpr (!K::QUANT) {
+#pragma unroll
+          for (int i = 0; i < K::CPW; ++i) {
+            const float x = word_value<C, K>(wv[j], i);
+#pragma unroll
+            for (int h = 0; h < H; ++h) s[h] = fmaf(qr[h][slot * K::CPW + i], x, s[h]);
+          }
+        } else if constexpr (K::TOKEN_AXIS && K::GROUP % K::CPW == 0) {
+          // one (s, z) per word: fold them in after the code dot product
+          const int pi = param_index<C, K>(r.off, d0);
+          const float sc = load_param<K>(r.part + K::SCALES, pi);
+          const float zp = load_param<K>(r.part + K::ZEROS, pi);
+          float dot[H];
+#pragma unroll
+          for (int h = 0; h < H; ++h) dot[h] = 0.0f;
+#pragma unroll
+          for (int i = 0; i < K::CPW; ++i) {
+            const float c = word_value<C, K>(wv[j], i);
+#pragma unroll
+            for (int h = 0; h < H; ++h) dot[h] = fmaf(qr[h][slot * K::CPW + i], c, dot[h]);
+          }
+#pragma unroll
+          for (int h = 0; h < H; ++h) s[h] += sc * dot[h] + zp * qsum[h][slot];
+        } else {
+#pragma unroll
+          for (int i = 0; i < K::CPW; ++i) {
+            const int d = d0 + i;
+            if (d < C::D) {
+              const int pi = param_index<C, K>(r.off, d);
+              const float x = fmaf(word_value<C, K>(wv[j], i), load_param<K>(r.part + K::SCALES, pi),
+                                   load_param<K>(r.part + K::ZEROS, pi));
+#pragma unroll
+              for (int h = 0; h < H; ++h) s[h] = fmaf(qr[h][slot * K::CPW + i], x, s[h]);
+            }
+          }
+        }
+      }
+    } else {
+      // a sink or window row: raw activations, same channel ownership
+#pragma unroll
+      for (int j = 0; j < C::WIDTH; ++j) {
+#pragma unroll
+        for (int i = 0; i < K::CPW; ++i) {
+          const int d = (w0 + j) * K::CPW + i;
+          if (d < C::D) {
+            const float x = Act<C::ACT>::load(r.raw[d]);
+#pragma unroll
+            for (int h = 0; h < H; ++h) s[h] = fmaf(qr[h][(k * C::WIDTH + j) * K::CPW + i], x, s[h]);
+          }
+        }
+      }
+    }
+  }
+}
+
+// acc += p * v for the row `r` of a value, this lane's channels.
+template <class C, int H>
+__device__ __forceinline__ void value_acc(const RowRef<C>& r, int tl, const float (&p)[H],
+                                          float (&acc)[H][Lanes<C, typename C::V>::CH]) {
+  typedef typename C::V V;
+  typedef Lanes<C, V> L;
+#pragma unroll
+  for (int k = 0; k < V::STEPS; ++k) {
+    const int w0 = L::word(k, tl);
+    if (w0 >= V::WPT) break;
+    if (r.part != nullptr) {
+      u32 wv[C::WIDTH];
+      load_words<C::WIDTH>(r.part + r.off * V::WPT + w0, wv);
+#pragma unroll
+      for (int j = 0; j < C::WIDTH; ++j) {
+        const int slot = k * C::WIDTH + j;
+        const int d0 = (w0 + j) * V::CPW;
+        float sc = 1.0f, zp = 0.0f;
+        if constexpr (V::QUANT && V::TOKEN_AXIS && V::GROUP % V::CPW == 0) {
+          const int pi = param_index<C, V>(r.off, d0);
+          sc = load_param<V>(r.part + V::SCALES, pi);
+          zp = load_param<V>(r.part + V::ZEROS, pi);
+        }
+#pragma unroll
+        for (int i = 0; i < V::CPW; ++i) {
+          const int d = d0 + i;
+          float x = word_value<C, V>(wv[j], i);
+          if constexpr (V::QUANT) {
+            if constexpr (V::TOKEN_AXIS && V::GROUP % V::CPW == 0) {
+              x = fmaf(x, sc, zp);
+            } else {
+              if (d >= C::D) continue;
+              const int pi = param_index<C, V>(r.off, d);
+              x = fmaf(x, load_param<V>(r.part + V::SCALES, pi), load_param<V>(r.part + V::ZEROS, pi));
+            }
+          }
+#pragma unroll
+          for (int h = 0; h < H; ++h) acc[h][slot * V::CPW + i] = fmaf(p[h], x, acc[h][slot * V::CPW + i]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < C::WIDTH; ++j) {
+#pragma unroll
+        for (int i = 0; i < V::CPW; ++i) {
+          const int d = (w0 + j) * V::CPW + i;
+          if (d < C::D) {
+            const float x = Act<C::ACT>::load(r.raw[d]);
+            const int c = (k * C::WIDTH + j) * V::CPW + i;
+#pragma unroll
+            for (int h = 0; h < H; ++h) acc[h][c] = fmaf(p[h], x, acc[h][c]);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <class C>
+__device__ __forceinline__ void decode_kernel(
+    const u32* __restrict__ pool, const u32* __restrict__ tables, int table_stride,
+    const int* __restrict__ seq_lens, const typename C::act_t* __restrict__ q,
+    const typename C::act_t* __restrict__ sinks_k, const typename C::act_t* __restrict__ sinks_v,
+    const typename C::act_t* __restrict__ ring_k, const typename C::act_t* __restrict__ ring_v,
+    float sm_scale, int window, float* __restrict__ part_ml, float* __restrict__ part_acc) {
+  typedef typename C::K K;
+  typedef typename C::V V;
+  typedef Lanes<C, K> LK;
+  typedef Lanes<C, V> LV;
+  constexpr int H = C::HEADS;
+  constexpr int NWARPS = C::THREADS / 32;
+  static_assert(C::GROUP_Q % H == 0, "heads per block divide the GQA group");
+
+  __shared__ float s_p[H][C::TILE];   // scores, then probabilities, of one tile
+  __shared__ float s_m[H];            // running max (base 2)
+  __shared__ float s_l[H];            // running sum of probabilities
+  __shared__ float s_corr[H];         // rescale of the accumulators for this tile
+  __shared__ float s_o[H][C::D];      // the block's summed accumulators
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int split = blockIdx.x;
+  constexpr int CHUNKS = C::GROUP_Q / H;
+  const int hk = blockIdx.y / CHUNKS;
+  const int hq0 = hk * C::GROUP_Q + (blockIdx.y % CHUNKS) * H;
+  const int b = blockIdx.z;
+
+  // This split's tokens: [a, z) of the attended range [start, T).
+  const int T = seq_lens[b];
+  const int start = window > 0 ? max(T - window, 0) : 0;
+  const int len = T - start;
+  const int a = start + (int)((long long)len * split / C::SPLITS);
+  const int z = start + (int)((long long)len * (split + 1) / C::SPLITS);
+  const int qk = quantized_tokens<C, K>(T);
+  const int qv = quantized_tokens<C, V>(T);
+  const u32* table = tables + (u64)b * table_stride;
+
+  // This lane's slice of every query head, scaled into base-2 logits.
+  const int kteam = tid / K::TEAM, kl = tid % K::TEAM;
+  const int vteam = tid / V::TEAM, vl = tid % V::TEAM;
+  const float qscale = sm_scale * 1.4426950408889634f;
+  float qr[H][LK::CH];
+  float qsum[H][LK::SLOTS];
+#pragma unroll
+  for (int h = 0; h < H; ++h) {
+    const typename C::act_t* qh = q + ((u64)b * C::HQ + hq0 + h) * C::D;
+#pragma unroll
+    for (int k = 0; k < K::STEPS; ++k) {
+#pragma unroll
+      for (int j = 0; j < C::WIDTH; ++j) {
+        const int slot = k * C::WIDTH + j;
+        qsum[h][slot] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < K::CPW; ++i) {
+          const int d = (LK::word(k, kl) + j) * K::CPW + i;
+          const float x = d < C::D ? Act<C::ACT>::load(qh[d]) * qscale : 0.0f;
+          qr[h][slot * K::CPW + i] = x;
+          qsum[h][slot] += x;
+        }
+      }
+    }
+  }
+  float acc[H][LV::CH];
+#pragma unroll
+  for (int h = 0; h < H; ++h)
+#pragma unroll
+    for (int c = 0; c < LV::CH; ++c) acc[h][c] = 0.0f;
+  if (tid < H) {
+    s_m[tid] = neg_inf();
+    s_l[tid] = 0.0f;
+  }
+  __syncthreads();
+
+  for (int t0 = a; t0 < z; t0 += C::TILE) {
+    const int n = min(C::TILE, z - t0);
+    // 1. scores. Every team runs the same trip count: the shuffles need
+    //    whole warps, so lanes past the tile still take part.
+#pragma unroll 1
+    for (int i0 = 0; i0 < C::TILE; i0 += LK::TEAMS) {
+      const int i = i0 + kteam;
+      float s[H];
+#pragma unroll
+      for (int h = 0; h < H; ++h) s[h] = 0.0f;
+      if (i < n) {
+        const RowRef<C> r = locate<C, K>(t0 + i, qk, pool, table, b, hk, sinks_k, ring_k);
+        key_dot<C, H>(r, kl, qr, qsum, s);
+      }
+#pragma unroll
+      for (int o = K::TEAM / 2; o > 0; o >>= 1)
+#pragma unroll
+        for (int h = 0; h < H; ++h) s[h] += __shfl_xor_sync(KIVI_FULL_MASK, s[h], o);
+      if (i < n && kl == 0) {
+#pragma unroll
+        for (int h = 0; h < H; ++h) s_p[h][i] = s[h];
+      }
+    }
+    __syncthreads();
+    // 2. online softmax, one warp per head.
+    for (int h = warp; h < H; h += NWARPS) {
+      float mt = neg_inf();
+      for (int i = lane; i < n; i += 32) mt = fmaxf(mt, s_p[h][i]);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(KIVI_FULL_MASK, mt, o));
+      const float m_old = s_m[h];
+      const float m_new = fmaxf(m_old, mt);
+      float sum = 0.0f;
+      for (int i = lane; i < n; i += 32) {
+        const float e = exp2f(s_p[h][i] - m_new);
+        s_p[h][i] = e;
+        sum += e;
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(KIVI_FULL_MASK, sum, o);
+      if (lane == 0) {
+        const float corr = exp2f(m_old - m_new);  // 0 on the first tile (m_old = -inf)
+        s_corr[h] = corr;
+        s_l[h] = s_l[h] * corr + sum;
+        s_m[h] = m_new;
+      }
+    }
+    __syncthreads();
+    // 3. values.
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      const float corr = s_corr[h];
+#pragma unroll
+      for (int c = 0; c < LV::CH; ++c) acc[h][c] *= corr;
+    }
+#pragma unroll C::UNROLL
+    for (int i = vteam; i < n; i += LV::TEAMS) {
+      float pr[H];
+#pragma unroll
+      for (int h = 0; h < H; ++h) pr[h] = s_p[h][i];
+      const RowRef<C> r = locate<C, V>(t0 + i, qv, pool, table, b, hk, sinks_v, ring_v);
+      value_acc<C, H>(r, vl, pr, acc);
+    }
+    __syncthreads();  // s_p is overwritten by the next tile
+  }
+
+  // Sum the value teams: within a warp by shuffles, across warps in shared
+  // memory, one warp at a time.
+#pragma unroll
+  for (int o = V::TEAM; o < 32; o <<= 1)
+#pragma unroll
+    for (int h = 0; h < H; ++h)
+#pragma unroll
+      for (int c = 0; c < LV::CH; ++c) acc[h][c] += __shfl_xor_sync(KIVI_FULL_MASK, acc[h][c], o);
+  for (int e = tid; e < H * C::D; e += C::THREADS) s_o[e / C::D][e % C::D] = 0.0f;
+  __syncthreads();
+  for (int w = 0; w < NWARPS; ++w) {
+    if (warp == w && lane < V::TEAM) {
+#pragma unroll
+      for (int k = 0; k < V::STEPS; ++k) {
+#pragma unroll
+        for (int j = 0; j < C::WIDTH; ++j) {
+#pragma unroll
+          for (int i = 0; i < V::CPW; ++i) {
+            const int d = (LV::word(k, vl) + j) * V::CPW + i;
+            if (LV::word(k, vl) < V::WPT && d < C::D) {
+#pragma unroll
+              for (int h = 0; h < H; ++h) s_o[h][d] += acc[h][(k * C::WIDTH + j) * V::CPW + i];
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+  const u64 row0 = ((u64)b * C::HQ + hq0) * C::SPLITS + split;
+  for (int e = tid; e < H * C::D; e += C::THREADS) {
+    const int h = e / C::D, d = e % C::D;
+    part_acc[(row0 + (u64)h * C::SPLITS) * C::D + d] = s_o[h][d];
+  }
+  if (tid < H) {
+    part_ml[(row0 + (u64)tid * C::SPLITS) * 2 + 0] = s_m[tid];
+    part_ml[(row0 + (u64)tid * C::SPLITS) * 2 + 1] = s_l[tid];
+  }
+}
+
+// Merges the splits of one (sequence, query head): grid (HQ, 1, batch).
+template <class C>
+__device__ __forceinline__ void combine_kernel(const float* __restrict__ part_ml,
+                                               const float* __restrict__ part_acc,
+                                               float* __restrict__ out) {
+  const int hq = blockIdx.x;
+  const int b = blockIdx.z;
+  const u64 row0 = ((u64)b * C::HQ + hq) * C::SPLITS;
+  float m = neg_inf();
+  for (int s = 0; s < C::SPLITS; ++s) m = fmaxf(m, part_ml[(row0 + s) * 2]);
+  float* o = out + ((u64)b * C::HQ + hq) * C::D;
+  if (m == neg_inf()) {  // nothing attended (empty sequence): the output is zero
+    for (int d = threadIdx.x; d < C::D; d += blockDim.x) o[d] = 0.0f;
+    return;
+  }
+  float l = 0.0f;
+  for (int s = 0; s < C::SPLITS; ++s) {
+    const float ms = part_ml[(row0 + s) * 2];
+    if (ms != neg_inf()) l += exp2f(ms - m) * part_ml[(row0 + s) * 2 + 1];
+  }
+  const float inv = 1.0f / l;
+  for (int d = threadIdx.x; d < C::D; d += blockDim.x) {
+    float x = 0.0f;
+    for (int s = 0; s < C::SPLITS; ++s) {
+      const float ms = part_ml[(row0 + s) * 2];
+      if (ms != neg_inf()) x = fmaf(exp2f(ms - m), part_acc[(row0 + s) * C::D + d], x);
+    }
+    o[d] = x * inv;
+  }
+}
+
+}  // namespace kivi

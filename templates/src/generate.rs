@@ -1,0 +1,320 @@
+//! Scheme + layout + variant -> one CUDA source. Everything the templates
+//! need to know is written here as constants of a `Cfg` struct; nothing
+//! else is generated except the `extern "C"` entry points.
+
+use crate::variant::cpw;
+use crate::{EntryLaunch, GenOptions, Generated, Kernel, LaunchInfo, Param, ParamTy, Variant, TEMPLATES};
+use kivi_spec::layout::{default_block_tokens, window_capacity, BlockLayout, TensorLayout};
+use kivi_spec::{Axis, Codec, Dtype, Flush, Heads, Scheme, Tensor};
+use std::fmt::Write;
+
+/// How a team of lanes covers one row of `wpt` words with `width`-word
+/// loads: `size` lanes (a power of two, at most a warp) each make `steps`
+/// loads. This is the one place the per-row launch shape is derived.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Team {
+    pub size: usize,
+    pub steps: usize,
+    pub width: usize,
+}
+
+impl Team {
+    /// Channels one lane owns (an upper bound; the last may be past `D`).
+    pub fn channels(&self, _wpt: usize, cpw: usize) -> usize {
+        self.steps * self.width * cpw
+    }
+}
+
+pub(crate) fn team_of(wpt: usize, width: usize) -> Team {
+    let loads = wpt.div_ceil(width).max(1);
+    let size = loads.next_power_of_two().min(32);
+    Team {
+        size,
+        steps: loads.div_ceil(size),
+        width,
+    }
+}
+
+fn codec_tag(c: &Codec) -> String {
+    match c {
+        Codec::Full => "full".into(),
+        Codec::Quant(q) => {
+            let axis = match q.axis {
+                Axis::Channel => "c",
+                Axis::Token => "t",
+            };
+            let scale = match q.scale {
+                kivi_spec::ScaleDtype::F16 => "",
+                kivi_spec::ScaleDtype::F32 => ".sf32",
+            };
+            format!("{axis}.g{}.b{}{scale}", q.group, q.bits)
+        }
+    }
+}
+
+/// `kivi2-k.c.g32.b2-v.t.g32.b2-r128/gqa32x8.d128` (+ `.bt128` when the
+/// block size is not the default).
+pub(crate) fn scheme_tag(s: &Scheme, block_tokens: Option<usize>) -> String {
+    let mut t = format!("{}-k.{}-v.{}", s.name, codec_tag(&s.key), codec_tag(&s.value));
+    if s.residual > 0 {
+        let _ = write!(t, "-r{}", s.residual);
+    }
+    if s.sinks > 0 {
+        let _ = write!(t, "-s{}", s.sinks);
+    }
+    if s.flush == Flush::Chunked {
+        t.push_str("-chunked");
+    }
+    if s.dtype != Dtype::F16 {
+        let _ = write!(t, "-{}", s.dtype.name());
+    }
+    if let (Some(h), Some(d)) = (s.heads, s.head_dim) {
+        let heads = match h.normalized() {
+            Heads::Mha(n) => format!("mha{n}"),
+            Heads::Mqa(q) => format!("mqa{q}"),
+            Heads::Gqa { q, kv } => format!("gqa{q}x{kv}"),
+        };
+        let _ = write!(t, "/{heads}.d{d}");
+        if let Some(bt) = block_tokens {
+            if bt != default_block_tokens(s) {
+                let _ = write!(t, ".bt{bt}");
+            }
+        }
+    }
+    t
+}
+
+fn tensor_cfg(o: &mut String, name: &str, t: Tensor, s: &Scheme, l: &BlockLayout, v: &Variant, kernel: Kernel) {
+    let tl: &TensorLayout = l.tensor(t);
+    let cpw = cpw(l, t == Tensor::Key);
+    let part = l.tensor_offset(0, t);
+    let ring = window_capacity(s, t);
+    let w = if kernel == Kernel::Decode { v.load_width as usize } else { 1 };
+    let team = team_of(tl.words_per_token, w);
+    let (quant, bits, token_axis, group, scale_f32, what) = match s.codec(t) {
+        Codec::Full => (false, 0, false, 1, false, format!("{}: full (rows stored raw in the activation dtype)", t.name())),
+        Codec::Quant(q) => (
+            true,
+            q.bits,
+            q.axis == Axis::Token,
+            q.group,
+            q.scale == kivi_spec::ScaleDtype::F32,
+            format!(
+                "{}: quant(bits = {}, axis = {}, group = {}, scale = {})",
+                t.name(),
+                q.bits,
+                if q.axis == Axis::Token { "token" } else { "channel" },
+                q.group,
+                q.scale.name()
+            ),
+        ),
+    };
+    let _ = writeln!(o, "// {what}");
+    let _ = writeln!(o, "struct {name} {{");
+    let _ = writeln!(o, "  static constexpr bool QUANT = {quant};");
+    let _ = writeln!(o, "  static constexpr int BITS = {bits};");
+    let _ = writeln!(o, "  static constexpr bool TOKEN_AXIS = {token_axis};");
+    let _ = writeln!(o, "  static constexpr int GROUP = {group};");
+    let _ = writeln!(o, "  static constexpr bool SCALE_F32 = {scale_f32};");
+    let _ = writeln!(o, "  static constexpr int WPT = {};      // words per token row", tl.words_per_token);
+    let _ = writeln!(o, "  static constexpr int CPW = {cpw};      // values per word");
+    let _ = writeln!(o, "  static constexpr int PART = {part};     // word offset in a KV head's part of a block");
+    let _ = writeln!(o, "  static constexpr int SCALES = {};  // word offset of the scales within the tensor", tl.scales_offset);
+    let _ = writeln!(o, "  static constexpr int ZEROS = {};   // word offset of the zero points", tl.zeros_offset);
+    let _ = writeln!(o, "  static constexpr int RING = {ring};     // window ring slots");
+    let _ = writeln!(o, "  static constexpr int TEAM = {};     // lanes per row (decode)", team.size);
+    let _ = writeln!(o, "  static constexpr int STEPS = {};    // loads per lane per row (decode)", team.steps);
+    let _ = writeln!(o, "}};");
+}
+
+fn p(name: &'static str, ty: ParamTy) -> Param {
+    Param { name, ty }
+}
+
+fn decode_params() -> Vec<Param> {
+    use ParamTy::*;
+    vec![
+        p("pool", PtrU32),
+        p("tables", PtrU32),
+        p("table_stride", I32),
+        p("seq_lens", PtrI32),
+        p("q", PtrAct),
+        p("sinks_k", PtrAct),
+        p("sinks_v", PtrAct),
+        p("ring_k", PtrAct),
+        p("ring_v", PtrAct),
+        p("sm_scale", F32),
+        p("window", I32),
+        p("part_ml", PtrF32Mut),
+        p("part_acc", PtrF32Mut),
+    ]
+}
+
+fn combine_params() -> Vec<Param> {
+    use ParamTy::*;
+    vec![p("part_ml", PtrF32), p("part_acc", PtrF32), p("out", PtrF32Mut)]
+}
+
+fn extend_params() -> Vec<Param> {
+    use ParamTy::*;
+    vec![
+        p("pool", PtrU32Mut),
+        p("tables", PtrU32),
+        p("table_stride", I32),
+        p("old_lens", PtrI32),
+        p("new_counts", PtrI32),
+        p("k_new", PtrAct),
+        p("v_new", PtrAct),
+        p("max_new", I32),
+        p("sinks_k", PtrActMut),
+        p("sinks_v", PtrActMut),
+        p("ring_k", PtrActMut),
+        p("ring_v", PtrActMut),
+        p("status", PtrI32Mut),
+    ]
+}
+
+fn c_type(ty: ParamTy, act: &str) -> String {
+    match ty {
+        ParamTy::PtrU32 => "const unsigned int* __restrict__".into(),
+        ParamTy::PtrU32Mut => "unsigned int* __restrict__".into(),
+        ParamTy::PtrI32 => "const int* __restrict__".into(),
+        ParamTy::PtrI32Mut => "int* __restrict__".into(),
+        ParamTy::PtrAct => format!("const {act}* __restrict__"),
+        ParamTy::PtrActMut => format!("{act}* __restrict__"),
+        ParamTy::PtrF32 => "const float* __restrict__".into(),
+        ParamTy::PtrF32Mut => "float* __restrict__".into(),
+        ParamTy::I32 => "int".into(),
+        ParamTy::F32 => "float".into(),
+    }
+}
+
+fn entry(o: &mut String, name: &str, threads: u32, params: &[Param], body: &str, act: &str) {
+    let _ = writeln!(o, "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(");
+    for (i, prm) in params.iter().enumerate() {
+        let sep = if i + 1 == params.len() { ")" } else { "," };
+        let _ = writeln!(o, "    {} {}{sep}", c_type(prm.ty, act), prm.name);
+    }
+    let args: Vec<&str> = params.iter().map(|p| p.name).collect();
+    let _ = writeln!(o, "{{\n  {body}({});\n}}\n", args.join(", "));
+}
+
+pub(crate) fn combine_threads(d: usize) -> u32 {
+    (d.div_ceil(32) * 32).clamp(32, 256) as u32
+}
+
+pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant, opts: GenOptions) -> Generated {
+    let shape = l.shape;
+    let d = shape.head_dim;
+    let group = shape.group_size();
+    let tag = scheme_tag(s, Some(l.block_tokens));
+    let name = format!("{tag}/{}/{}", kernel.name(), v.name());
+    let (act, act_enum) = match s.dtype {
+        Dtype::F16 => ("unsigned short", "ACT_F16"),
+        Dtype::Bf16 => ("unsigned short", "ACT_BF16"),
+        Dtype::F32 => ("float", "ACT_F32"),
+    };
+    let mut o = String::new();
+    let _ = writeln!(o, "// Generated by kivi-templates {} — do not edit; regenerate with", env!("CARGO_PKG_VERSION"));
+    let _ = writeln!(o, "//   kivi codegen {} --kernel {} --variant {}", s.name, kernel.name(), v.name());
+    let _ = writeln!(o, "// kernel  {name}");
+    let _ = writeln!(o, "// scheme  {} (scheme hash {:016x})", s.name, kivi_spec::scheme_hash(s));
+    for line in kivi_spec::canonical_body(s).lines() {
+        let _ = writeln!(o, "//   {}", line.trim());
+    }
+    let _ = writeln!(o, "#include <cuda_fp16.h>\n");
+    for (file, text) in TEMPLATES {
+        let wanted = match file {
+            "kivi_common.cuh" => true,
+            "kivi_decode.cuh" => matches!(kernel, Kernel::Decode | Kernel::Combine),
+            _ => matches!(kernel, Kernel::Prefill | Kernel::Append),
+        };
+        if wanted {
+            let _ = writeln!(o, "// ===== {file} =====");
+            o.push_str(text);
+            o.push('\n');
+        }
+    }
+    let _ = writeln!(o, "// ===== generated configuration =====");
+    tensor_cfg(&mut o, "KeyCfg", Tensor::Key, s, l, v, kernel);
+    tensor_cfg(&mut o, "ValueCfg", Tensor::Value, s, l, v, kernel);
+    let cthreads = combine_threads(d);
+    let _ = writeln!(o, "struct Cfg {{");
+    let _ = writeln!(o, "  typedef {act} act_t;");
+    let _ = writeln!(o, "  static constexpr int ACT = kivi::{act_enum};");
+    let _ = writeln!(o, "  static constexpr int HQ = {};", shape.q_heads);
+    let _ = writeln!(o, "  static constexpr int HKV = {};", shape.kv_heads);
+    let _ = writeln!(o, "  static constexpr int GROUP_Q = {group};   // query heads per KV head");
+    let _ = writeln!(o, "  static constexpr int D = {d};");
+    let _ = writeln!(o, "  static constexpr int SINKS = {};", s.sinks);
+    let _ = writeln!(o, "  static constexpr int RESIDUAL = {};", s.residual);
+    let _ = writeln!(o, "  static constexpr bool CHUNKED = {};", s.flush == Flush::Chunked);
+    let _ = writeln!(o, "  static constexpr int BLOCK_TOKENS = {};", l.block_tokens);
+    let _ = writeln!(o, "  static constexpr int BLOCK_WORDS = {};", l.block_words);
+    let _ = writeln!(o, "  static constexpr int HEAD_WORDS = {};", l.head_words);
+    let _ = writeln!(o, "  // variant {}", v.name());
+    let _ = writeln!(o, "  static constexpr int THREADS = {};", v.threads);
+    let _ = writeln!(o, "  static constexpr int TILE = {};", v.tile_tokens);
+    let _ = writeln!(o, "  static constexpr int SPLITS = {};", v.splits);
+    let _ = writeln!(o, "  static constexpr int HEADS = {};     // query heads per block", v.heads_per_block);
+    let _ = writeln!(o, "  static constexpr int WIDTH = {};     // words per load", if kernel == Kernel::Decode { v.load_width } else { 1 });
+    let _ = writeln!(o, "  static constexpr int UNROLL = {};", v.unroll);
+    let _ = writeln!(o, "  static constexpr int COMBINE_THREADS = {cthreads};");
+    let _ = writeln!(o, "  typedef KeyCfg K;\n  typedef ValueCfg V;\n}};\n");
+
+    let mut entries = Vec::new();
+    let mut entry_points = Vec::new();
+    let f32s = |n: usize| (n * 4) as u32;
+    match kernel {
+        Kernel::Decode | Kernel::Combine => {
+            let h = v.heads_per_block as usize;
+            if kernel == Kernel::Decode {
+                entry(&mut o, "kivi_decode", v.threads, &decode_params(), "kivi::decode_kernel<Cfg>", act);
+                entry_points.push("kivi_decode".to_string());
+                entries.push(EntryLaunch {
+                    entry: "kivi_decode".into(),
+                    block: [v.threads, 1, 1],
+                    grid_xy: [v.splits, (shape.kv_heads * group / h) as u32],
+                    shared_bytes: f32s(h * v.tile_tokens as usize + 3 * h + h * d),
+                    params: decode_params(),
+                });
+            }
+            entry(&mut o, "kivi_combine", cthreads, &combine_params(), "kivi::combine_kernel<Cfg>", act);
+            entry_points.push("kivi_combine".to_string());
+            entries.push(EntryLaunch {
+                entry: "kivi_combine".into(),
+                block: [cthreads, 1, 1],
+                grid_xy: [shape.q_heads as u32, 1],
+                shared_bytes: 0,
+                params: combine_params(),
+            });
+        }
+        Kernel::Prefill | Kernel::Append => {
+            let e = if kernel == Kernel::Prefill { "kivi_prefill" } else { "kivi_append" };
+            entry(&mut o, e, v.threads, &extend_params(), "kivi::extend_kernel<Cfg>", act);
+            entry_points.push(e.to_string());
+            entries.push(EntryLaunch {
+                entry: e.into(),
+                block: [v.threads, 1, 1],
+                grid_xy: [shape.kv_heads as u32, 2],
+                shared_bytes: f32s(2 * d),
+                params: extend_params(),
+            });
+        }
+    }
+    let _ = opts;
+    let hash = kivi_spec::fnv1a64(o.as_bytes());
+    Generated {
+        name,
+        source: o,
+        hash,
+        entry_points,
+        launch: LaunchInfo {
+            entries,
+            splits: v.splits,
+            q_heads: shape.q_heads as u32,
+            head_dim: d as u32,
+        },
+        block_tokens: l.block_tokens,
+    }
+}
