@@ -39,6 +39,8 @@ pub enum Error {
     UnknownSequence(u64),
     #[error("invalid configuration: {0}")]
     Config(String),
+    #[error("{backend}: compiling `{kernel}` failed:\n{log}")]
+    Compile { backend: &'static str, kernel: String, log: String },
     #[error("the {backend} backend is unavailable: {reason}")]
     Unavailable { backend: &'static str, reason: String },
 }

@@ -10,6 +10,7 @@
 pub mod backend;
 pub mod cache;
 pub mod cpu;
+pub mod cuda;
 mod error;
 pub mod quant;
 pub mod reference;
