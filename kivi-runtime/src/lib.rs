@@ -14,6 +14,7 @@ pub mod cuda;
 mod error;
 pub mod quant;
 pub mod reference;
+pub mod sim;
 
 pub use backend::{Backend, ReferenceBackend};
 pub use cache::{CacheConfig, MemoryReport, PagedCache, RawRows, SeqId, SeqView};

@@ -12,8 +12,8 @@
 //     2. softmax one warp per head: tile max, rescale factor, p = 2^(s - m)
 //     3. values  a team of V::TEAM lanes per value row accumulates p * v
 //                into registers (each lane owns fixed channels)
-//   then the teams' accumulators are summed (shuffles, then shared memory)
-//   and the split writes its partial (m, l, acc) for the combine kernel.
+//   then the teams' accumulators are summed in shared memory and the split
+//   writes its partial (m, l, acc) for the combine kernel.
 //
 // Scores are kept in base 2: the query is pre-multiplied by
 // sm_scale * log2(e), so exp2f replaces expf and the combine kernel merges
@@ -189,7 +189,7 @@ __device__ __forceinline__ void decode_kernel(
   __shared__ float s_m[H];            // running max (base 2)
   __shared__ float s_l[H];            // running sum of probabilities
   __shared__ float s_corr[H];         // rescale of the accumulators for this tile
-  __shared__ float s_o[H][C::D];      // the block's summed accumulators
+  __shared__ float s_w[NWARPS][H][C::D];  // each warp's summed accumulators
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -202,7 +202,7 @@ __device__ __forceinline__ void decode_kernel(
 
   // This split's tokens: [a, z) of the attended range [start, T).
   const int T = seq_lens[b];
-  const int start = window > 0 ? max(T - window, 0) : 0;
+  const int start = window >= 0 ? max(T - window, 0) : 0;  // window < 0: no sliding window
   const int len = T - start;
   const int a = start + (int)((long long)len * split / C::SPLITS);
   const int z = start + (int)((long long)len * (split + 1) / C::SPLITS);
@@ -312,18 +312,14 @@ __device__ __forceinline__ void decode_kernel(
     __syncthreads();  // s_p is overwritten by the next tile
   }
 
-  // Sum the value teams: within a warp by shuffles, across warps in shared
-  // memory, one warp at a time.
-#pragma unroll
-  for (int o = V::TEAM; o < 32; o <<= 1)
-#pragma unroll
-    for (int h = 0; h < H; ++h)
-#pragma unroll
-      for (int c = 0; c < LV::CH; ++c) acc[h][c] += __shfl_xor_sync(KIVI_FULL_MASK, acc[h][c], o);
-  for (int e = tid; e < H * C::D; e += C::THREADS) s_o[e / C::D][e % C::D] = 0.0f;
-  __syncthreads();
-  for (int w = 0; w < NWARPS; ++w) {
-    if (warp == w && lane < V::TEAM) {
+  // Sum the value teams: the teams of a warp take turns adding into the
+  // warp's slice of shared memory (no shuffles: a lane may own 100+
+  // accumulators), then one pass sums the warps while writing the partial.
+  constexpr int TEAMS_PER_WARP = 32 / V::TEAM;
+  const int team_in_warp = lane / V::TEAM;
+#pragma unroll 1
+  for (int r = 0; r < TEAMS_PER_WARP; ++r) {
+    if (team_in_warp == r) {
 #pragma unroll
       for (int k = 0; k < V::STEPS; ++k) {
 #pragma unroll
@@ -333,18 +329,25 @@ __device__ __forceinline__ void decode_kernel(
             const int d = (LV::word(k, vl) + j) * V::CPW + i;
             if (LV::word(k, vl) < V::WPT && d < C::D) {
 #pragma unroll
-              for (int h = 0; h < H; ++h) s_o[h][d] += acc[h][(k * C::WIDTH + j) * V::CPW + i];
+              for (int h = 0; h < H; ++h) {
+                const float x = acc[h][(k * C::WIDTH + j) * V::CPW + i];
+                s_w[warp][h][d] = r == 0 ? x : s_w[warp][h][d] + x;
+              }
             }
           }
         }
       }
     }
-    __syncthreads();
+    __syncwarp();
   }
+  __syncthreads();
   const u64 row0 = ((u64)b * C::HQ + hq0) * C::SPLITS + split;
   for (int e = tid; e < H * C::D; e += C::THREADS) {
     const int h = e / C::D, d = e % C::D;
-    part_acc[(row0 + (u64)h * C::SPLITS) * C::D + d] = s_o[h][d];
+    float x = 0.0f;
+#pragma unroll
+    for (int w = 0; w < NWARPS; ++w) x += s_w[w][h][d];
+    part_acc[(row0 + (u64)h * C::SPLITS) * C::D + d] = x;
   }
   if (tid < H) {
     part_ml[(row0 + (u64)tid * C::SPLITS) * 2 + 0] = s_m[tid];

@@ -3,7 +3,7 @@
 //! else is generated except the `extern "C"` entry points.
 
 use crate::variant::cpw;
-use crate::{EntryLaunch, GenOptions, Generated, Kernel, LaunchInfo, Param, ParamTy, Variant, TEMPLATES};
+use crate::{EntryLaunch, Generated, Kernel, LaunchInfo, Param, ParamTy, Variant, TEMPLATES};
 use kivi_spec::layout::{default_block_tokens, window_capacity, BlockLayout, TensorLayout};
 use kivi_spec::{Axis, Codec, Dtype, Flush, Heads, Scheme, Tensor};
 use std::fmt::Write;
@@ -199,11 +199,19 @@ fn entry(o: &mut String, name: &str, threads: u32, params: &[Param], body: &str,
     let _ = writeln!(o, "{{\n  {body}({});\n}}\n", args.join(", "));
 }
 
+/// Static shared memory of the decode kernel: scores of a tile, the running
+/// max / sum / rescale per head, and one accumulator slice per warp.
+pub(crate) fn decode_shared_bytes(v: &Variant, d: usize) -> usize {
+    let h = v.heads_per_block as usize;
+    let warps = v.threads as usize / 32;
+    4 * (h * v.tile_tokens as usize + 3 * h + warps * h * d)
+}
+
 pub(crate) fn combine_threads(d: usize) -> u32 {
     (d.div_ceil(32) * 32).clamp(32, 256) as u32
 }
 
-pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant, opts: GenOptions) -> Generated {
+pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant) -> Generated {
     let shape = l.shape;
     let d = shape.head_dim;
     let group = shape.group_size();
@@ -275,7 +283,7 @@ pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant,
                     entry: "kivi_decode".into(),
                     block: [v.threads, 1, 1],
                     grid_xy: [v.splits, (shape.kv_heads * group / h) as u32],
-                    shared_bytes: f32s(h * v.tile_tokens as usize + 3 * h + h * d),
+                    shared_bytes: decode_shared_bytes(v, d) as u32,
                     params: decode_params(),
                 });
             }
@@ -302,7 +310,6 @@ pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant,
             });
         }
     }
-    let _ = opts;
     let hash = kivi_spec::fnv1a64(o.as_bytes());
     Generated {
         name,

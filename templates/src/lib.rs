@@ -36,7 +36,8 @@
 //!   sink buffers are `[batch][sinks][kv_heads][D]` act and window rings
 //!   `[batch][ring][kv_heads][D]` act (`PagedCache`'s per-sequence buffers,
 //!   stacked), token `p` in slot `(p - sinks) % ring`; `sm_scale` multiplies
-//!   `q . k`; `window > 0` attends only to the last `window` tokens. Writes
+//!   `q . k`; `window >= 0` attends only to the last `window` tokens (`-1`:
+//!   all of them). Writes
 //!   `part_ml[((b * q_heads + h) * splits + s) * 2 + {0, 1}]` = (max, sum) of
 //!   the split's scores in base 2 and `part_acc[((b * q_heads + h) * splits
 //!   + s) * D + d]`, both f32.
@@ -300,7 +301,7 @@ pub fn generate(scheme: &Scheme, kernel: Kernel, variant: &Variant) -> Result<Ge
 pub fn generate_with(scheme: &Scheme, kernel: Kernel, variant: &Variant, opts: GenOptions) -> Result<Generated, GenError> {
     let layout = layout_of(scheme, opts)?;
     variant.check(kernel, &layout)?;
-    Ok(generate::generate(scheme, &layout, kernel, variant, opts))
+    Ok(generate::generate(scheme, &layout, kernel, variant))
 }
 
 /// The readable scheme + shape part of a kernel name, e.g.

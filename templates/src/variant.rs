@@ -143,6 +143,10 @@ impl Variant {
         if regs > 512 {
             return invalid(format!("{regs} floats of query and accumulator per thread is too many registers"));
         }
+        let shared = crate::generate::decode_shared_bytes(self, shape.head_dim);
+        if shared > 48 * 1024 {
+            return invalid(format!("{shared} bytes of static shared memory is over the 48 KiB limit"));
+        }
         Ok(())
     }
 }

@@ -1,0 +1,98 @@
+//! Helpers shared by the `sim_*` tests: deterministic inputs, caches filled
+//! by streaming and by prefill, and the comparison against the oracle.
+#![allow(dead_code)]
+
+use kivi_runtime::{reference, AttnParams, Backend, CacheConfig, PagedCache, SeqId};
+use kivi_spec::{Heads, Scheme};
+
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn f(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    pub fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.f()).collect()
+    }
+}
+
+/// The three head layouts every decode variant is run on.
+pub fn layouts() -> [(Heads, u32); 3] {
+    [(Heads::Gqa { q: 32, kv: 8 }, 128), (Heads::Mqa(4), 256), (Heads::Mha(8), 64)]
+}
+
+/// A cache holding one sequence per entry of `lens`, with its K/V inputs.
+pub struct Batch {
+    pub scheme: Scheme,
+    pub cache: PagedCache,
+    pub seqs: Vec<SeqId>,
+    pub k: Vec<Vec<f32>>,
+    pub v: Vec<Vec<f32>>,
+    pub q: Vec<f32>,
+}
+
+impl Batch {
+    /// Sequences of the given lengths; odd ones are streamed token by token
+    /// when `stream`, the rest prefilled.
+    pub fn new(scheme: &Scheme, lens: &[usize], seed: u64, stream: bool) -> Batch {
+        let shape = scheme.shape().unwrap();
+        let row = shape.kv_heads * shape.head_dim;
+        let total: usize = lens.iter().sum();
+        let mut cache = PagedCache::new(scheme.clone(), CacheConfig::for_tokens(total + 64 * lens.len() + 64)).unwrap();
+        let mut rng = Rng(seed);
+        let (mut seqs, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, &t) in lens.iter().enumerate() {
+            let k = rng.vec(t * row);
+            // values with an offset per channel, keys with outlier channels (KIVI's picture)
+            let k: Vec<f32> = k.iter().enumerate().map(|(j, x)| if j % 16 == 3 { x * 6.0 } else { *x }).collect();
+            let v = rng.vec(t * row);
+            let id = cache.add_sequence();
+            if stream && i % 2 == 1 {
+                for p in 0..t {
+                    cache.append(id, &k[p * row..(p + 1) * row], &v[p * row..(p + 1) * row]).unwrap();
+                }
+            } else {
+                cache.extend(id, &k, &v).unwrap();
+            }
+            seqs.push(id);
+            ks.push(k);
+            vs.push(v);
+        }
+        let q = rng.vec(lens.len() * shape.q_heads * shape.head_dim);
+        Batch {
+            scheme: scheme.clone(),
+            cache,
+            seqs,
+            k: ks,
+            v: vs,
+            q,
+        }
+    }
+
+    /// The oracle's output for the whole batch (from the raw inputs, not the cache).
+    pub fn reference(&self, attn: AttnParams) -> Vec<f32> {
+        let shape = self.scheme.shape().unwrap();
+        let per = shape.q_heads * shape.head_dim;
+        let mut out = Vec::new();
+        for b in 0..self.seqs.len() {
+            out.extend(reference::attend(&self.scheme, &self.q[b * per..(b + 1) * per], &self.k[b], &self.v[b], attn).unwrap());
+        }
+        out
+    }
+
+    /// max |got - want| / max |want| of a backend against the oracle.
+    pub fn rel_error(&self, backend: &dyn Backend, attn: AttnParams, want: &[f32]) -> f32 {
+        let got = backend.decode(&self.cache, &self.seqs, &self.q, attn).unwrap();
+        rel_error(&got, want)
+    }
+}
+
+pub fn rel_error(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
+    let err = got.iter().zip(want).fold(0f32, |m, (g, w)| if g.is_nan() { f32::INFINITY } else { m.max((g - w).abs()) });
+    err / scale
+}
