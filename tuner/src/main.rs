@@ -3,6 +3,7 @@
 //! and a non-zero exit, never a panic.
 
 mod cli;
+mod npy;
 
 use clap::{Parser, Subcommand};
 
@@ -31,11 +32,29 @@ enum Command {
     Bench(cli::bench::Args),
     /// Accuracy of schemes on a real LLM (Gemma 3 270M)
     Eval(cli::eval::Args),
-    /// The main job: declare -> generate -> compile -> tune -> select -> run
-    Demo(cli::demo::Args),
 }
 
+/// Dies quietly on a closed pipe (`kivi schemes | head`), as Unix tools do,
+/// instead of panicking in `println!`: Rust ignores SIGPIPE by default.
+#[cfg(unix)]
+fn default_sigpipe() {
+    extern "C" {
+        fn signal(signum: i32, handler: usize) -> usize;
+    }
+    const SIGPIPE: i32 = 13;
+    const SIG_DFL: usize = 0;
+    // SAFETY: restoring the default disposition of one signal before any
+    // thread starts; `signal` is async-signal-safe and has this C signature.
+    unsafe {
+        signal(SIGPIPE, SIG_DFL);
+    }
+}
+
+#[cfg(not(unix))]
+fn default_sigpipe() {}
+
 fn main() {
+    default_sigpipe();
     let cli = Cli::parse();
     let result = match cli.cmd {
         Command::Schemes(a) => cli::schemes::run(a),
@@ -46,7 +65,6 @@ fn main() {
         Command::Inspect(a) => cli::inspect::run(a),
         Command::Bench(a) => cli::bench::run(a),
         Command::Eval(a) => cli::eval::run(a),
-        Command::Demo(a) => cli::demo::run(a),
     };
     if let Err(e) = result {
         eprintln!("kivi: error: {e}");

@@ -3,7 +3,6 @@
 pub mod attend;
 pub mod bench;
 pub mod codegen;
-pub mod demo;
 pub mod eval;
 pub mod inspect;
 pub mod schemes;

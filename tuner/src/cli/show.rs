@@ -1,8 +1,347 @@
-//! `kivi show`.
+//! `kivi show`: a scheme's canonical form, stable hash and exact memory cost
+//! — per token per KV head, at a context length, and as a paged cache
+//! really allocates it.
+
+use super::schemes::{hash_hex, load_scheme};
+use kivi_runtime::{CacheConfig, MemoryReport, PagedCache};
+use kivi_spec::layout::{bytes_per_token_per_head, codes_per_word, default_block_tokens, Footprint};
+use kivi_spec::{Axis, Codec, Heads, Scheme, Tensor};
+
+/// Longest context `show` fills a real cache for (it quantizes every token).
+const MAX_CONTEXT: usize = 1 << 20;
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// A preset name (see `kivi schemes`) or the path of a scheme file
+    pub scheme: String,
+    /// Head layout: gqa:Q:KV, mha:N or mqa:Q (default: the scheme's own, else gqa:32:8)
+    #[arg(long, value_parser = parse_heads)]
+    pub heads: Option<Heads>,
+    /// Head dimension (default: the scheme's own, else 128)
+    #[arg(long)]
+    pub head_dim: Option<u32>,
+    /// Context length, in tokens, for the totals and the paged cache
+    #[arg(long, default_value_t = 4096)]
+    pub context: usize,
+    /// Print one JSON object instead of text
+    #[arg(long)]
+    pub json: bool,
+}
 
-pub fn run(_args: Args) -> super::Result {
-    Err("`kivi show` is not implemented yet".into())
+/// `gqa:32:8`, `mha:8`, `mqa:4`.
+pub fn parse_heads(s: &str) -> Result<Heads, String> {
+    let parts: Vec<&str> = s.split(':').collect();
+    let num = |p: &str| -> Result<u32, String> { p.parse().map_err(|_| format!("`{p}` is not a head count")) };
+    let h = match parts.as_slice() {
+        ["gqa", q, kv] => Heads::Gqa {
+            q: num(q)?,
+            kv: num(kv)?,
+        },
+        ["mha", n] => Heads::Mha(num(n)?),
+        ["mqa", q] => Heads::Mqa(num(q)?),
+        _ => return Err(format!("`{s}` is not a head layout; expected gqa:Q:KV, mha:N or mqa:Q")),
+    };
+    Ok(h)
+}
+
+/// Bytes of one tensor over `tokens` quantized tokens of one KV head.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cost {
+    pub codes: usize,
+    pub scales: usize,
+    pub zeros: usize,
+}
+
+impl Cost {
+    pub fn total(&self) -> usize {
+        self.codes + self.scales + self.zeros
+    }
+}
+
+/// The per-tensor split of [`bytes_per_token_per_head`], over the same
+/// period of `tokens` tokens (a whole number of every group), straight from
+/// the packing rules in `kivi_spec::layout`.
+pub fn tensor_cost(s: &Scheme, t: Tensor, head_dim: usize, tokens: usize) -> Cost {
+    match s.codec(t) {
+        Codec::Full => Cost {
+            codes: tokens * head_dim * s.dtype.bytes(),
+            ..Cost::default()
+        },
+        Codec::Quant(q) => {
+            let g = q.group as usize;
+            let params = match q.axis {
+                Axis::Channel => tokens / g * head_dim,
+                Axis::Token => tokens * (head_dim / g),
+            };
+            Cost {
+                codes: tokens * head_dim.div_ceil(codes_per_word(q.bits)) * 4,
+                scales: params * q.scale.bytes(),
+                zeros: params * q.scale.bytes(),
+            }
+        }
+    }
+}
+
+/// Exact bytes per token per KV head of a bound scheme: the total as
+/// `(bytes, tokens)` and the key/value split over the same `tokens`.
+pub fn per_token(s: &Scheme) -> super::Result<((usize, usize), Cost, Cost)> {
+    let d = s.head_dim.ok_or("scheme has no head_dim")? as usize;
+    let (bytes, tokens) = bytes_per_token_per_head(s);
+    let k = tensor_cost(s, Tensor::Key, d, tokens);
+    let v = tensor_cost(s, Tensor::Value, d, tokens);
+    if k.total() + v.total() != bytes {
+        return Err(format!(
+            "internal: the key/value breakdown ({} + {} bytes) disagrees with the layout ({bytes} bytes) over {tokens} tokens",
+            k.total(),
+            v.total()
+        )
+        .into());
+    }
+    Ok(((bytes, tokens), k, v))
+}
+
+/// `n / d` printed exactly: an integer when it divides, else a decimal and
+/// the fraction.
+pub fn exact(n: usize, d: usize) -> String {
+    if n % d == 0 {
+        (n / d).to_string()
+    } else {
+        format!("{:.4} ({n}/{d})", n as f64 / d as f64)
+    }
+}
+
+/// Bytes of `tokens` tokens of K and V in f16, all KV heads.
+pub fn f16_bytes(tokens: usize, kv_heads: usize, head_dim: usize) -> usize {
+    tokens * kv_heads * head_dim * 2 * 2
+}
+
+/// Fills a paged cache with `tokens` synthetic tokens and returns what it
+/// allocated. Prefill in chunks: the same cache as streaming, bit for bit,
+/// without holding the whole context in f32.
+pub fn fill_paged(s: &Scheme, tokens: usize) -> super::Result<(MemoryReport, usize)> {
+    let shape = s.shape().ok_or("scheme has no shape")?;
+    let bt = default_block_tokens(s);
+    let config = CacheConfig {
+        block_tokens: Some(bt),
+        max_blocks: tokens.div_ceil(bt) + 1,
+    };
+    let mut cache = PagedCache::new(s.clone(), config)?;
+    let seq = cache.add_sequence();
+    let row = shape.kv_heads * shape.head_dim;
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        // xorshift64*: deterministic values in [-2, 2)
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        ((state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+    };
+    let mut done = 0;
+    while done < tokens {
+        let n = (tokens - done).min(1024);
+        let k: Vec<f32> = (0..n * row).map(|_| next()).collect();
+        let v: Vec<f32> = (0..n * row).map(|_| next()).collect();
+        cache.extend(seq, &k, &v)?;
+        done += n;
+    }
+    Ok((cache.memory(), bt))
+}
+
+fn memory_json(m: &MemoryReport) -> serde_json::Value {
+    serde_json::json!({
+        "codes": m.codes,
+        "scales": m.scales,
+        "zeros": m.zeros,
+        "windows": m.windows,
+        "tables": m.tables,
+        "blocks_in_use": m.blocks_in_use,
+        "total": m.total,
+    })
+}
+
+pub fn run(args: Args) -> super::Result {
+    let scheme = load_scheme(&args.scheme)?;
+    let heads = args.heads.or(scheme.heads).unwrap_or(Heads::Gqa { q: 32, kv: 8 });
+    let head_dim = args.head_dim.or(scheme.head_dim).unwrap_or(128);
+    let bound = scheme.with_shape(heads, head_dim).map_err(|e| {
+        format!(
+            "scheme `{}` does not fit {heads}, head_dim {head_dim}: {e}",
+            scheme.name
+        )
+    })?;
+    let shape = bound.shape().ok_or("scheme has no shape")?;
+    if args.context == 0 || args.context > MAX_CONTEXT {
+        return Err(format!(
+            "--context {} is out of range; expected 1 to {MAX_CONTEXT}",
+            args.context
+        )
+        .into());
+    }
+    let ((bytes, per), k, v) = per_token(&bound)?;
+    let f16_tok = 2 * shape.head_dim * 2;
+    let foot = Footprint::for_tokens(&bound, args.context);
+    let f16_ctx = f16_bytes(args.context, shape.kv_heads, shape.head_dim);
+    let (mem, block_tokens) = fill_paged(&bound, args.context)?;
+    let ratio = |b: usize| f16_ctx as f64 / b as f64;
+
+    if args.json {
+        let cost = |c: &Cost| {
+            serde_json::json!({
+                "codes": c.codes as f64 / per as f64,
+                "scales": c.scales as f64 / per as f64,
+                "zeros": c.zeros as f64 / per as f64,
+                "total": c.total() as f64 / per as f64,
+            })
+        };
+        let out = serde_json::json!({
+            "name": bound.name,
+            "canonical": kivi_spec::canonical(&bound),
+            "hash": hash_hex(&bound),
+            "scheme_hash": hash_hex(&scheme),
+            "shape": {"q_heads": shape.q_heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim},
+            "bytes_per_token_per_head": {
+                "bytes": bytes,
+                "tokens": per,
+                "per_token": bytes as f64 / per as f64,
+                "key": cost(&k),
+                "value": cost(&v),
+                "f16": f16_tok,
+                "ratio": (f16_tok * per) as f64 / bytes as f64,
+            },
+            "context": args.context,
+            "f16_bytes": f16_ctx,
+            "footprint": {
+                "codes": foot.codes,
+                "scales": foot.scales,
+                "zeros": foot.zeros,
+                "windows": foot.windows,
+                "total": foot.total(),
+                "ratio": ratio(foot.total()),
+            },
+            "paged_cache": {
+                "block_tokens": block_tokens,
+                "memory": memory_json(&mem),
+                "ratio": ratio(mem.total),
+            },
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+
+    print!("{}", kivi_spec::canonical(&bound));
+    println!();
+    println!(
+        "hash      {} (of the scheme bound to {heads}, head_dim {head_dim})",
+        hash_hex(&bound)
+    );
+    if bound != scheme {
+        println!("          {} (as declared, without a shape)", hash_hex(&scheme));
+    }
+    println!();
+    println!("bytes per quantized token per KV head (exact, codes + scales + zeros):");
+    for (name, c) in [("key", &k), ("value", &v)] {
+        println!(
+            "  {name:5}  {:>8} = codes {} + scales {} + zeros {}",
+            exact(c.total(), per),
+            exact(c.codes, per),
+            exact(c.scales, per),
+            exact(c.zeros, per)
+        );
+    }
+    println!(
+        "  total  {:>8}   (f16: {f16_tok}; compression {:.2}x)",
+        exact(bytes, per),
+        (f16_tok * per) as f64 / bytes as f64
+    );
+    println!();
+    println!(
+        "at {} tokens, kv_heads = {} (f16 K+V: {f16_ctx} bytes):",
+        args.context, shape.kv_heads
+    );
+    println!(
+        "  payload      {:>12} bytes = codes {} + scales {} + zeros {} + windows {}   (compression {:.2}x)",
+        foot.total(),
+        foot.codes,
+        foot.scales,
+        foot.zeros,
+        foot.windows,
+        ratio(foot.total())
+    );
+    println!(
+        "  paged cache  {:>12} bytes = codes {} + scales {} + zeros {} + windows {} + tables {}   (compression {:.2}x; {} blocks of {block_tokens} tokens)",
+        mem.total,
+        mem.codes,
+        mem.scales,
+        mem.zeros,
+        mem.windows,
+        mem.tables,
+        ratio(mem.total),
+        mem.blocks_in_use
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kivi_spec::presets;
+
+    #[test]
+    fn kivi2_costs_96_bytes_split_48_48() {
+        let s = presets::kivi2().with_shape(Heads::Gqa { q: 32, kv: 8 }, 128).unwrap();
+        let ((bytes, per), k, v) = per_token(&s).unwrap();
+        assert_eq!(bytes, 96 * per);
+        assert_eq!((k.total(), v.total()), (48 * per, 48 * per));
+        assert_eq!((k.codes, k.scales, k.zeros), (32 * per, 8 * per, 8 * per));
+        assert_eq!((v.codes, v.scales, v.zeros), (32 * per, 8 * per, 8 * per));
+    }
+
+    #[test]
+    fn breakdown_agrees_with_layout_for_every_preset_and_shape() {
+        for p in presets::all() {
+            for (h, d) in [
+                (Heads::Mha(2), 64),
+                (Heads::Mqa(4), 96),
+                (Heads::Gqa { q: 8, kv: 2 }, 256),
+            ] {
+                let s = p.with_shape(h, d).unwrap();
+                per_token(&s).unwrap();
+            }
+        }
+        // 3-bit codes do not divide 32: 10 per word, a 96-channel row is 10 words.
+        let s = kivi_spec::parse_scheme(
+            "B { key: quant(bits = 3, axis = channel, group = 48), value: quant(bits = 3, axis = token, group = 32, scale = f32), head_dim: 96 }",
+        )
+        .unwrap()
+        .with_shape(Heads::Mha(1), 96)
+        .unwrap();
+        let ((_, per), k, v) = per_token(&s).unwrap();
+        assert_eq!(k.codes, per * 40);
+        assert_eq!(v.scales, per * 3 * 4);
+        assert_eq!(exact(k.scales, per), "4");
+    }
+
+    #[test]
+    fn heads_parse() {
+        assert_eq!(parse_heads("gqa:32:8"), Ok(Heads::Gqa { q: 32, kv: 8 }));
+        assert_eq!(parse_heads("mha:8"), Ok(Heads::Mha(8)));
+        assert_eq!(parse_heads("mqa:4"), Ok(Heads::Mqa(4)));
+        assert!(parse_heads("gqa:32").is_err());
+        assert!(parse_heads("gqa:x:8").is_err());
+    }
+
+    #[test]
+    fn paged_cache_allocation_matches_footprint_plus_overheads() {
+        let s = presets::kivi2().with_shape(Heads::Gqa { q: 4, kv: 2 }, 64).unwrap();
+        let (m, bt) = fill_paged(&s, 1000).unwrap();
+        let f = Footprint::for_tokens(&s, 1000);
+        // Blocks round up, windows are allocated at capacity: never less.
+        assert!(m.codes >= f.codes && m.windows >= f.windows);
+        let qk = kivi_spec::layout::regions(&s, Tensor::Key, 1000).quantized; // 864
+        let qv = kivi_spec::layout::regions(&s, Tensor::Value, 1000).quantized; // 872
+        assert_eq!(m.blocks_in_use, qk.max(qv).div_ceil(bt));
+        // 2 heads x (key + value) x 64 tokens x 4 words x 4 bytes per block
+        assert_eq!(m.codes, m.blocks_in_use * 2 * 2 * bt * 4 * 4);
+        assert_eq!(m.total, m.codes + m.scales + m.zeros + m.windows + m.tables);
+    }
 }

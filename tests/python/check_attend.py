@@ -1,0 +1,248 @@
+#!/usr/bin/env python3
+"""Checks `kivi attend` against the independent numpy implementation of
+DESIGN.md section 3 (numpy_ref.py).
+
+For each preset (kivi2, kivi4, int8, tok4, swapped2, kivi2_r0, f16), head
+layout (MHA, GQA 4:1, MQA) and odd length (1, 31, 33, 127, 1000) it writes
+random inputs as .npy (keys with a few large outlier channels, as real LLM
+keys have), runs `kivi attend` on both backends with `--dump-dequant`, and
+compares:
+  - the cache's dequantized K and V with numpy's: bit-exact, or at most one
+    f32 ulp apart;
+  - the attention output of each backend with numpy's: max abs error at most
+    1e-4 of max |reference|.
+Then a few extra cases: a batch with per-sequence lengths, --scale and
+--window overrides, float16 input files, and a scheme file using sinks,
+chunked flush, 3-bit codes, f32 scales and bf16 activations.
+
+Usage: check_attend.py [--kivi PATH] [--quick]
+The kivi binary defaults to $KIVI_BIN, else target/debug/kivi (honouring
+CARGO_TARGET_DIR). Prints one line per failure and a final
+"check_attend: N passed, M failed"; exits non-zero on any failure.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import numpy_ref as ref  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PRESETS = ["kivi2", "kivi4", "int8", "tok4", "swapped2", "kivi2_r0", "f16"]
+LENGTHS = [1, 31, 33, 127, 1000]
+LAYOUTS = {"mha": (4, 4), "gqa4:1": (8, 2), "mqa": (4, 1)}
+HEAD_DIM = 64
+REL_TOL = 1e-4
+
+
+class Checks:
+    def __init__(self):
+        self.passed = 0
+        self.failed = 0
+
+    def ok(self, cond, what):
+        if cond:
+            self.passed += 1
+        else:
+            self.failed += 1
+            print(f"FAIL {what}", flush=True)
+        return cond
+
+
+def default_bin():
+    if os.environ.get("KIVI_BIN"):
+        return os.environ["KIVI_BIN"]
+    target = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
+    if not os.path.isabs(target):
+        target = os.path.join(ROOT, target)
+    return os.path.join(target, "debug", "kivi")
+
+
+QUANT_RE = r"(full|quant\(bits = (\d+), axis = (\w+), group = (\d+), scale = (\w+)\))"
+
+
+def parse_summary(summary):
+    """A ref.Scheme from the one-line canonical form `kivi schemes` prints."""
+
+    def codec(field):
+        m = re.search(field + ": " + QUANT_RE, summary)
+        if m.group(1) == "full":
+            return None
+        return ref.Quant(int(m.group(2)), m.group(3), int(m.group(4)), m.group(5))
+
+    def field(name):
+        return re.search(name + r": (\w+)", summary).group(1)
+
+    return ref.Scheme(
+        key=codec("key"),
+        value=codec("value"),
+        residual=int(field("residual")),
+        sinks=int(field("sinks")),
+        flush=field("flush"),
+        dtype=field("dtype"),
+    )
+
+
+def presets(kivi):
+    out = subprocess.run([kivi, "schemes", "--json"], capture_output=True, text=True, check=True)
+    return {p["name"]: parse_summary(p["summary"]) for p in json.loads(out.stdout)}
+
+
+def inputs(rng, t, hq, hkv, d, batch=None):
+    """q [Hq, D], k and v [T, Hkv, D] (or with a leading batch axis)."""
+    lead = () if batch is None else (batch,)
+    q = rng.standard_normal(lead + (hq, d)).astype(np.float32)
+    k = rng.standard_normal(lead + (t, hkv, d)).astype(np.float32)
+    # A few key channels carry large, offset values, like the outlier
+    # channels of real LLM keys (the reason keys are quantized per channel).
+    for ch, (gain, shift) in {3: (8.0, 5.0), 17: (12.0, -9.0), d - 1: (6.0, 0.0)}.items():
+        k[..., ch] = k[..., ch] * np.float32(gain) + np.float32(shift)
+    v = rng.standard_normal(lead + (t, hkv, d)).astype(np.float32)
+    return q, k, v
+
+
+def ulps(a, b):
+    """Largest distance between a and b in units of the f32 spacing at b."""
+    if a.shape != b.shape:
+        return float("inf")
+    if a.size == 0:
+        return 0.0
+    return float(np.max(np.abs(a.astype(np.float64) - b) / np.spacing(np.abs(b).astype(np.float32) + np.float32(1e-30))))
+
+
+def rel_err(got, want):
+    if got.shape != want.shape:
+        return float("inf")
+    scale = max(float(np.max(np.abs(want))), 1e-30)
+    return float(np.max(np.abs(got.astype(np.float64) - want))) / scale
+
+
+class Runner:
+    def __init__(self, kivi, tmp, checks):
+        self.kivi, self.tmp, self.c = kivi, tmp, checks
+
+    def write(self, q, k, v, dtype=np.float32):
+        paths = {}
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            paths[name] = os.path.join(self.tmp, f"{name}.npy")
+            np.save(paths[name], x.astype(dtype))
+        return paths
+
+    def attend(self, what, scheme, paths, backend, extra=(), dump=False):
+        out = os.path.join(self.tmp, f"out-{backend}.npy")
+        cmd = [self.kivi, "attend", "--scheme", scheme, "--q", paths["q"], "--k", paths["k"], "--v", paths["v"],
+               "--out", out, "--backend", backend, "--json", *extra]
+        dump_dir = os.path.join(self.tmp, "dq")
+        if dump:
+            cmd += ["--dump-dequant", dump_dir]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if not self.c.ok(r.returncode == 0, f"{what} {backend}: kivi exited {r.returncode}: {r.stderr.strip()}"):
+            return None
+        summary = json.loads(r.stdout)
+        res = {"out": np.load(out), "summary": summary}
+        if dump:
+            res["k"] = np.load(os.path.join(dump_dir, "k.npy"))
+            res["v"] = np.load(os.path.join(dump_dir, "v.npy"))
+        return res
+
+    def compare(self, what, scheme_arg, s, q, k, v, extra=(), scale=None, window=None, dtype=np.float32):
+        """Runs both backends on one sequence and checks them against numpy."""
+        paths = self.write(q, k, v, dtype)
+        # numpy sees exactly what kivi read from the files
+        q, k, v = (np.load(paths[n]).astype(np.float32) for n in "qkv")
+        want, kview, vview = ref.attend(s, q, k, v, scale, window)
+        for backend in ("reference", "cpu"):
+            r = self.attend(what, scheme_arg, paths, backend, extra, dump=backend == "reference")
+            if r is None:
+                continue
+            e = rel_err(r["out"], want)
+            self.c.ok(e <= REL_TOL, f"{what} {backend}: attention rel err {e:.3g} > {REL_TOL}")
+            self.c.ok(r["summary"]["tokens"] == k.shape[0], f"{what} {backend}: summary tokens {r['summary']['tokens']}")
+            if "k" in r:
+                for name, got, exp in (("K", r["k"], kview), ("V", r["v"], vview)):
+                    u = ulps(got, exp)
+                    self.c.ok(u <= 1.0, f"{what}: dequantized {name} differs by {u:.3g} ulp")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kivi", default=default_bin())
+    ap.add_argument("--quick", action="store_true", help="lengths 1, 33 and 127 only")
+    args = ap.parse_args()
+    if not os.access(args.kivi, os.X_OK):
+        print(f"check_attend: no kivi binary at {args.kivi} (cargo build -p kivi-tuner, or set KIVI_BIN)")
+        return 2
+    checks = Checks()
+    rng = np.random.default_rng(20240521)
+    schemes = presets(args.kivi)
+    lengths = [1, 33, 127] if args.quick else LENGTHS
+    with tempfile.TemporaryDirectory(prefix="kivi-check-") as tmp:
+        run = Runner(args.kivi, tmp, checks)
+        for name in PRESETS:
+            if not checks.ok(name in schemes, f"preset {name} is listed by `kivi schemes`"):
+                continue
+            for layout, (hq, hkv) in LAYOUTS.items():
+                for t in lengths:
+                    q, k, v = inputs(rng, t, hq, hkv, HEAD_DIM)
+                    run.compare(f"{name} {layout} T={t}", name, schemes[name], q, k, v)
+
+        # --scale and --window override the scheme's attention parameters.
+        q, k, v = inputs(rng, 301, 8, 2, 128)
+        run.compare("kivi4 gqa4:1 T=301 D=128 --scale 0.0625 --window 100", "kivi4", schemes["kivi4"], q, k, v,
+                    extra=["--scale", "0.0625", "--window", "100"], scale=0.0625, window=100)
+
+        # float16 input files are widened to f32 on read.
+        q, k, v = inputs(rng, 127, 4, 1, 64)
+        run.compare("kivi2 mqa T=127 float16 files", "kivi2", schemes["kivi2"], q, k, v, dtype=np.float16)
+
+        # A scheme file: sinks, chunked flush, 3-bit codes, f32 scales, bf16.
+        text = """custom {
+            key: quant(bits = 3, axis = channel, group = 16, scale = f32),
+            value: quant(bits = 4, axis = token, group = 16),
+            residual: 32,
+            sinks: 4,
+            flush: chunked,
+            dtype: bf16,
+        }"""
+        custom = ref.Scheme(key=ref.Quant(3, "channel", 16, "f32"), value=ref.Quant(4, "token", 16, "f16"),
+                            residual=32, sinks=4, flush="chunked", dtype="bf16")
+        path = os.path.join(tmp, "custom.kivi")
+        with open(path, "w") as f:
+            f.write(text)
+        for t in (3, 37, 99, 230):
+            q, k, v = inputs(rng, t, 6, 2, 48)
+            run.compare(f"scheme file T={t}", path, custom, q, k, v)
+
+        # A batch with per-sequence lengths: padding never leaks in.
+        lens = [1, 33, 40, 0]
+        q, k, v = inputs(rng, 40, 8, 2, 64, batch=len(lens))
+        # Poison the padding: it must never be read.
+        for b, n in enumerate(lens):
+            k[b, n:] = np.float32(1e4)
+            v[b, n:] = np.float32(-1e4)
+        paths = run.write(q, k, v)
+        for backend in ("reference", "cpu"):
+            r = run.attend("batch", "kivi2", paths, backend, ["--lens", ",".join(map(str, lens))], dump=True)
+            if r is None:
+                continue
+            checks.ok(r["out"].shape == q.shape, f"batch {backend}: output shape {r['out'].shape}")
+            for b, n in enumerate(lens):
+                want, kview, _ = ref.attend(schemes["kivi2"], q[b], k[b, :n], v[b, :n])
+                e = rel_err(r["out"][b], want) if n else float(np.max(np.abs(r["out"][b])))
+                checks.ok(e <= REL_TOL, f"batch {backend} sequence {b} (T={n}): rel err {e:.3g}")
+                checks.ok(ulps(r["k"][b, :n], kview) <= 1.0, f"batch sequence {b}: dequantized K")
+            checks.ok(r["summary"]["tokens"] == sum(lens), f"batch {backend}: tokens {r['summary']['tokens']}")
+
+    print(f"check_attend: {checks.passed} passed, {checks.failed} failed")
+    return 1 if checks.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
