@@ -417,6 +417,18 @@ impl SimExtend {
         let v = variant.copied().unwrap_or_else(|| kivi_templates::default_variant(scheme, kernel));
         let g = generate_with(scheme, kernel, &v, opts).map_err(|e| Error::Config(e.to_string()))?;
         let lib = compile(&[&g])?;
+        let _ = shape;
+        SimExtend::with_library(scheme, g, lib)
+    }
+
+    /// A runner for an already generated prefill or append source `g`
+    /// compiled into `lib` (one library can hold many).
+    pub fn with_library(scheme: &Scheme, g: Generated, lib: Arc<SimLibrary>) -> Result<SimExtend> {
+        let shape = scheme.shape().ok_or_else(|| Error::Unbound(scheme.name.clone()))?;
+        let entry = g.entry_points.first().cloned().unwrap_or_default();
+        if !matches!(entry.as_str(), "kivi_prefill" | "kivi_append") || !lib.contains(&g, &entry) {
+            return Err(Error::Config(format!("{} is not a prefill or append kernel of this library", g.name)));
+        }
         Ok(SimExtend {
             scheme: scheme.clone(),
             shape,

@@ -96,3 +96,22 @@ pub fn rel_error(got: &[f32], want: &[f32]) -> f32 {
     let err = got.iter().zip(want).fold(0f32, |m, (g, w)| if g.is_nan() { f32::INFINITY } else { m.max((g - w).abs()) });
     err / scale
 }
+
+/// Schemes beyond the presets that exercise every corner of the templates:
+/// 1/3/8-bit codes, words that straddle token-axis groups, f32 scales,
+/// bf16/f32 activations, sinks, chunked flush, `full` tensors, odd shapes.
+pub fn extra_schemes() -> Vec<Scheme> {
+    let texts = [
+        "b3 { key: quant(bits = 3, axis = channel, group = 32), value: quant(bits = 3, axis = token, group = 16), residual: 32 }",
+        "b1 { key: quant(bits = 1, axis = channel, group = 16), value: quant(bits = 1, axis = token, group = 64), residual: 16 }",
+        "bf16 { key: quant(bits = 2, axis = channel, group = 32), value: quant(bits = 2, axis = token, group = 32), residual: 64, dtype: bf16 }",
+        "f32act { key: quant(bits = 4, axis = channel, group = 32), value: quant(bits = 4, axis = token, group = 32), residual: 48, dtype: f32 }",
+        "sinks { key: quant(bits = 2, axis = channel, group = 32), value: quant(bits = 2, axis = token, group = 32), residual: 64, sinks: 5 }",
+        "chunked { key: quant(bits = 2, axis = channel, group = 32), value: quant(bits = 2, axis = token, group = 32), residual: 64, flush: chunked }",
+        "f32scale { key: quant(bits = 4, axis = channel, group = 16, scale = f32), value: quant(bits = 8, axis = token, group = 16, scale = f32), residual: 24 }",
+        "tokgroup8 { key: quant(bits = 2, axis = token, group = 8), value: quant(bits = 4, axis = channel, group = 8), residual: 8, sinks: 2 }",
+        "fullkey { key: full, value: quant(bits = 2, axis = token, group = 32), residual: 16, dtype: bf16 }",
+        "window { key: quant(bits = 2, axis = channel, group = 32), value: quant(bits = 2, axis = token, group = 32), residual: 32, sliding_window: 100, softmax_scale: 0.0625 }",
+    ];
+    texts.iter().map(|t| kivi_spec::parse_scheme(t).unwrap()).collect()
+}
