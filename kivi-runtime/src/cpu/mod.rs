@@ -3,46 +3,111 @@
 //! Work is split over (sequence, KV head, split of the sequence) and run with
 //! rayon; each task reads its KV head's bytes once and serves all query heads
 //! of the GQA group from that pass, with an online softmax per tile of
-//! tokens. Splits are merged flash-decoding style. Nothing materialises f32
-//! K or V beyond one tile.
+//! tokens. Splits are merged flash-decoding style.
+//!
+//! Where the arithmetic happens (see [`kernel`] for the details):
+//! - channel-axis keys: the scale is folded into the query once per group of
+//!   `G` tokens (`q'_d = q_d s_d`) and the zero point into one constant per
+//!   query head (`sum_d q_d z_d`), so the inner loop multiplies the folded
+//!   query by the integer codes directly;
+//! - token-axis tensors and `full` tensors: rows are decoded in registers
+//!   (codes * s + z, f16/bf16 -> f32) and consumed at once;
+//! - rare combinations (1- and 3-bit codes, channel-axis values, groups that
+//!   are not a power of two) take a generic path that dequantizes a tile
+//!   with the cache's own row reader.
+//!
+//! The inner loops exist twice: AVX2 + FMA + F16C (chosen at run time with
+//! `is_x86_feature_detected!`) and a portable scalar version that is always
+//! compiled and tested. [`CpuParams::scalar`] or the environment variable
+//! `KIVI_CPU_SCALAR=1` (read once) force the scalar one.
+
+mod kernel;
+mod simd;
 
 use crate::backend::{check_batch, Backend};
 use crate::cache::{PagedCache, SeqId, SeqView};
 use crate::error::{Error, Result};
 use crate::quant::round_to_dtype;
 use crate::reference::AttnParams;
-use kivi_spec::Tensor;
 use rayon::prelude::*;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+pub use simd::Isa;
 
 /// Tunable parameters of the CPU kernel (the tuner searches these).
+///
+/// Build it with struct update syntax so that new fields keep their
+/// defaults: `CpuParams { splits: 3, ..CpuParams::default() }`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CpuParams {
     /// Splits of each sequence; `0` picks enough to keep every thread busy.
     pub splits: usize,
-    /// Tokens scored before each softmax rescale.
+    /// Tokens scored before each softmax rescale (1 to 4096).
     pub tile_tokens: usize,
     /// Worker threads; `0` uses rayon's global pool.
     pub threads: usize,
+    /// Force the portable scalar inner loops even where AVX2 is available.
+    pub scalar: bool,
 }
 
 impl Default for CpuParams {
     fn default() -> Self {
         CpuParams {
             splits: 0,
-            tile_tokens: 64,
+            tile_tokens: 32,
             threads: 0,
+            scalar: false,
         }
     }
 }
 
 impl CpuParams {
     /// A readable name, used in tuning tables and decision files.
+    ///
+    /// ```
+    /// use kivi_runtime::CpuParams;
+    /// assert_eq!(CpuParams::default().name(), "cpu/s0.t32.th0");
+    /// let p = CpuParams { splits: 3, scalar: true, ..CpuParams::default() };
+    /// assert_eq!(p.name(), "cpu/s3.t32.th0.scalar");
+    /// ```
     pub fn name(&self) -> String {
-        format!("cpu/s{}.t{}.th{}", self.splits, self.tile_tokens, self.threads)
+        format!(
+            "cpu/s{}.t{}.th{}{}",
+            self.splits,
+            self.tile_tokens,
+            self.threads,
+            if self.scalar { ".scalar" } else { "" }
+        )
+    }
+
+    /// The instruction set the inner loops will use for `head_dim`.
+    pub fn isa(&self, head_dim: usize) -> Isa {
+        Isa::select(self.scalar || env_scalar(), head_dim)
     }
 }
 
+/// `KIVI_CPU_SCALAR=1` forces the scalar path for the whole process.
+fn env_scalar() -> bool {
+    static ONCE: OnceLock<bool> = OnceLock::new();
+    *ONCE.get_or_init(|| std::env::var("KIVI_CPU_SCALAR").is_ok_and(|v| v == "1" || v == "true"))
+}
+
 /// Fused CPU decode attention.
+///
+/// ```
+/// use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, CpuParams, PagedCache};
+/// use kivi_spec::{presets, Heads};
+/// let s = presets::kivi2().with_shape(Heads::Gqa { q: 4, kv: 2 }, 32).unwrap();
+/// let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(512)).unwrap();
+/// let seq = cache.add_sequence();
+/// let k: Vec<f32> = (0..300 * 64).map(|i| (i as f32 * 0.1).sin()).collect();
+/// cache.extend(seq, &k, &k).unwrap();
+/// let q = vec![0.5f32; 4 * 32];
+/// let cpu = CpuBackend::new(CpuParams { splits: 2, ..CpuParams::default() }).unwrap();
+/// let out = cpu.decode(&cache, &[seq], &q, AttnParams::of(&s, s.shape().unwrap())).unwrap();
+/// assert_eq!(out.len(), 4 * 32);
+/// ```
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuBackend {
     pub params: CpuParams,
@@ -50,24 +115,46 @@ pub struct CpuBackend {
 
 /// Partial result of one split: running max, normaliser and unnormalised
 /// output for each query head of the group.
-struct Partial {
-    m: Vec<f32>,
-    l: Vec<f32>,
-    acc: Vec<f32>,
+pub(crate) struct Partial {
+    pub m: Vec<f32>,
+    pub l: Vec<f32>,
+    pub acc: Vec<f32>,
 }
 
-const MIN_SPLIT_TOKENS: usize = 256;
+/// A split shorter than this costs more in merging than it gains.
+const MIN_SPLIT_TOKENS: usize = 512;
 
 fn auto_splits(work: usize, tokens: usize, threads: usize) -> usize {
-    let want = (4 * threads).div_ceil(work.max(1));
+    // Two tasks per thread balance uneven lengths without many merges.
+    let want = (2 * threads).div_ceil(work.max(1));
     want.clamp(1, tokens.div_ceil(MIN_SPLIT_TOKENS).max(1))
 }
 
+/// Thread pools by size, built once: building one per call costs more than
+/// a short decode.
+fn pool(threads: usize) -> Result<Arc<rayon::ThreadPool>> {
+    static POOLS: OnceLock<Mutex<HashMap<usize, Arc<rayon::ThreadPool>>>> = OnceLock::new();
+    let mut map = POOLS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(p) = map.get(&threads) {
+        return Ok(p.clone());
+    }
+    let p = Arc::new(
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .map_err(|e| Error::Config(format!("cannot start {threads} threads: {e}")))?,
+    );
+    map.insert(threads, p.clone());
+    Ok(p)
+}
+
 impl CpuBackend {
+    /// A backend with checked parameters.
     pub fn new(params: CpuParams) -> Result<Self> {
-        if params.tile_tokens == 0 || params.tile_tokens > 4096 {
-            return Err(Error::Config(format!("tile_tokens = {} must be between 1 and 4096", params.tile_tokens)));
-        }
+        check_params(&params)?;
         Ok(CpuBackend { params })
     }
 
@@ -108,10 +195,10 @@ impl CpuBackend {
         } else {
             self.params.splits
         };
+        let plan = kernel::Plan::new(cache, self.params.isa(d), self.params.tile_tokens);
         let tasks: Vec<(usize, usize, usize)> = (0..seqs.len())
             .flat_map(|b| (0..hkv).flat_map(move |h| (0..splits).map(move |s| (b, h, s))))
             .collect();
-        let tile = self.params.tile_tokens;
         let partials: Vec<Partial> = tasks
             .par_iter()
             .map(|&(b, h, s)| {
@@ -120,7 +207,7 @@ impl CpuBackend {
                 let a = lo + len * s / splits;
                 let z = lo + len * (s + 1) / splits;
                 let qg = &qr[b * per + h * group * d..][..group * d];
-                split_attention(&views[b], h, qg, group, d, a, z, tile)
+                kernel::split_attention(&plan, &views[b], h, qg, a, z)
             })
             .collect();
         let mut out = vec![0f32; seqs.len() * hq * d];
@@ -154,50 +241,20 @@ impl CpuBackend {
     }
 }
 
-/// Online-softmax attention of `group` query heads (already scaled) over
-/// tokens `a..z` of KV head `h`.
-#[allow(clippy::too_many_arguments)]
-fn split_attention(view: &SeqView, h: usize, q: &[f32], group: usize, d: usize, a: usize, z: usize, tile: usize) -> Partial {
-    let mut m = vec![f32::NEG_INFINITY; group];
-    let mut l = vec![0f32; group];
-    let mut acc = vec![0f32; group * d];
-    let mut krow = vec![0f32; d];
-    let mut vrows = vec![0f32; tile * d];
-    let mut scores = vec![0f32; tile * group];
-    let mut t0 = a;
-    while t0 < z {
-        let n = tile.min(z - t0);
-        for i in 0..n {
-            view.row(Tensor::Key, t0 + i, h, &mut krow);
-            for g in 0..group {
-                let qg = &q[g * d..(g + 1) * d];
-                scores[i * group + g] = qg.iter().zip(&krow).map(|(x, y)| x * y).sum();
-            }
-            view.row(Tensor::Value, t0 + i, h, &mut vrows[i * d..(i + 1) * d]);
-        }
-        for g in 0..group {
-            let tm = (0..n).map(|i| scores[i * group + g]).fold(f32::NEG_INFINITY, f32::max);
-            let new_m = m[g].max(tm);
-            let corr = (m[g] - new_m).exp();
-            l[g] *= corr;
-            let ag = &mut acc[g * d..(g + 1) * d];
-            if corr != 1.0 {
-                for x in ag.iter_mut() {
-                    *x *= corr;
-                }
-            }
-            for i in 0..n {
-                let p = (scores[i * group + g] - new_m).exp();
-                l[g] += p;
-                for (x, v) in ag.iter_mut().zip(&vrows[i * d..(i + 1) * d]) {
-                    *x += p * v;
-                }
-            }
-            m[g] = new_m;
-        }
-        t0 += n;
+fn check_params(p: &CpuParams) -> Result<()> {
+    if p.tile_tokens == 0 || p.tile_tokens > 4096 {
+        return Err(Error::Config(format!(
+            "tile_tokens = {} must be between 1 and 4096",
+            p.tile_tokens
+        )));
     }
-    Partial { m, l, acc }
+    if p.splits > 65536 {
+        return Err(Error::Config(format!("splits = {} must be at most 65536", p.splits)));
+    }
+    if p.threads > 1024 {
+        return Err(Error::Config(format!("threads = {} must be at most 1024", p.threads)));
+    }
+    Ok(())
 }
 
 impl Backend for CpuBackend {
@@ -205,12 +262,10 @@ impl Backend for CpuBackend {
         "cpu"
     }
     fn decode(&self, cache: &PagedCache, seqs: &[SeqId], q: &[f32], attn: AttnParams) -> Result<Vec<f32>> {
+        // `params` is a public field: check it here too, not only in `new`.
+        check_params(&self.params)?;
         if self.params.threads > 0 {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(self.params.threads)
-                .build()
-                .map_err(|e| Error::Config(format!("cannot start {} threads: {e}", self.params.threads)))?;
-            pool.install(|| self.run(cache, seqs, q, attn))
+            pool(self.params.threads)?.install(|| self.run(cache, seqs, q, attn))
         } else {
             self.run(cache, seqs, q, attn)
         }

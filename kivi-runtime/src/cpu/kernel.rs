@@ -1,0 +1,490 @@
+//! One split of one (sequence, KV head): online-softmax attention of the
+//! whole GQA group over tokens `a..z`, one pass over the KV bytes.
+//!
+//! Tokens are visited in tiles of `tile_tokens`; inside a tile, each tensor
+//! is cut into *pieces*: runs of tokens that live in one place (sinks, one
+//! block, the window ring without wrapping) and, for channel-axis tensors,
+//! share one parameter group. A piece is handed to the inner loops
+//! ([`super::simd`]) as a row kind that reads its storage directly.
+//!
+//! Keys, channel axis (KIVI): for a group with scales `s_d` and zero points
+//! `z_d`, `q . k^_t = sum_d (q_d s_d) c_td + sum_d q_d z_d`; the folded query
+//! and the constant are computed once per group of `G` tokens and the inner
+//! loop multiplies by the integer codes. Everything else is decoded in
+//! registers (`c * s + z` with the reference's two roundings, f16/bf16
+//! widening) and consumed at once.
+
+use super::simd::{self, Bf16Rows, ChanRows, CodeRows, F16Rows, F32Rows, Isa, TokRows};
+use super::Partial;
+use crate::cache::{Loc, PagedCache, RawRows, SeqView};
+use kivi_spec::layout::TensorLayout;
+use kivi_spec::{Axis, Codec, Dtype, ScaleDtype, Tensor};
+
+/// How block-resident tokens of one tensor are read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// Rows in the activation dtype (`full` codec).
+    Full,
+    /// Channel-axis keys with the scale folded into the query (2/4/8 bits).
+    ChanFold { bits: u32, group: usize },
+    /// Channel-axis codes dequantized in registers (2/4/8 bits).
+    ChanDeq { bits: u32, group: usize },
+    /// Token-axis codes dequantized in registers (2/4/8 bits, power-of-two groups).
+    Tok { bits: u32, gshift: u32 },
+    /// Anything else: the cache's own row reader into an f32 tile.
+    Generic,
+}
+
+/// Per-call decisions shared by every task.
+pub(crate) struct Plan {
+    isa: Isa,
+    tile: usize,
+    sinks: usize,
+    hkv: usize,
+    d: usize,
+    group: usize,
+    block_tokens: usize,
+    dtype: Dtype,
+    kinds: [Kind; 2],
+    layouts: [TensorLayout; 2],
+    scale: [ScaleDtype; 2],
+}
+
+fn kind_of(codec: &Codec, t: Tensor, isa: Isa) -> Kind {
+    let q = match codec {
+        Codec::Full => return Kind::Full,
+        Codec::Quant(q) => q,
+    };
+    // Scales are read as little-endian halves of words; elsewhere the
+    // generic reader (which shifts) is right by construction.
+    if !matches!(q.bits, 2 | 4 | 8) || cfg!(target_endian = "big") {
+        return Kind::Generic;
+    }
+    let g = q.group as usize;
+    match (q.axis, t) {
+        (Axis::Channel, Tensor::Key) => Kind::ChanFold { bits: q.bits, group: g },
+        (Axis::Channel, Tensor::Value) => Kind::ChanDeq { bits: q.bits, group: g },
+        (Axis::Token, _) if g.is_power_of_two() && (isa == Isa::Scalar || g >= 8) => Kind::Tok {
+            bits: q.bits,
+            gshift: g.trailing_zeros(),
+        },
+        _ => Kind::Generic,
+    }
+}
+
+impl Plan {
+    pub fn new(cache: &PagedCache, isa: Isa, tile: usize) -> Plan {
+        let s = cache.scheme();
+        let shape = cache.shape();
+        let l = cache.layout();
+        Plan {
+            isa,
+            tile,
+            sinks: s.sinks as usize,
+            hkv: shape.kv_heads,
+            d: shape.head_dim,
+            group: shape.group_size(),
+            block_tokens: l.block_tokens,
+            dtype: s.dtype,
+            kinds: [kind_of(&s.key, Tensor::Key, isa), kind_of(&s.value, Tensor::Value, isa)],
+            layouts: [l.key, l.value],
+            scale: [
+                s.key.quant().map_or(ScaleDtype::F16, |q| q.scale),
+                s.value.quant().map_or(ScaleDtype::F16, |q| q.scale),
+            ],
+        }
+    }
+}
+
+fn ti(t: Tensor) -> usize {
+    match t {
+        Tensor::Key => 0,
+        Tensor::Value => 1,
+    }
+}
+
+/// The u16 halves of `words` in element order (low half first), as the
+/// layout stores f16/bf16 values.
+fn halves(words: &[u32]) -> &[u16] {
+    // SAFETY: u16 has weaker alignment than u32 and the length doubles; on a
+    // little-endian target element `i` is half `i % 2` of word `i / 2`, which
+    // is the layout's order (`kind_of` keeps big-endian targets off this path).
+    unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u16, words.len() * 2) }
+}
+
+fn as_f32(words: &[u32]) -> &[f32] {
+    // SAFETY: same size and alignment; every bit pattern is a valid f32.
+    unsafe { std::slice::from_raw_parts(words.as_ptr() as *const f32, words.len()) }
+}
+
+/// Parameters `i0..i0 + out.len()` of a scale or zero section, as f32.
+fn read_params(isa: Isa, section: &[u32], dtype: ScaleDtype, i0: usize, out: &mut [f32]) {
+    match dtype {
+        ScaleDtype::F16 => simd::f16_to_f32(isa, &halves(section)[i0..i0 + out.len()], out),
+        ScaleDtype::F32 => out.copy_from_slice(&as_f32(section)[i0..i0 + out.len()]),
+    }
+}
+
+/// What one piece of a tile does with its rows.
+enum Op<'s> {
+    /// `scores[i * group + h] = q_h . row_i` (keys).
+    Score { q: &'s [f32], out: &'s mut [f32] },
+    /// `acc_h += p[i * group + h] * row_i` (values).
+    Accum { p: &'s [f32], acc: &'s mut [f32] },
+}
+
+/// Scratch buffers of one task, reused across tiles.
+struct Scratch {
+    /// Folded query and constants of the current key group, and which group.
+    qf: Vec<f32>,
+    cst: Vec<f32>,
+    key_group: Option<(u32, usize)>,
+    /// Key group parameters (only while folding them).
+    cs: Vec<f32>,
+    cz: Vec<f32>,
+    /// Per-channel parameters of the current channel-axis value group.
+    vs: Vec<f32>,
+    vz: Vec<f32>,
+    value_group: Option<(u32, usize)>,
+    /// Per-token parameters of a token-axis piece.
+    ts: Vec<f32>,
+    tz: Vec<f32>,
+    /// Dequantized rows for the generic path.
+    rows: Vec<f32>,
+}
+
+/// Runs `op` over rows `0..n`, applying the instruction set of the plan.
+fn apply<R: simd::Rows>(plan: &Plan, rows: &R, n: usize, op: &mut Op) {
+    let (isa, d, g) = (plan.isa, plan.d, plan.group);
+    match op {
+        Op::Score { q, out } => simd::dot(isa, rows, n, d, q, g, out, g),
+        Op::Accum { p, acc } => simd::axpy(isa, rows, n, d, p, g, g, acc),
+    }
+}
+
+/// Raw sink or window rows `slot..slot + n` of KV head `h`.
+fn raw_rows(plan: &Plan, raw: RawRows, slot: usize, h: usize, n: usize, op: &mut Op) {
+    let (d, stride) = (plan.d, plan.hkv * plan.d);
+    let base = (slot * plan.hkv + h) * d;
+    match raw {
+        RawRows::Bits16(data) if plan.dtype == Dtype::Bf16 => apply(plan, &Bf16Rows { data, base, stride }, n, op),
+        RawRows::Bits16(data) => apply(plan, &F16Rows { data, base, stride }, n, op),
+        RawRows::F32(data) => apply(plan, &F32Rows { data, base, stride }, n, op),
+    }
+}
+
+/// Calls `f(p, n, loc)` for consecutive pieces covering tokens `p0..p1` of `t`.
+fn pieces(plan: &Plan, view: &SeqView, t: Tensor, p0: usize, p1: usize, mut f: impl FnMut(usize, usize, Loc)) {
+    let quantized = view.quantized(t);
+    let cap = view.ring_capacity(t);
+    let chan_group = match plan.kinds[ti(t)] {
+        Kind::ChanFold { group, .. } | Kind::ChanDeq { group, .. } => group,
+        _ => usize::MAX,
+    };
+    let mut p = p0;
+    while p < p1 {
+        let loc = view.locate(t, p);
+        let n = match loc {
+            Loc::Sink(s) => (plan.sinks - s).min(p1 - p),
+            Loc::Block(_, off) => {
+                let j = p - plan.sinks;
+                let mut n = (quantized - j).min(plan.block_tokens - off).min(p1 - p);
+                if chan_group != usize::MAX {
+                    n = n.min(chan_group - off % chan_group);
+                }
+                n
+            }
+            Loc::Window(slot) => (cap - slot).min(p1 - p),
+        };
+        f(p, n, loc);
+        p += n;
+    }
+}
+
+/// Runs `op` over tokens `p0..p0 + n` of tensor `t` (one tile).
+#[allow(clippy::too_many_arguments)]
+fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: usize, op: &mut Op, sc: &mut Scratch) {
+    let (d, g) = (plan.d, plan.group);
+    let i = ti(t);
+    pieces(plan, view, t, p0, p0 + n, |p, len, loc| {
+        // The slice of the op's output or input for this piece.
+        let at = (p - p0) * g;
+        let mut sub = match op {
+            Op::Score { q, out } => Op::Score {
+                q: &q[..],
+                out: &mut out[at..],
+            },
+            Op::Accum { p: pr, acc } => Op::Accum {
+                p: &pr[at..],
+                acc: &mut acc[..],
+            },
+        };
+        match loc {
+            Loc::Sink(s) => raw_rows(plan, view.sinks_raw(t), s, h, len, &mut sub),
+            Loc::Window(w) => raw_rows(plan, view.ring_raw(t), w, h, len, &mut sub),
+            Loc::Block(b, off) => {
+                let part = view.block_part(b, h, t);
+                let tl = &plan.layouts[i];
+                let wpt = tl.words_per_token;
+                let scales = &part[tl.scales_offset..tl.scales_offset + tl.param_words];
+                let zeros = &part[tl.zeros_offset..tl.zeros_offset + tl.param_words];
+                let base = off * wpt;
+                match plan.kinds[i] {
+                    Kind::Full => {
+                        let rows = &part[..tl.codes_words()];
+                        match plan.dtype {
+                            Dtype::F32 => apply(
+                                plan,
+                                &F32Rows {
+                                    data: as_f32(rows),
+                                    base,
+                                    stride: wpt,
+                                },
+                                len,
+                                &mut sub,
+                            ),
+                            Dtype::Bf16 => {
+                                let r = Bf16Rows {
+                                    data: halves(rows),
+                                    base: 2 * base,
+                                    stride: 2 * wpt,
+                                };
+                                apply(plan, &r, len, &mut sub)
+                            }
+                            Dtype::F16 => {
+                                let r = F16Rows {
+                                    data: halves(rows),
+                                    base: 2 * base,
+                                    stride: 2 * wpt,
+                                };
+                                apply(plan, &r, len, &mut sub)
+                            }
+                        }
+                    }
+                    Kind::ChanFold { bits, group } => {
+                        let key = (b, off / group);
+                        if sc.key_group != Some(key) {
+                            // Fold this group's scales into the query, its
+                            // zero points into one constant per head.
+                            let i0 = tl.param_index(off, 0);
+                            read_params(plan.isa, scales, plan.scale[i], i0, &mut sc.cs);
+                            read_params(plan.isa, zeros, plan.scale[i], i0, &mut sc.cz);
+                            let Op::Score { q, .. } = &sub else {
+                                unreachable!("folding is for keys")
+                            };
+                            for hh in 0..g {
+                                let qh = &q[hh * d..(hh + 1) * d];
+                                for ((f, x), s) in sc.qf[hh * d..(hh + 1) * d].iter_mut().zip(qh).zip(&sc.cs) {
+                                    *f = x * s;
+                                }
+                                sc.cst[hh] = qh.iter().zip(&sc.cz).map(|(x, z)| x * z).sum();
+                            }
+                            sc.key_group = Some(key);
+                        }
+                        let Op::Score { out, .. } = &mut sub else {
+                            unreachable!("folding is for keys")
+                        };
+                        let qf = &sc.qf;
+                        let mut folded = Op::Score {
+                            q: qf,
+                            out: &mut out[..],
+                        };
+                        match bits {
+                            2 => apply(plan, &CodeRows::<2> { words: part, base, wpt }, len, &mut folded),
+                            4 => apply(plan, &CodeRows::<4> { words: part, base, wpt }, len, &mut folded),
+                            _ => apply(plan, &CodeRows::<8> { words: part, base, wpt }, len, &mut folded),
+                        }
+                        if let Op::Score { out, .. } = folded {
+                            for r in 0..len {
+                                for (o, c) in out[r * g..(r + 1) * g].iter_mut().zip(&sc.cst) {
+                                    *o += c;
+                                }
+                            }
+                        }
+                    }
+                    Kind::ChanDeq { bits, group } => {
+                        let key = (b, off / group);
+                        if sc.value_group != Some(key) {
+                            let i0 = tl.param_index(off, 0);
+                            read_params(plan.isa, scales, plan.scale[i], i0, &mut sc.vs);
+                            read_params(plan.isa, zeros, plan.scale[i], i0, &mut sc.vz);
+                            sc.value_group = Some(key);
+                        }
+                        let (s, z) = (&sc.vs[..], &sc.vz[..]);
+                        match bits {
+                            2 => apply(
+                                plan,
+                                &ChanRows::<2> {
+                                    codes: CodeRows { words: part, base, wpt },
+                                    s,
+                                    z,
+                                },
+                                len,
+                                &mut sub,
+                            ),
+                            4 => apply(
+                                plan,
+                                &ChanRows::<4> {
+                                    codes: CodeRows { words: part, base, wpt },
+                                    s,
+                                    z,
+                                },
+                                len,
+                                &mut sub,
+                            ),
+                            _ => apply(
+                                plan,
+                                &ChanRows::<8> {
+                                    codes: CodeRows { words: part, base, wpt },
+                                    s,
+                                    z,
+                                },
+                                len,
+                                &mut sub,
+                            ),
+                        }
+                    }
+                    Kind::Tok { bits, gshift } => {
+                        let ng = d >> gshift;
+                        let i0 = tl.param_index(off, 0);
+                        sc.ts.resize(len * ng, 0.0);
+                        sc.tz.resize(len * ng, 0.0);
+                        read_params(plan.isa, scales, plan.scale[i], i0, &mut sc.ts);
+                        read_params(plan.isa, zeros, plan.scale[i], i0, &mut sc.tz);
+                        let (s, z) = (&sc.ts[..], &sc.tz[..]);
+                        match bits {
+                            2 => apply(
+                                plan,
+                                &TokRows::<2> {
+                                    codes: CodeRows { words: part, base, wpt },
+                                    s,
+                                    z,
+                                    ng,
+                                    gshift,
+                                },
+                                len,
+                                &mut sub,
+                            ),
+                            4 => apply(
+                                plan,
+                                &TokRows::<4> {
+                                    codes: CodeRows { words: part, base, wpt },
+                                    s,
+                                    z,
+                                    ng,
+                                    gshift,
+                                },
+                                len,
+                                &mut sub,
+                            ),
+                            _ => apply(
+                                plan,
+                                &TokRows::<8> {
+                                    codes: CodeRows { words: part, base, wpt },
+                                    s,
+                                    z,
+                                    ng,
+                                    gshift,
+                                },
+                                len,
+                                &mut sub,
+                            ),
+                        }
+                    }
+                    Kind::Generic => {
+                        sc.rows.resize(len * d, 0.0);
+                        for r in 0..len {
+                            view.row(t, p + r, h, &mut sc.rows[r * d..(r + 1) * d]);
+                        }
+                        apply(
+                            plan,
+                            &F32Rows {
+                                data: &sc.rows,
+                                base: 0,
+                                stride: d,
+                            },
+                            len,
+                            &mut sub,
+                        );
+                    }
+                }
+            }
+        }
+    });
+}
+
+impl Scratch {
+    fn new(plan: &Plan) -> Scratch {
+        let (d, g) = (plan.d, plan.group);
+        Scratch {
+            qf: vec![0.0; g * d],
+            cst: vec![0.0; g],
+            key_group: None,
+            cs: vec![0.0; d],
+            cz: vec![0.0; d],
+            vs: vec![0.0; d],
+            vz: vec![0.0; d],
+            value_group: None,
+            ts: Vec::new(),
+            tz: Vec::new(),
+            rows: Vec::new(),
+        }
+    }
+}
+
+/// Online-softmax attention of the `group` query heads in `q` (already
+/// scaled by the softmax scale) over tokens `a..z` of KV head `h`.
+pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], a: usize, z: usize) -> Partial {
+    let (d, g) = (plan.d, plan.group);
+    let mut m = vec![f32::NEG_INFINITY; g];
+    let mut l = vec![0f32; g];
+    let mut acc = vec![0f32; g * d];
+    let tile = plan.tile.max(1);
+    let mut scores = vec![0f32; tile * g];
+    let mut sc = Scratch::new(plan);
+    let mut t0 = a;
+    while t0 < z {
+        let n = tile.min(z - t0);
+        let s = &mut scores[..n * g];
+        run_tensor(plan, view, Tensor::Key, h, t0, n, &mut Op::Score { q, out: s }, &mut sc);
+        for hh in 0..g {
+            let tm = (0..n).map(|i| s[i * g + hh]).fold(f32::NEG_INFINITY, f32::max);
+            let new_m = m[hh].max(tm);
+            let corr = if m[hh] == f32::NEG_INFINITY {
+                0.0
+            } else {
+                (m[hh] - new_m).exp()
+            };
+            if corr != 1.0 {
+                l[hh] *= corr;
+                for x in &mut acc[hh * d..(hh + 1) * d] {
+                    *x *= corr;
+                }
+            }
+            m[hh] = new_m;
+        }
+        for row in s.chunks_exact_mut(g) {
+            for (x, mm) in row.iter_mut().zip(&m) {
+                *x -= mm;
+            }
+        }
+        simd::exp_le0(plan.isa, s);
+        for row in s.chunks_exact(g) {
+            for (li, p) in l.iter_mut().zip(row) {
+                *li += p;
+            }
+        }
+        run_tensor(
+            plan,
+            view,
+            Tensor::Value,
+            h,
+            t0,
+            n,
+            &mut Op::Accum { p: s, acc: &mut acc },
+            &mut sc,
+        );
+        t0 += n;
+    }
+    Partial { m, l, acc }
+}

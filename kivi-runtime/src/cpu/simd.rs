@@ -1,0 +1,530 @@
+//! Inner loops of the CPU kernel, twice: portable scalar code (always
+//! compiled, always tested) and AVX2 + FMA + F16C, selected at run time.
+//!
+//! Both are written against [`Rows`]: a tile of `n` token rows of `D`
+//! values, however they are stored (f16, bf16, f32, packed codes, codes with
+//! per-token or per-channel parameters). A row kind only says how to read
+//! one value (`get`) or eight consecutive values (`get8`, AVX2); the two
+//! kernels — scores `q . row` for a block of query heads, and
+//! `acc += p * row` — are generic over it, so each storage format costs one
+//! small impl and is fused into the arithmetic (no f32 copy of the tile).
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// Which inner loops a call uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Isa {
+    /// Portable scalar code.
+    Scalar,
+    /// AVX2 + FMA + F16C (x86-64, detected at run time).
+    Avx2,
+}
+
+impl Isa {
+    /// The best available instruction set, unless `force_scalar`. The AVX2
+    /// loops read rows eight channels at a time, so they need `head_dim % 8 == 0`.
+    pub fn select(force_scalar: bool, head_dim: usize) -> Isa {
+        if force_scalar || !head_dim.is_multiple_of(8) || !avx2_available() {
+            Isa::Scalar
+        } else {
+            Isa::Avx2
+        }
+    }
+
+    /// `scalar` or `avx2`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx2_available() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx2_available() -> bool {
+    false
+}
+
+/// A tile of token rows, `D` values each.
+pub(crate) trait Rows {
+    /// Whether rows `0..n` of `d` values lie inside the backing slices; the
+    /// AVX2 loops read without bounds checks once this holds.
+    fn fits(&self, n: usize, d: usize) -> bool;
+    /// Value `k` of row `i`.
+    fn get(&self, i: usize, k: usize) -> f32;
+    /// Values `8c..8c+8` of row `i`.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C are available and `fits(n, d)` holds with `i < n`, `8c + 8 <= d`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn get8(&self, i: usize, c: usize) -> __m256;
+}
+
+/// Rows stored as f16 bits, `stride` elements apart.
+pub(crate) struct F16Rows<'a> {
+    pub data: &'a [u16],
+    pub base: usize,
+    pub stride: usize,
+}
+
+/// Rows stored as bf16 bits.
+pub(crate) struct Bf16Rows<'a> {
+    pub data: &'a [u16],
+    pub base: usize,
+    pub stride: usize,
+}
+
+/// Rows stored as f32.
+pub(crate) struct F32Rows<'a> {
+    pub data: &'a [f32],
+    pub base: usize,
+    pub stride: usize,
+}
+
+/// Packed codes read as plain numbers `0..2^BITS` (the parameters are folded
+/// elsewhere). `BITS` is 2, 4 or 8; a row is `wpt` words.
+pub(crate) struct CodeRows<'a, const BITS: u32> {
+    pub words: &'a [u32],
+    pub base: usize,
+    pub wpt: usize,
+}
+
+/// Token-axis codes dequantized on the fly: `c * s + z` with one `(s, z)`
+/// per token per group of `2^gshift` channels (`s`, `z` are `[n][d >> gshift]`).
+pub(crate) struct TokRows<'a, const BITS: u32> {
+    pub codes: CodeRows<'a, BITS>,
+    pub s: &'a [f32],
+    pub z: &'a [f32],
+    /// Groups per token, `d >> gshift`.
+    pub ng: usize,
+    pub gshift: u32,
+}
+
+/// Channel-axis codes dequantized on the fly: `c * s_k + z_k` with one
+/// `(s, z)` per channel (all rows in one group).
+pub(crate) struct ChanRows<'a, const BITS: u32> {
+    pub codes: CodeRows<'a, BITS>,
+    pub s: &'a [f32],
+    pub z: &'a [f32],
+}
+
+fn span_fits(len: usize, base: usize, stride: usize, n: usize, width: usize) -> bool {
+    n == 0 || base + (n - 1) * stride + width <= len
+}
+
+impl Rows for F16Rows<'_> {
+    fn fits(&self, n: usize, d: usize) -> bool {
+        span_fits(self.data.len(), self.base, self.stride, n, d)
+    }
+    #[inline(always)]
+    fn get(&self, i: usize, k: usize) -> f32 {
+        half::f16::from_bits(self.data[self.base + i * self.stride + k]).to_f32()
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn get8(&self, i: usize, c: usize) -> __m256 {
+        let p = self.data.as_ptr().add(self.base + i * self.stride + 8 * c);
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+}
+
+impl Rows for Bf16Rows<'_> {
+    fn fits(&self, n: usize, d: usize) -> bool {
+        span_fits(self.data.len(), self.base, self.stride, n, d)
+    }
+    #[inline(always)]
+    fn get(&self, i: usize, k: usize) -> f32 {
+        half::bf16::from_bits(self.data[self.base + i * self.stride + k]).to_f32()
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn get8(&self, i: usize, c: usize) -> __m256 {
+        let p = self.data.as_ptr().add(self.base + i * self.stride + 8 * c);
+        let w = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w))
+    }
+}
+
+impl Rows for F32Rows<'_> {
+    fn fits(&self, n: usize, d: usize) -> bool {
+        span_fits(self.data.len(), self.base, self.stride, n, d)
+    }
+    #[inline(always)]
+    fn get(&self, i: usize, k: usize) -> f32 {
+        self.data[self.base + i * self.stride + k]
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn get8(&self, i: usize, c: usize) -> __m256 {
+        _mm256_loadu_ps(self.data.as_ptr().add(self.base + i * self.stride + 8 * c))
+    }
+}
+
+impl<const BITS: u32> CodeRows<'_, BITS> {
+    #[inline(always)]
+    fn code(&self, i: usize, k: usize) -> u32 {
+        let per = (32 / BITS) as usize;
+        let w = self.words[self.base + i * self.wpt + k / per];
+        (w >> ((k % per) as u32 * BITS)) & ((1u32 << BITS) - 1)
+    }
+    /// Codes `8c..8c+8` of row `i` as i32 lanes.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn codes8(&self, i: usize, c: usize) -> __m256i {
+        let row = self.words.as_ptr().add(self.base + i * self.wpt);
+        match BITS {
+            2 => {
+                // 16 codes per word: chunk c is the low or high half of word c/2.
+                let w = _mm256_set1_epi32(*row.add(c / 2) as i32);
+                let sh = _mm256_add_epi32(
+                    _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14),
+                    _mm256_set1_epi32(16 * (c & 1) as i32),
+                );
+                _mm256_and_si256(_mm256_srlv_epi32(w, sh), _mm256_set1_epi32(3))
+            }
+            4 => {
+                let w = _mm256_set1_epi32(*row.add(c) as i32);
+                let sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+                _mm256_and_si256(_mm256_srlv_epi32(w, sh), _mm256_set1_epi32(15))
+            }
+            8 => {
+                let p = (row as *const u8).add(8 * c);
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i))
+            }
+            _ => unreachable!("the plan only builds code rows of 2, 4 or 8 bits"),
+        }
+    }
+}
+
+impl<const BITS: u32> Rows for CodeRows<'_, BITS> {
+    fn fits(&self, n: usize, d: usize) -> bool {
+        span_fits(
+            self.words.len(),
+            self.base,
+            self.wpt,
+            n,
+            d.div_ceil((32 / BITS) as usize),
+        )
+    }
+    #[inline(always)]
+    fn get(&self, i: usize, k: usize) -> f32 {
+        self.code(i, k) as f32
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn get8(&self, i: usize, c: usize) -> __m256 {
+        _mm256_cvtepi32_ps(self.codes8(i, c))
+    }
+}
+
+impl<const BITS: u32> Rows for TokRows<'_, BITS> {
+    fn fits(&self, n: usize, d: usize) -> bool {
+        self.codes.fits(n, d) && self.s.len() >= n * self.ng && self.z.len() >= n * self.ng
+    }
+    #[inline(always)]
+    fn get(&self, i: usize, k: usize) -> f32 {
+        // The §3 decode `c * s + z`: two roundings, as in the reference.
+        let j = i * self.ng + (k >> self.gshift);
+        self.codes.get(i, k) * self.s[j] + self.z[j]
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn get8(&self, i: usize, c: usize) -> __m256 {
+        // A chunk of 8 never straddles groups: the plan takes this path only
+        // for power-of-two groups of at least 8 channels.
+        let j = i * self.ng + ((8 * c) >> self.gshift);
+        let x = self.codes.get8(i, c);
+        _mm256_add_ps(
+            _mm256_mul_ps(x, _mm256_set1_ps(*self.s.get_unchecked(j))),
+            _mm256_set1_ps(*self.z.get_unchecked(j)),
+        )
+    }
+}
+
+impl<const BITS: u32> Rows for ChanRows<'_, BITS> {
+    fn fits(&self, n: usize, d: usize) -> bool {
+        self.codes.fits(n, d) && self.s.len() >= d && self.z.len() >= d
+    }
+    #[inline(always)]
+    fn get(&self, i: usize, k: usize) -> f32 {
+        self.codes.get(i, k) * self.s[k] + self.z[k]
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn get8(&self, i: usize, c: usize) -> __m256 {
+        let x = self.codes.get8(i, c);
+        let s = _mm256_loadu_ps(self.s.as_ptr().add(8 * c));
+        let z = _mm256_loadu_ps(self.z.as_ptr().add(8 * c));
+        _mm256_add_ps(_mm256_mul_ps(x, s), z)
+    }
+}
+
+/// `out[i * ostride + h] = sum_k q[h * d + k] * row_i[k]` for `heads` query
+/// heads and rows `0..n`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dot<R: Rows>(
+    isa: Isa,
+    r: &R,
+    n: usize,
+    d: usize,
+    q: &[f32],
+    heads: usize,
+    out: &mut [f32],
+    ostride: usize,
+) {
+    if n == 0 || heads == 0 {
+        return;
+    }
+    assert!(r.fits(n, d) && q.len() >= heads * d && out.len() >= (n - 1) * ostride + heads);
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => {
+            assert!(d.is_multiple_of(8) && avx2_available());
+            let mut h0 = 0;
+            while h0 < heads {
+                let rem = heads - h0;
+                let (qp, op) = (q[h0 * d..].as_ptr(), out[h0..].as_mut_ptr());
+                // SAFETY: features checked above; `fits` and the length
+                // asserts bound every read and write.
+                unsafe {
+                    h0 += if rem >= 4 {
+                        avx2::dot::<R, 4>(r, n, d, qp, op, ostride)
+                    } else if rem >= 2 {
+                        avx2::dot::<R, 2>(r, n, d, qp, op, ostride)
+                    } else {
+                        avx2::dot::<R, 1>(r, n, d, qp, op, ostride)
+                    };
+                }
+            }
+        }
+        _ => {
+            for i in 0..n {
+                for h in 0..heads {
+                    let qh = &q[h * d..(h + 1) * d];
+                    let mut s = 0f32;
+                    for (k, x) in qh.iter().enumerate() {
+                        s += x * r.get(i, k);
+                    }
+                    out[i * ostride + h] = s;
+                }
+            }
+        }
+    }
+}
+
+/// `acc[h * d + k] += p[i * pstride + h] * row_i[k]` for `heads` query heads
+/// and rows `0..n`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn axpy<R: Rows>(
+    isa: Isa,
+    r: &R,
+    n: usize,
+    d: usize,
+    p: &[f32],
+    pstride: usize,
+    heads: usize,
+    acc: &mut [f32],
+) {
+    if n == 0 || heads == 0 {
+        return;
+    }
+    assert!(r.fits(n, d) && acc.len() >= heads * d && p.len() >= (n - 1) * pstride + heads);
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => {
+            assert!(d.is_multiple_of(8) && avx2_available());
+            let mut h0 = 0;
+            while h0 < heads {
+                let rem = heads - h0;
+                let (pp, ap) = (p[h0..].as_ptr(), acc[h0 * d..].as_mut_ptr());
+                // SAFETY: as in `dot`.
+                unsafe {
+                    h0 += if rem >= 4 {
+                        avx2::axpy::<R, 4>(r, n, d, pp, pstride, ap)
+                    } else if rem >= 2 {
+                        avx2::axpy::<R, 2>(r, n, d, pp, pstride, ap)
+                    } else {
+                        avx2::axpy::<R, 1>(r, n, d, pp, pstride, ap)
+                    };
+                }
+            }
+        }
+        _ => {
+            for i in 0..n {
+                for h in 0..heads {
+                    let w = p[i * pstride + h];
+                    for (k, a) in acc[h * d..(h + 1) * d].iter_mut().enumerate() {
+                        *a += w * r.get(i, k);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// f16 bits to f32.
+pub(crate) fn f16_to_f32(isa: Isa, src: &[u16], dst: &mut [f32]) {
+    let n = src.len().min(dst.len());
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && avx2_available() {
+        // SAFETY: F16C checked; every chunk lies inside both slices.
+        unsafe { done = avx2::f16_to_f32(&src[..n], &mut dst[..n]) };
+    }
+    let _ = isa;
+    for i in done..n {
+        dst[i] = half::f16::from_bits(src[i]).to_f32();
+    }
+}
+
+/// `x <- exp(x)` for `x <= 0` (softmax terms after subtracting the max).
+pub(crate) fn exp_le0(isa: Isa, x: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && avx2_available() {
+        // SAFETY: features checked.
+        unsafe { avx2::exp_le0(x) };
+        return;
+    }
+    let _ = isa;
+    exp_body(x);
+}
+
+/// Cody-Waite range reduction and a degree-7 Taylor polynomial: relative
+/// error about 1e-7 on `[-87, 0]`, below that the result is 0-ish (the
+/// reference's `exp` would give at most 1.7e-38 there). Plain arithmetic, so
+/// that LLVM vectorises it under whatever target features the caller has.
+#[inline(always)]
+fn exp_body(x: &mut [f32]) {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    for v in x.iter_mut() {
+        let a = v.max(-87.0);
+        let y = a * LOG2E + MAGIC;
+        let n_int = y.to_bits().wrapping_sub(MAGIC.to_bits()) as i32;
+        let n = y - MAGIC;
+        let r = a - n * LN2_HI - n * LN2_LO;
+        let mut p = 1.0 / 5040.0;
+        p = p * r + 1.0 / 720.0;
+        p = p * r + 1.0 / 120.0;
+        p = p * r + 1.0 / 24.0;
+        p = p * r + 1.0 / 6.0;
+        p = p * r + 0.5;
+        p = p * r + 1.0;
+        p = p * r + 1.0;
+        *v = p * f32::from_bits(((n_int + 127) as u32) << 23);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)] // indexes walk arrays of registers in step
+mod avx2 {
+    use super::Rows;
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let sh = _mm_movehdup_ps(s);
+        let s2 = _mm_add_ps(s, sh);
+        _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehl_ps(sh, s2)))
+    }
+
+    /// Scores of `NH` heads; two rows at a time so that each query chunk
+    /// loaded from L1 feeds two FMAs. Returns `NH`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot<R: Rows, const NH: usize>(
+        r: &R,
+        n: usize,
+        d: usize,
+        q: *const f32,
+        out: *mut f32,
+        ostride: usize,
+    ) -> usize {
+        let chunks = d / 8;
+        let mut i = 0;
+        while i + 2 <= n {
+            let mut a0 = [_mm256_setzero_ps(); NH];
+            let mut a1 = [_mm256_setzero_ps(); NH];
+            for c in 0..chunks {
+                let x0 = r.get8(i, c);
+                let x1 = r.get8(i + 1, c);
+                for h in 0..NH {
+                    let qv = _mm256_loadu_ps(q.add(h * d + 8 * c));
+                    a0[h] = _mm256_fmadd_ps(qv, x0, a0[h]);
+                    a1[h] = _mm256_fmadd_ps(qv, x1, a1[h]);
+                }
+            }
+            for h in 0..NH {
+                *out.add(i * ostride + h) = hsum(a0[h]);
+                *out.add((i + 1) * ostride + h) = hsum(a1[h]);
+            }
+            i += 2;
+        }
+        if i < n {
+            let mut a0 = [_mm256_setzero_ps(); NH];
+            for c in 0..chunks {
+                let x0 = r.get8(i, c);
+                for h in 0..NH {
+                    a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(h * d + 8 * c)), x0, a0[h]);
+                }
+            }
+            for h in 0..NH {
+                *out.add(i * ostride + h) = hsum(a0[h]);
+            }
+        }
+        NH
+    }
+
+    /// `acc += p * row` for `NH` heads: one chunk of 8 channels of every
+    /// head stays in registers while the rows stream past. Returns `NH`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn axpy<R: Rows, const NH: usize>(
+        r: &R,
+        n: usize,
+        d: usize,
+        p: *const f32,
+        pstride: usize,
+        acc: *mut f32,
+    ) -> usize {
+        for c in 0..d / 8 {
+            let mut a = [_mm256_setzero_ps(); NH];
+            for h in 0..NH {
+                a[h] = _mm256_loadu_ps(acc.add(h * d + 8 * c));
+            }
+            for i in 0..n {
+                let x = r.get8(i, c);
+                for h in 0..NH {
+                    a[h] = _mm256_fmadd_ps(_mm256_set1_ps(*p.add(i * pstride + h)), x, a[h]);
+                }
+            }
+            for h in 0..NH {
+                _mm256_storeu_ps(acc.add(h * d + 8 * c), a[h]);
+            }
+        }
+        NH
+    }
+
+    /// Converts whole chunks of 8; returns how many values it converted.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn f16_to_f32(src: &[u16], dst: &mut [f32]) -> usize {
+        let n = src.len().min(dst.len()) / 8 * 8;
+        for i in (0..n).step_by(8) {
+            let v = _mm256_cvtph_ps(_mm_loadu_si128(src.as_ptr().add(i) as *const __m128i));
+            _mm256_storeu_ps(dst.as_mut_ptr().add(i), v);
+        }
+        n
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn exp_le0(x: &mut [f32]) {
+        super::exp_body(x)
+    }
+}

@@ -1,0 +1,331 @@
+//! The CPU backend against the reference oracle: every preset and a set of
+//! rare schemes, odd lengths, four head layouts, unequal batches, several
+//! kernel parameters, and both the AVX2 and the scalar inner loops.
+//!
+//! Tolerance: max |cpu - ref| <= 1e-5 * max |ref| over each output.
+
+use kivi_runtime::cpu::Isa;
+use kivi_runtime::*;
+use kivi_spec::{presets, Axis, Codec, Dtype, Flush, Heads, Quant, ScaleDtype, Scheme};
+
+const LENGTHS: [usize; 6] = [1, 31, 33, 127, 1000, 4099];
+
+fn layouts() -> [Heads; 4] {
+    [
+        Heads::Mha(4),
+        Heads::Gqa { q: 8, kv: 2 },
+        Heads::Gqa { q: 14, kv: 2 },
+        Heads::Mqa(4),
+    ]
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// Keys with per-channel offsets and scales (what makes channel-axis
+/// quantization matter) and a few outlier tokens; plain noise for values.
+fn tensor(rng: &mut Rng, tokens: usize, hkv: usize, d: usize, key: bool) -> Vec<f32> {
+    let mut x = Vec::with_capacity(tokens * hkv * d);
+    for t in 0..tokens {
+        for _h in 0..hkv {
+            for c in 0..d {
+                let base = if key { ((c * 7) % 5) as f32 - 2.0 } else { 0.0 };
+                let amp = if key { 0.5 + (c % 3) as f32 } else { 1.0 };
+                let spike = if t % 97 == 5 { 3.0 } else { 1.0 };
+                x.push(base + amp * spike * rng.next());
+            }
+        }
+    }
+    x
+}
+
+fn params_default() -> Vec<CpuParams> {
+    vec![
+        CpuParams::default(),
+        CpuParams {
+            scalar: true,
+            ..CpuParams::default()
+        },
+    ]
+}
+
+/// Fills a cache with sequences of `lens` (some by prefill, some by appends)
+/// and compares every backend configuration against the reference, on the
+/// whole batch and on single sequences.
+fn check(s: &Scheme, heads: Heads, d: u32, lens: &[usize], params: &[CpuParams], seed: u64) {
+    let s = s.with_shape(heads, d).unwrap();
+    let shape = s.shape().unwrap();
+    let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+    let total: usize = lens.iter().sum();
+    let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(total + 64 * lens.len())).unwrap();
+    let mut rng = Rng(seed);
+    let mut seqs = Vec::new();
+    for (i, &n) in lens.iter().enumerate() {
+        let id = cache.add_sequence();
+        let k = tensor(&mut rng, n, hkv, d, true);
+        let v = tensor(&mut rng, n, hkv, d, false);
+        if i % 2 == 0 || n > 200 {
+            cache.extend(id, &k, &v).unwrap();
+        } else {
+            let row = hkv * d;
+            for t in 0..n {
+                cache
+                    .append(id, &k[t * row..(t + 1) * row], &v[t * row..(t + 1) * row])
+                    .unwrap();
+            }
+        }
+        seqs.push(id);
+    }
+    let q: Vec<f32> = (0..lens.len() * hq * d).map(|_| 2.0 * rng.next()).collect();
+    let attn = AttnParams::of(&s, shape);
+    let want = ReferenceBackend.decode(&cache, &seqs, &q, attn).unwrap();
+    for p in params {
+        let cpu = CpuBackend::new(*p).unwrap();
+        let got = cpu.decode(&cache, &seqs, &q, attn).unwrap();
+        let per = hq * d;
+        for (b, &n) in lens.iter().enumerate() {
+            let w = &want[b * per..(b + 1) * per];
+            let g = &got[b * per..(b + 1) * per];
+            let scale = w.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
+            let err = w.iter().zip(g).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(
+                err <= 1e-5 * scale,
+                "{} {heads} d{d} len {n} {} ({}): max error {err:e} vs max |ref| {scale:e}",
+                s.name,
+                p.name(),
+                p.isa(d).name()
+            );
+        }
+        // One sequence alone gives the same numbers as inside the batch.
+        let last = lens.len() - 1;
+        let alone = cpu.decode(&cache, &seqs[last..], &q[last * per..], attn).unwrap();
+        let w = &want[last * per..];
+        let scale = w.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
+        let err = w.iter().zip(&alone).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(err <= 1e-5 * scale, "{} alone: {err:e}", p.name());
+    }
+}
+
+#[test]
+fn every_preset_every_layout_odd_lengths() {
+    for s in presets::all() {
+        for (i, heads) in layouts().into_iter().enumerate() {
+            check(&s, heads, 64, &LENGTHS, &params_default(), 11 + i as u64);
+        }
+    }
+}
+
+#[test]
+fn presets_at_head_dim_128_and_256() {
+    for s in [presets::kivi2(), presets::kivi4(), presets::int8(), presets::f16()] {
+        check(
+            &s,
+            Heads::Gqa { q: 8, kv: 2 },
+            128,
+            &[33, 1000, 4099],
+            &params_default(),
+            3,
+        );
+        check(&s, Heads::Mqa(4), 256, &[127, 1000], &params_default(), 4);
+    }
+}
+
+#[test]
+fn kernel_parameters() {
+    let mut params = Vec::new();
+    for splits in [1, 3, 0] {
+        for tile_tokens in [1, 7, 64] {
+            for scalar in [false, true] {
+                params.push(CpuParams {
+                    splits,
+                    tile_tokens,
+                    threads: 0,
+                    scalar,
+                });
+            }
+        }
+    }
+    params.push(CpuParams {
+        threads: 1,
+        ..CpuParams::default()
+    });
+    params.push(CpuParams {
+        threads: 3,
+        splits: 5,
+        ..CpuParams::default()
+    });
+    for s in [presets::kivi2(), presets::int8(), presets::swapped2(), presets::f16()] {
+        check(
+            &s,
+            Heads::Gqa { q: 8, kv: 2 },
+            64,
+            &[1, 33, 127, 1000, 4099],
+            &params,
+            5,
+        );
+    }
+}
+
+fn quant(bits: u32, axis: Axis, group: u32, scale: ScaleDtype) -> Codec {
+    Codec::Quant(Quant {
+        bits,
+        axis,
+        group,
+        scale,
+    })
+}
+
+/// Schemes off the fast paths (or on their edges).
+fn rare() -> Vec<Scheme> {
+    let k2 = presets::kivi2();
+    let mut out = Vec::new();
+    let mut add = |name: &str, f: &dyn Fn(&mut Scheme)| {
+        let mut s = k2.clone();
+        s.name = name.into();
+        f(&mut s);
+        out.push(s);
+    };
+    add("bits3", &|s| {
+        s.key = quant(3, Axis::Channel, 32, ScaleDtype::F16);
+        s.value = quant(3, Axis::Token, 32, ScaleDtype::F16);
+    });
+    add("bits1", &|s| {
+        s.key = quant(1, Axis::Channel, 16, ScaleDtype::F16);
+        s.value = quant(1, Axis::Token, 16, ScaleDtype::F16);
+    });
+    add("bits8_channel", &|s| {
+        s.key = quant(8, Axis::Channel, 32, ScaleDtype::F16);
+        s.value = quant(8, Axis::Channel, 16, ScaleDtype::F16);
+    });
+    add("bits4_token_g8", &|s| {
+        s.key = quant(4, Axis::Token, 8, ScaleDtype::F16);
+        s.value = quant(4, Axis::Token, 16, ScaleDtype::F16);
+    });
+    add("token_g4", &|s| {
+        s.key = quant(2, Axis::Token, 4, ScaleDtype::F16);
+        s.value = quant(2, Axis::Token, 4, ScaleDtype::F16);
+    });
+    add("bf16", &|s| s.dtype = Dtype::Bf16);
+    add("f32", &|s| s.dtype = Dtype::F32);
+    add("bf16_full", &|s| {
+        s.dtype = Dtype::Bf16;
+        s.key = Codec::Full;
+        s.value = Codec::Full;
+        s.residual = 0;
+    });
+    add("f32_full_mixed", &|s| {
+        s.dtype = Dtype::F32;
+        s.value = Codec::Full;
+    });
+    add("sinks", &|s| s.sinks = 4);
+    add("sinks_r0", &|s| {
+        s.sinks = 7;
+        s.residual = 0;
+    });
+    add("sliding", &|s| s.sliding_window = Some(300));
+    add("sliding_short", &|s| s.sliding_window = Some(17));
+    add("chunked", &|s| s.flush = Flush::Chunked);
+    add("chunked_sinks", &|s| {
+        s.flush = Flush::Chunked;
+        s.sinks = 3;
+        s.residual = 64;
+    });
+    add("f32_scales", &|s| {
+        s.key = quant(2, Axis::Channel, 32, ScaleDtype::F32);
+        s.value = quant(4, Axis::Token, 32, ScaleDtype::F32);
+    });
+    add("softmax_scale", &|s| s.softmax_scale = Some(1.0 / 16.0));
+    out
+}
+
+#[test]
+fn rare_schemes() {
+    for (i, s) in rare().iter().enumerate() {
+        for heads in [Heads::Gqa { q: 8, kv: 2 }, Heads::Gqa { q: 14, kv: 2 }, Heads::Mqa(4)] {
+            check(s, heads, 64, &LENGTHS, &params_default(), 100 + i as u64);
+        }
+    }
+}
+
+#[test]
+fn head_dims_off_the_simd_width() {
+    // head_dim 36: not a multiple of 8, so even the default takes the
+    // scalar loops; groups of 4 and 12 channels, 12 tokens.
+    let mut s = presets::kivi2();
+    s.key = quant(2, Axis::Channel, 12, ScaleDtype::F16);
+    s.value = quant(4, Axis::Token, 12, ScaleDtype::F16);
+    s.residual = 5;
+    assert_eq!(CpuParams::default().isa(36), Isa::Scalar);
+    for heads in layouts() {
+        check(&s, heads, 36, &LENGTHS, &params_default(), 7);
+    }
+    let mut t = presets::int8();
+    t.key = quant(8, Axis::Token, 4, ScaleDtype::F16);
+    t.value = quant(8, Axis::Token, 12, ScaleDtype::F16);
+    check(&t, Heads::Gqa { q: 8, kv: 2 }, 36, &LENGTHS, &params_default(), 8);
+    check(
+        &presets::f16(),
+        Heads::Gqa { q: 6, kv: 2 },
+        20,
+        &LENGTHS,
+        &params_default(),
+        9,
+    );
+}
+
+#[test]
+fn empty_and_single_token_sequences() {
+    let s = presets::kivi2().with_shape(Heads::Gqa { q: 8, kv: 2 }, 64).unwrap();
+    let shape = s.shape().unwrap();
+    let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(64)).unwrap();
+    let empty = cache.add_sequence();
+    let one = cache.add_sequence();
+    let row: Vec<f32> = (0..128).map(|i| i as f32 / 100.0).collect();
+    cache.append(one, &row, &row).unwrap();
+    let q = vec![0.3f32; 2 * 8 * 64];
+    let attn = AttnParams::of(&s, shape);
+    let want = ReferenceBackend.decode(&cache, &[empty, one], &q, attn).unwrap();
+    for p in params_default() {
+        let got = CpuBackend::new(p)
+            .unwrap()
+            .decode(&cache, &[empty, one], &q, attn)
+            .unwrap();
+        assert!(got[..8 * 64].iter().all(|x| *x == 0.0));
+        let err = want.iter().zip(&got).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(err <= 1e-6, "{err}");
+    }
+}
+
+#[test]
+fn bad_parameters_and_inputs_are_errors() {
+    assert!(CpuBackend::new(CpuParams {
+        tile_tokens: 0,
+        ..CpuParams::default()
+    })
+    .is_err());
+    let s = presets::kivi2().with_shape(Heads::Mha(2), 32).unwrap();
+    let shape = s.shape().unwrap();
+    let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(64)).unwrap();
+    let id = cache.add_sequence();
+    let attn = AttnParams::of(&s, shape);
+    let cpu = CpuBackend::default();
+    assert!(cpu.decode(&cache, &[id], &[0.0; 3], attn).is_err());
+    assert!(cpu.decode(&cache, &[id + 9], &[0.0; 64], attn).is_err());
+    let mut q = vec![0.0f32; 64];
+    q[5] = f32::NAN;
+    assert!(cpu.decode(&cache, &[id], &q, attn).is_err());
+    let public_field = CpuBackend {
+        params: CpuParams {
+            tile_tokens: 100_000,
+            ..CpuParams::default()
+        },
+    };
+    assert!(public_field.decode(&cache, &[id], &[0.0; 64], attn).is_err());
+}
