@@ -20,6 +20,16 @@ pub fn scheme(input: TokenStream) -> TokenStream {
         let canonical = kivi_spec::canonical(&decl.scheme);
         let hash = kivi_spec::scheme_hash(&decl.scheme);
         let doc = format!("KV-cache scheme `{ident}`.\n\n```text\n{canonical}```");
+        // The default variant of each kernel, generated now (a scheme the
+        // templates cannot instantiate fails the build here).
+        let kernels = match kernels_of(&decl.scheme) {
+            Ok(k) => k,
+            Err(msg) => {
+                out.extend(syn::Error::new(ident.span(), msg).to_compile_error());
+                continue;
+            }
+        };
+        let (kernel_names, kernel_sources): (Vec<String>, Vec<String>) = kernels.into_iter().unzip();
         let _ = format_ident!("{}", ident);
         out.extend(quote! {
             #[doc = #doc]
@@ -30,6 +40,10 @@ pub fn scheme(input: TokenStream) -> TokenStream {
                 pub const CANONICAL: &'static str = #canonical;
                 /// Stable hash of the scheme's meaning (see `kivi::spec::scheme_hash`).
                 pub const HASH: u64 = #hash;
+                /// CUDA source of the default variant of every kernel, as
+                /// `(name, source)`, generated at compile time (empty when
+                /// the scheme declares no heads or head_dim).
+                pub const KERNELS: &'static [(&'static str, &'static str)] = &[#((#kernel_names, #kernel_sources)),*];
                 /// The validated scheme model.
                 pub fn spec() -> ::kivi::spec::Scheme {
                     #expr
@@ -38,4 +52,21 @@ pub fn scheme(input: TokenStream) -> TokenStream {
         });
     }
     out.into()
+}
+
+/// `(name, source)` of the default variant of the prefill, append and decode
+/// kernels, when the scheme has a shape.
+fn kernels_of(s: &kivi_spec::Scheme) -> Result<Vec<(String, String)>, String> {
+    if s.shape().is_none() {
+        return Ok(Vec::new());
+    }
+    use kivi_templates::{default_variant, generate, Kernel};
+    [Kernel::Prefill, Kernel::Append, Kernel::Decode]
+        .into_iter()
+        .map(|k| {
+            generate(s, k, &default_variant(s, k))
+                .map(|g| (g.name, g.source))
+                .map_err(|e| format!("cannot generate the {k} kernel of `{}`: {e}", s.name))
+        })
+        .collect()
 }

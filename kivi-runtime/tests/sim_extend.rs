@@ -5,14 +5,18 @@
 mod sim_util;
 
 use kivi_runtime::sim::{compile, SeqState, SimExtend, SimLibrary};
-use std::sync::Arc;
 use kivi_runtime::{CacheConfig, PagedCache};
 use kivi_spec::{presets, Heads, Scheme};
 use kivi_templates::{default_variant, generate, Generated, Kernel};
 use sim_util::*;
+use std::sync::Arc;
 
 fn shapes() -> [(Heads, u32); 3] {
-    [(Heads::Gqa { q: 8, kv: 2 }, 64), (Heads::Mqa(4), 256), (Heads::Mha(3), 48)]
+    [
+        (Heads::Gqa { q: 8, kv: 2 }, 64),
+        (Heads::Mqa(4), 256),
+        (Heads::Mha(3), 48),
+    ]
 }
 
 fn schemes() -> Vec<Scheme> {
@@ -49,9 +53,19 @@ fn check_prefill(s: &Scheme, kernel: &SimExtend, lens: &[usize], seed: u64) {
     let vr: Vec<&[f32]> = vs.iter().map(|x| x.as_slice()).collect();
     let status = kernel.run(&mut pool, &mut states, &kr, &vr).unwrap();
     assert!(status.iter().all(|x| !x), "{}: overflow reported", s.name);
-    assert!(pool == cache.pool(), "{}: prefill pool words differ from PagedCache ({})", s.name, kernel.generated().name);
+    assert!(
+        pool == cache.pool(),
+        "{}: prefill pool words differ from PagedCache ({})",
+        s.name,
+        kernel.generated().name
+    );
     for (st, &id) in states.iter().zip(&ids) {
-        assert_eq!(*st, SeqState::of(&cache, id).unwrap(), "{}: prefill windows differ", s.name);
+        assert_eq!(
+            *st,
+            SeqState::of(&cache, id).unwrap(),
+            "{}: prefill windows differ",
+            s.name
+        );
     }
 }
 
@@ -82,9 +96,18 @@ fn check_append(s: &Scheme, kernel: &SimExtend, starts: &[usize], steps: usize, 
         let kr: Vec<&[f32]> = k.iter().map(|x| x.as_slice()).collect();
         let vr: Vec<&[f32]> = v.iter().map(|x| x.as_slice()).collect();
         kernel.run(&mut pool, &mut states, &kr, &vr).unwrap();
-        assert!(pool == cache.pool(), "{}: append step {step}: pool words differ", s.name);
+        assert!(
+            pool == cache.pool(),
+            "{}: append step {step}: pool words differ",
+            s.name
+        );
         for (st, &id) in states.iter().zip(&ids) {
-            assert_eq!(*st, SeqState::of(&cache, id).unwrap(), "{}: append step {step}: windows differ", s.name);
+            assert_eq!(
+                *st,
+                SeqState::of(&cache, id).unwrap(),
+                "{}: append step {step}: windows differ",
+                s.name
+            );
         }
     }
 }
@@ -111,7 +134,10 @@ fn sim_prefill_equals_paged_cache_bit_for_bit() {
         let runner = SimExtend::with_library(s, g.clone(), lib.clone()).unwrap();
         check_prefill(s, &runner, &[1, 31, 33, 127, 300], 11 + i as u64);
     }
-    println!("sim: prefill kernels of {} scheme/shape pairs wrote PagedCache's words bit for bit", ks.len());
+    println!(
+        "sim: prefill kernels of {} scheme/shape pairs wrote PagedCache's words bit for bit",
+        ks.len()
+    );
     assert!(ks.len() >= 35);
 }
 

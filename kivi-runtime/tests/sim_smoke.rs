@@ -14,4 +14,3 @@ fn sim_default_variant_matches_reference() {
     let e = b.rel_error(&sim, attn, &want);
     assert!(e <= 1e-4, "{e}");
 }
-

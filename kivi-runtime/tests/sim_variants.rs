@@ -27,7 +27,10 @@ fn sweep(s: &Scheme, lens: &[usize], seed: u64) -> (usize, f32) {
         let name = g.name.clone();
         let sim = SimBackend::with_library(s, g, lib.clone()).unwrap();
         let e = b.rel_error(&sim, attn, &want);
-        assert!(e <= 1e-4, "{name}: relative error {e} against the reference (lengths {lens:?})");
+        assert!(
+            e <= 1e-4,
+            "{name}: relative error {e} against the reference (lengths {lens:?})"
+        );
         worst = worst.max(e);
     }
     eprintln!(

@@ -285,10 +285,16 @@ pub fn variants_with(scheme: &Scheme, kernel: Kernel, opts: GenOptions) -> Vec<V
 /// The canonical variant: the first of [`variants`]. For a scheme without
 /// a shape, the first point of the space for a one-head MHA layout.
 pub fn default_variant(scheme: &Scheme, kernel: Kernel) -> Variant {
-    variants(scheme, kernel)
-        .into_iter()
-        .next()
-        .unwrap_or_else(|| variant::space(&kivi_spec::Shape { q_heads: 1, kv_heads: 1, head_dim: 64 }, kernel)[0])
+    variants(scheme, kernel).into_iter().next().unwrap_or_else(|| {
+        variant::space(
+            &kivi_spec::Shape {
+                q_heads: 1,
+                kv_heads: 1,
+                head_dim: 64,
+            },
+            kernel,
+        )[0]
+    })
 }
 
 /// Generates the source of `kernel` for `scheme` (which must have a shape)
@@ -298,7 +304,12 @@ pub fn generate(scheme: &Scheme, kernel: Kernel, variant: &Variant) -> Result<Ge
 }
 
 /// [`generate`] for a non-default layout.
-pub fn generate_with(scheme: &Scheme, kernel: Kernel, variant: &Variant, opts: GenOptions) -> Result<Generated, GenError> {
+pub fn generate_with(
+    scheme: &Scheme,
+    kernel: Kernel,
+    variant: &Variant,
+    opts: GenOptions,
+) -> Result<Generated, GenError> {
     let layout = layout_of(scheme, opts)?;
     variant.check(kernel, &layout)?;
     Ok(generate::generate(scheme, &layout, kernel, variant))

@@ -94,9 +94,17 @@ impl Variant {
     /// or `Ok` when it can.
     pub fn check(&self, kernel: Kernel, layout: &BlockLayout) -> Result<(), GenError> {
         let shape = layout.shape;
-        let invalid = |why: String| Err(GenError::InvalidVariant { variant: self.name(), why });
+        let invalid = |why: String| {
+            Err(GenError::InvalidVariant {
+                variant: self.name(),
+                why,
+            })
+        };
         if self.threads == 0 || self.threads % 32 != 0 || self.threads > 1024 {
-            return invalid(format!("{} threads per block is not a multiple of 32 between 32 and 1024", self.threads));
+            return invalid(format!(
+                "{} threads per block is not a multiple of 32 between 32 and 1024",
+                self.threads
+            ));
         }
         if matches!(kernel, Kernel::Prefill | Kernel::Append) {
             return Ok(());
@@ -108,7 +116,10 @@ impl Variant {
             return Ok(());
         }
         if self.tile_tokens == 0 || self.tile_tokens > 256 {
-            return invalid(format!("a tile of {} tokens is out of range; expected 1 to 256", self.tile_tokens));
+            return invalid(format!(
+                "a tile of {} tokens is out of range; expected 1 to 256",
+                self.tile_tokens
+            ));
         }
         let group = shape.group_size() as u32;
         if self.heads_per_block == 0 || group % self.heads_per_block != 0 || self.heads_per_block > 16 {
@@ -128,7 +139,9 @@ impl Variant {
             ("KV head part", layout.head_words),
         ] {
             if n % w != 0 {
-                return invalid(format!("a {what} of {n} words is not a multiple of the {w}-word load width"));
+                return invalid(format!(
+                    "a {what} of {n} words is not a multiple of the {w}-word load width"
+                ));
             }
         }
         if self.unroll == 0 || self.unroll > 8 {
@@ -137,15 +150,21 @@ impl Variant {
         // Registers per thread: each lane holds its channels of the query and
         // of the accumulator for every head of the block. Past this the
         // variant only spills; do not offer it.
-        let lanes_k = crate::generate::team_of(layout.key.words_per_token, w).channels(layout.key.words_per_token, cpw(layout, true));
-        let lanes_v = crate::generate::team_of(layout.value.words_per_token, w).channels(layout.value.words_per_token, cpw(layout, false));
+        let lanes_k = crate::generate::team_of(layout.key.words_per_token, w)
+            .channels(layout.key.words_per_token, cpw(layout, true));
+        let lanes_v = crate::generate::team_of(layout.value.words_per_token, w)
+            .channels(layout.value.words_per_token, cpw(layout, false));
         let regs = self.heads_per_block as usize * (lanes_k + lanes_v);
         if regs > 512 {
-            return invalid(format!("{regs} floats of query and accumulator per thread is too many registers"));
+            return invalid(format!(
+                "{regs} floats of query and accumulator per thread is too many registers"
+            ));
         }
         let shared = crate::generate::decode_shared_bytes(self, shape.head_dim);
         if shared > 48 * 1024 {
-            return invalid(format!("{shared} bytes of static shared memory is over the 48 KiB limit"));
+            return invalid(format!(
+                "{shared} bytes of static shared memory is over the 48 KiB limit"
+            ));
         }
         Ok(())
     }

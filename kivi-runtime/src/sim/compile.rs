@@ -82,7 +82,11 @@ impl SimLibrary {
     }
     pub(crate) fn get(&self, g: &Generated, entry: &str) -> Result<LaunchFn> {
         self.kernels.get(&(g.hash, entry.to_string())).copied().ok_or_else(|| {
-            Error::Config(format!("sim library {} has no entry point `{entry}` of {}", self.path.display(), g.name))
+            Error::Config(format!(
+                "sim library {} has no entry point `{entry}` of {}",
+                self.path.display(),
+                g.name
+            ))
         })
     }
 }
@@ -144,7 +148,8 @@ fn symbol(g: &Generated, entry: &str) -> String {
 
 /// The translation unit holding every source of `gens`.
 pub fn translation_unit(gens: &[&Generated]) -> String {
-    let mut tu = String::from("// kivi sim library: generated sources compiled for the host\n#include \"sim_shim.h\"\n\n");
+    let mut tu =
+        String::from("// kivi sim library: generated sources compiled for the host\n#include \"sim_shim.h\"\n\n");
     for g in gens {
         let ns = format!("kivi_v{:016x}", g.hash);
         let _ = writeln!(tu, "// ---- {} (source hash {:016x})", g.name, g.hash);
@@ -229,7 +234,10 @@ pub fn compile(gens: &[&Generated]) -> Result<Arc<SimLibrary>> {
         std::fs::rename(&tmp, &so).map_err(|e| sim_err(format!("cannot move {} into place: {e}", tmp.display())))?;
     }
     let lib = Arc::new(load(&so, &uniq)?);
-    loaded().lock().unwrap_or_else(|e| e.into_inner()).insert(key, lib.clone());
+    loaded()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(key, lib.clone());
     Ok(lib)
 }
 

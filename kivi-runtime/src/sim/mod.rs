@@ -162,7 +162,10 @@ pub unsafe fn launch(lib: &SimLibrary, g: &Generated, entry: &str, grid: [u32; 3
         .entry(entry)
         .ok_or_else(|| Error::Config(format!("{} has no entry point `{entry}`", g.name)))?;
     if el.params.len() != args.len() || !el.params.iter().zip(args.iter()).all(|(p, a)| a.fits(p.ty)) {
-        return Err(Error::Config(format!("arguments of `{entry}` do not match its parameter list {:?}", el.params)));
+        return Err(Error::Config(format!(
+            "arguments of `{entry}` do not match its parameter list {:?}",
+            el.params
+        )));
     }
     // Storage the void** array points into: a pointer or a scalar per argument.
     let mut slots: Vec<[u64; 1]> = vec![[0]; args.len()];
@@ -322,7 +325,12 @@ impl Backend for SimBackend {
         let mut part_acc = vec![0f32; g.launch.part_acc_len(batch)];
         let mut out = vec![0f32; batch * self.shape.q_heads * d];
         let max_tokens = lens.iter().copied().max().unwrap_or(0) as u32;
-        let grid = |e: &str| g.launch.entry(e).map(|l| l.grid(batch as u32, max_tokens)).unwrap_or([0; 3]);
+        let grid = |e: &str| {
+            g.launch
+                .entry(e)
+                .map(|l| l.grid(batch as u32, max_tokens))
+                .unwrap_or([0; 3])
+        };
         // SAFETY: every buffer is sized as the decode/combine argument docs require.
         unsafe {
             launch(
@@ -391,8 +399,14 @@ impl SeqState {
         Ok(SeqState {
             tokens: v.tokens(),
             table: v.table().to_vec(),
-            sinks: [ActBuf::from_raw(v.sinks_raw(Tensor::Key)), ActBuf::from_raw(v.sinks_raw(Tensor::Value))],
-            ring: [ActBuf::from_raw(v.ring_raw(Tensor::Key)), ActBuf::from_raw(v.ring_raw(Tensor::Value))],
+            sinks: [
+                ActBuf::from_raw(v.sinks_raw(Tensor::Key)),
+                ActBuf::from_raw(v.sinks_raw(Tensor::Value)),
+            ],
+            ring: [
+                ActBuf::from_raw(v.ring_raw(Tensor::Key)),
+                ActBuf::from_raw(v.ring_raw(Tensor::Value)),
+            ],
         })
     }
 }
@@ -414,7 +428,9 @@ impl SimExtend {
             return Err(Error::Config(format!("SimExtend runs prefill or append, not {kernel}")));
         }
         let shape = scheme.shape().ok_or_else(|| Error::Unbound(scheme.name.clone()))?;
-        let v = variant.copied().unwrap_or_else(|| kivi_templates::default_variant(scheme, kernel));
+        let v = variant
+            .copied()
+            .unwrap_or_else(|| kivi_templates::default_variant(scheme, kernel));
         let g = generate_with(scheme, kernel, &v, opts).map_err(|e| Error::Config(e.to_string()))?;
         let lib = compile(&[&g])?;
         let _ = shape;
@@ -427,7 +443,10 @@ impl SimExtend {
         let shape = scheme.shape().ok_or_else(|| Error::Unbound(scheme.name.clone()))?;
         let entry = g.entry_points.first().cloned().unwrap_or_default();
         if !matches!(entry.as_str(), "kivi_prefill" | "kivi_append") || !lib.contains(&g, &entry) {
-            return Err(Error::Config(format!("{} is not a prefill or append kernel of this library", g.name)));
+            return Err(Error::Config(format!(
+                "{} is not a prefill or append kernel of this library",
+                g.name
+            )));
         }
         Ok(SimExtend {
             scheme: scheme.clone(),
@@ -447,11 +466,21 @@ impl SimExtend {
     /// each state's buffers; `states[b].table` must already hold the blocks
     /// the new tokens need. Returns, per sequence, whether a scale or zero
     /// point overflowed its dtype (the append must then count as failed).
-    pub fn run(&self, pool: &mut [u32], states: &mut [SeqState], k_new: &[&[f32]], v_new: &[&[f32]]) -> Result<Vec<bool>> {
+    pub fn run(
+        &self,
+        pool: &mut [u32],
+        states: &mut [SeqState],
+        k_new: &[&[f32]],
+        v_new: &[&[f32]],
+    ) -> Result<Vec<bool>> {
         let (h, d) = (self.shape.kv_heads, self.shape.head_dim);
         let batch = states.len();
         if k_new.len() != batch || v_new.len() != batch {
-            return Err(Error::Config(format!("{batch} sequences but {} / {} inputs", k_new.len(), v_new.len())));
+            return Err(Error::Config(format!(
+                "{batch} sequences but {} / {} inputs",
+                k_new.len(),
+                v_new.len()
+            )));
         }
         if batch == 0 {
             return Ok(Vec::new());
@@ -470,7 +499,9 @@ impl SimExtend {
             }
             let n = k_new[b].len() / (h * d);
             if self.generated.entry_points[0] == "kivi_append" && n > 1 {
-                return Err(Error::Config(format!("the append kernel adds one token per sequence, not {n}")));
+                return Err(Error::Config(format!(
+                    "the append kernel adds one token per sequence, not {n}"
+                )));
             }
             let s = &states[b];
             let after = s.tokens + n;
@@ -497,7 +528,9 @@ impl SimExtend {
                 (s.ring[1].len(), window_capacity(&self.scheme, Tensor::Value) * row),
             ];
             if sizes.iter().any(|(got, want)| got != want) {
-                return Err(Error::Config(format!("sequence {b}: sink/window buffers do not match the scheme")));
+                return Err(Error::Config(format!(
+                    "sequence {b}: sink/window buffers do not match the scheme"
+                )));
             }
             counts.push(n);
         }
@@ -534,8 +567,14 @@ impl SimExtend {
         let mut status = vec![0i32; batch];
         let g = &self.generated;
         let entry = g.entry_points[0].clone();
-        let grid = g.launch.entry(&entry).map(|l| l.grid(batch as u32, 0)).unwrap_or([0; 3]);
-        let [sk, sv, rk, rv] = &mut bufs[..] else { unreachable!("four buffers") };
+        let grid = g
+            .launch
+            .entry(&entry)
+            .map(|l| l.grid(batch as u32, 0))
+            .unwrap_or([0; 3]);
+        let [sk, sv, rk, rv] = &mut bufs[..] else {
+            unreachable!("four buffers")
+        };
         // SAFETY: sizes checked above against the kernel's indexing.
         unsafe {
             launch(

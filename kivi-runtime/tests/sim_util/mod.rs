@@ -21,7 +21,11 @@ impl Rng {
 
 /// The three head layouts every decode variant is run on.
 pub fn layouts() -> [(Heads, u32); 3] {
-    [(Heads::Gqa { q: 32, kv: 8 }, 128), (Heads::Mqa(4), 256), (Heads::Mha(8), 64)]
+    [
+        (Heads::Gqa { q: 32, kv: 8 }, 128),
+        (Heads::Mqa(4), 256),
+        (Heads::Mha(8), 64),
+    ]
 }
 
 /// A cache holding one sequence per entry of `lens`, with its K/V inputs.
@@ -47,12 +51,18 @@ impl Batch {
         for (i, &t) in lens.iter().enumerate() {
             let k = rng.vec(t * row);
             // values with an offset per channel, keys with outlier channels (KIVI's picture)
-            let k: Vec<f32> = k.iter().enumerate().map(|(j, x)| if j % 16 == 3 { x * 6.0 } else { *x }).collect();
+            let k: Vec<f32> = k
+                .iter()
+                .enumerate()
+                .map(|(j, x)| if j % 16 == 3 { x * 6.0 } else { *x })
+                .collect();
             let v = rng.vec(t * row);
             let id = cache.add_sequence();
             if stream && i % 2 == 1 {
                 for p in 0..t {
-                    cache.append(id, &k[p * row..(p + 1) * row], &v[p * row..(p + 1) * row]).unwrap();
+                    cache
+                        .append(id, &k[p * row..(p + 1) * row], &v[p * row..(p + 1) * row])
+                        .unwrap();
                 }
             } else {
                 cache.extend(id, &k, &v).unwrap();
@@ -78,7 +88,16 @@ impl Batch {
         let per = shape.q_heads * shape.head_dim;
         let mut out = Vec::new();
         for b in 0..self.seqs.len() {
-            out.extend(reference::attend(&self.scheme, &self.q[b * per..(b + 1) * per], &self.k[b], &self.v[b], attn).unwrap());
+            out.extend(
+                reference::attend(
+                    &self.scheme,
+                    &self.q[b * per..(b + 1) * per],
+                    &self.k[b],
+                    &self.v[b],
+                    attn,
+                )
+                .unwrap(),
+            );
         }
         out
     }
@@ -93,7 +112,13 @@ impl Batch {
 pub fn rel_error(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len());
     let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
-    let err = got.iter().zip(want).fold(0f32, |m, (g, w)| if g.is_nan() { f32::INFINITY } else { m.max((g - w).abs()) });
+    let err = got.iter().zip(want).fold(0f32, |m, (g, w)| {
+        if g.is_nan() {
+            f32::INFINITY
+        } else {
+            m.max((g - w).abs())
+        }
+    });
     err / scale
 }
 
