@@ -16,8 +16,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 const MAGIC: &[u8; 8] = b"KIVIART\0";
-const FORMAT: u32 = 1;
-const HEADER: usize = 8 + 4 + 16 + 8 + 8 + 8;
+const FORMAT: u32 = 2;
+const HEADER: usize = 8 + 4 + 16 + 8 + 8 + 8 + 8;
 
 /// FNV-1a over 128 bits: no dependency, stable across platforms and Rust
 /// versions, and wide enough that cache keys do not collide by accident
@@ -90,6 +90,8 @@ pub struct Artifact {
     pub ptx: String,
     /// CUBIN for the exact `sm_XX` (empty when compiled for a virtual arch).
     pub cubin: Vec<u8>,
+    /// NVRTC's log: warnings and ptxas's `-v` resource report.
+    pub log: String,
 }
 
 /// How a lookup went.
@@ -198,15 +200,18 @@ impl ArtifactCache {
 
 fn encode(key: ArtifactKey, a: &Artifact) -> Vec<u8> {
     let ptx = a.ptx.as_bytes();
-    let mut out = Vec::with_capacity(HEADER + ptx.len() + a.cubin.len());
+    let log = a.log.as_bytes();
+    let mut out = Vec::with_capacity(HEADER + ptx.len() + a.cubin.len() + log.len());
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&FORMAT.to_le_bytes());
     out.extend_from_slice(&key.0.to_le_bytes());
     out.extend_from_slice(&(ptx.len() as u64).to_le_bytes());
     out.extend_from_slice(&(a.cubin.len() as u64).to_le_bytes());
-    out.extend_from_slice(&checksum(&[ptx, &a.cubin]).to_le_bytes());
+    out.extend_from_slice(&(log.len() as u64).to_le_bytes());
+    out.extend_from_slice(&checksum(&[ptx, &a.cubin, log]).to_le_bytes());
     out.extend_from_slice(ptx);
     out.extend_from_slice(&a.cubin);
+    out.extend_from_slice(log);
     out
 }
 
@@ -229,22 +234,29 @@ fn decode(bytes: &[u8], key: ArtifactKey) -> Result<Artifact, String> {
     if stored != key.0 {
         return Err(format!("holds key {stored:032x}, expected {}", key.hex()));
     }
-    let (ptx_len, cubin_len, sum) = (u64_at(28) as usize, u64_at(36) as usize, u64_at(44));
+    let (ptx_len, cubin_len, log_len, sum) = (
+        u64_at(28) as usize,
+        u64_at(36) as usize,
+        u64_at(44) as usize,
+        u64_at(52),
+    );
     let body = &bytes[HEADER..];
-    if ptx_len.checked_add(cubin_len) != Some(body.len()) {
+    if ptx_len.checked_add(cubin_len).and_then(|n| n.checked_add(log_len)) != Some(body.len()) {
         return Err(format!(
-            "payload is {} bytes, the header says {ptx_len} + {cubin_len}",
+            "payload is {} bytes, the header says {ptx_len} + {cubin_len} + {log_len}",
             body.len()
         ));
     }
-    let (ptx, cubin) = body.split_at(ptx_len);
-    if checksum(&[ptx, cubin]) != sum {
+    let (ptx, rest) = body.split_at(ptx_len);
+    let (cubin, log) = rest.split_at(cubin_len);
+    if checksum(&[ptx, cubin, log]) != sum {
         return Err("checksum mismatch".into());
     }
-    let ptx = String::from_utf8(ptx.to_vec()).map_err(|_| "PTX is not UTF-8".to_string())?;
+    let text = |b: &[u8], what: &str| String::from_utf8(b.to_vec()).map_err(|_| format!("{what} is not UTF-8"));
     Ok(Artifact {
-        ptx,
+        ptx: text(ptx, "PTX")?,
         cubin: cubin.to_vec(),
+        log: text(log, "the log")?,
     })
 }
 
@@ -283,6 +295,7 @@ mod tests {
         let a = Artifact {
             ptx: ".version 9.0\n".into(),
             cubin: vec![1, 2, 3, 255],
+            log: "ptxas info".into(),
         };
         let path = c.store("k/decode", key, &a).unwrap();
         assert!(path.file_name().unwrap().to_str().unwrap().starts_with("k_decode-"));
@@ -325,6 +338,7 @@ mod tests {
         let a = Artifact {
             ptx: "x".repeat(200_000),
             cubin: vec![7; 100_000],
+            log: String::new(),
         };
         std::thread::scope(|s| {
             for _ in 0..4 {

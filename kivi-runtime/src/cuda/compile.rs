@@ -88,6 +88,10 @@ impl NvrtcOptions {
             format!("--prec-div={}", self.prec_div),
             format!("--prec-sqrt={}", self.prec_sqrt),
             format!("--fmad={}", self.fmad),
+            // ptxas (run by NVRTC to make the CUBIN) reports registers,
+            // spills and shared memory into the log: the resource report
+            // costs nothing extra this way.
+            "--ptxas-options=-v".to_string(),
         ];
         v.extend(self.extra.iter().cloned());
         v
@@ -113,8 +117,14 @@ pub struct Compiled {
     pub arch: Arch,
     pub artifact: Artifact,
     pub origin: Origin,
-    /// NVRTC's log (warnings), empty when read from the cache.
-    pub log: String,
+}
+
+impl Compiled {
+    /// Registers, spills and shared memory per entry point, from the ptxas
+    /// report in NVRTC's log (empty for a virtual arch, which runs no ptxas).
+    pub fn resources(&self) -> Vec<super::ptxas::Resources> {
+        super::ptxas::parse(&self.artifact.log)
+    }
 }
 
 /// Compiles generated source with NVRTC, through an artifact cache.
@@ -204,7 +214,6 @@ impl Compiler {
                         arch: opts.arch,
                         artifact,
                         origin: Origin::Cached,
-                        log: String::new(),
                     })
                 }
                 Lookup::Miss => {}
@@ -229,7 +238,7 @@ impl Compiler {
         let mut args = opts.args();
         args.push(format!("--include-path={}", include.display()));
         let t0 = Instant::now();
-        let (artifact, log) = nvrtc_compile(name, source, &args)?;
+        let artifact = nvrtc_compile(name, source, &args)?;
         let seconds = t0.elapsed().as_secs_f64();
         if let Some(cache) = &self.cache {
             // A cache that cannot be written costs time, not correctness.
@@ -247,7 +256,6 @@ impl Compiler {
             arch: opts.arch,
             artifact,
             origin,
-            log,
         })
     }
 }
@@ -270,7 +278,7 @@ impl Drop for Program {
 }
 
 /// One NVRTC compilation: PTX always, CUBIN when the arch is a real `sm_XX`.
-fn nvrtc_compile(name: &str, source: &str, args: &[String]) -> Result<(Artifact, String)> {
+fn nvrtc_compile(name: &str, source: &str, args: &[String]) -> Result<Artifact> {
     use cudarc::nvrtc::{result, sys};
     let fail = |log: String| Error::Compile {
         backend: "cuda",
@@ -311,15 +319,8 @@ fn nvrtc_compile(name: &str, source: &str, args: &[String]) -> Result<(Artifact,
                     .map_err(|e| fail(format!("nvrtcGetCUBIN: {e:?}")))?;
             }
         }
-        Ok((Artifact { ptx, cubin }, log))
+        Ok(Artifact { ptx, cubin, log })
     })
-}
-
-/// The message NVRTC's log would show, trimmed for one-line reports.
-pub fn first_error_line(log: &str) -> &str {
-    log.lines()
-        .find(|l| l.contains("error"))
-        .unwrap_or_else(|| log.lines().next().unwrap_or(""))
 }
 
 #[cfg(test)]
@@ -337,7 +338,8 @@ mod tests {
                 "--ftz=false",
                 "--prec-div=true",
                 "--prec-sqrt=true",
-                "--fmad=true"
+                "--fmad=true",
+                "--ptxas-options=-v"
             ]
         );
     }

@@ -1,0 +1,184 @@
+//! The CUDA backend against the reference oracle: every preset (and the
+//! corner-case schemes of the sim tests) at odd lengths 1, 31, 33, 127,
+//! 1000 and an empty sequence, on MHA, GQA 4:1, GQA 7:1, GQA 32:8 and MQA;
+//! and every decode variant of every preset on the three main layouts.
+//!
+//! Needs a GPU; elsewhere each test prints `SKIP ...: <reason>` and passes
+//! (and checks that the reason is a typed `Unavailable`, not a panic).
+
+mod cuda_util;
+#[path = "sim_util/mod.rs"]
+mod sim_util;
+
+use cuda_util::backend_or_skip;
+use kivi_runtime::cuda::CudaBackend;
+use kivi_runtime::AttnParams;
+use kivi_spec::{presets, Heads, Scheme};
+use kivi_templates::{default_variant, generate, variants, Generated, Kernel};
+use sim_util::{extra_schemes, Batch};
+
+const LENS: [usize; 6] = [1, 31, 33, 127, 1000, 0];
+const TOL: f32 = 1e-4;
+
+fn layouts() -> Vec<(Heads, u32)> {
+    vec![
+        (Heads::Mha(8), 64),
+        (Heads::Gqa { q: 8, kv: 2 }, 64),
+        (Heads::Gqa { q: 14, kv: 2 }, 128),
+        (Heads::Gqa { q: 32, kv: 8 }, 128),
+        (Heads::Mqa(4), 256),
+    ]
+}
+
+fn schemes_at(heads: Heads, d: u32) -> Vec<Scheme> {
+    presets::all()
+        .into_iter()
+        .chain(extra_schemes())
+        .filter_map(|s| s.with_shape(heads, d).ok())
+        .collect()
+}
+
+fn default_kernels() -> Vec<Generated> {
+    let mut out = Vec::new();
+    for (h, d) in layouts() {
+        for s in schemes_at(h, d) {
+            out.push(generate(&s, Kernel::Decode, &default_variant(&s, Kernel::Decode)).unwrap());
+        }
+    }
+    out
+}
+
+#[test]
+fn cuda_default_variant_matches_reference_everywhere() {
+    let Some(cuda) = backend_or_skip("cuda_default_variant", default_kernels) else {
+        return;
+    };
+    let mut checked = 0;
+    let mut worst = 0f32;
+    for (heads, d) in layouts() {
+        for (i, s) in schemes_at(heads, d).iter().enumerate() {
+            let b = Batch::new(s, &LENS, 7 + i as u64, true);
+            let attn = AttnParams::of(s, s.shape().unwrap());
+            let want = b.reference(attn);
+            let e = b.rel_error(&cuda, attn, &want);
+            assert!(
+                e <= TOL,
+                "{} {heads} d{d}: relative error {e} (lengths {LENS:?})",
+                s.name
+            );
+            // the empty sequence attends to nothing: its output is exactly zero
+            let got = cuda_decode(&cuda, &b, attn);
+            let per = s.shape().unwrap().q_heads * d as usize;
+            assert!(
+                got[5 * per..6 * per].iter().all(|x| *x == 0.0),
+                "{}: empty sequence",
+                s.name
+            );
+            worst = worst.max(e);
+            checked += 1;
+        }
+    }
+    println!("cuda: {checked} scheme/layout pairs agree with the reference (worst relative error {worst:.2e})");
+}
+
+fn cuda_decode(cuda: &CudaBackend, b: &Batch, attn: AttnParams) -> Vec<f32> {
+    use kivi_runtime::Backend;
+    cuda.decode(&b.cache, &b.seqs, &b.q, attn).unwrap()
+}
+
+fn all_variant_kernels() -> Vec<Generated> {
+    let mut out = Vec::new();
+    for (h, d) in sim_util::layouts() {
+        for p in presets::all() {
+            let s = p.with_shape(h, d).unwrap();
+            for v in variants(&s, Kernel::Decode) {
+                out.push(generate(&s, Kernel::Decode, &v).unwrap());
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn cuda_every_decode_variant_matches_reference() {
+    let Some(cuda) = backend_or_skip("cuda_every_variant", all_variant_kernels) else {
+        return;
+    };
+    let mut n = 0;
+    let mut worst = 0f32;
+    for (heads, d) in sim_util::layouts() {
+        for (i, p) in presets::all().iter().enumerate() {
+            let s = p.with_shape(heads, d).unwrap();
+            let b = Batch::new(&s, &[1, 33, 301, 1000], 100 + i as u64, true);
+            let attn = AttnParams::of(&s, s.shape().unwrap());
+            let want = b.reference(attn);
+            for v in variants(&s, Kernel::Decode) {
+                let backend = cuda.clone().with_variant(Some(v));
+                let e = b.rel_error(&backend, attn, &want);
+                assert!(e <= TOL, "{} {heads} d{d} {}: relative error {e}", s.name, v.name());
+                worst = worst.max(e);
+                n += 1;
+            }
+        }
+    }
+    println!("cuda: {n} decode variants agree with the reference (worst relative error {worst:.2e})");
+}
+
+#[test]
+fn cuda_sliding_window_and_scale_override() {
+    let Some(cuda) = backend_or_skip("cuda_window", default_kernels) else {
+        return;
+    };
+    let s = presets::kivi2().with_shape(Heads::Gqa { q: 8, kv: 2 }, 64).unwrap();
+    let b = Batch::new(&s, &[1000, 33, 127], 3, false);
+    for attn in [
+        AttnParams {
+            softmax_scale: 1.0 / 16.0,
+            window: Some(100),
+        },
+        AttnParams {
+            softmax_scale: 0.3,
+            window: Some(1),
+        },
+        AttnParams {
+            softmax_scale: 0.125,
+            window: Some(5000),
+        },
+    ] {
+        let want = b.reference(attn);
+        let e = b.rel_error(&cuda, attn, &want);
+        assert!(e <= TOL, "{attn:?}: relative error {e}");
+    }
+}
+
+#[test]
+fn cuda_bad_input_is_an_error_not_a_crash() {
+    let Some(cuda) = backend_or_skip("cuda_bad_input", Vec::new) else {
+        return;
+    };
+    use kivi_runtime::Backend;
+    let s = presets::kivi4().with_shape(Heads::Mha(2), 64).unwrap();
+    let b = Batch::new(&s, &[40], 1, false);
+    let attn = AttnParams::of(&s, s.shape().unwrap());
+    assert!(cuda.decode(&b.cache, &b.seqs, &b.q[1..], attn).is_err());
+    let mut q = b.q.clone();
+    q[3] = f32::NAN;
+    assert!(cuda.decode(&b.cache, &b.seqs, &q, attn).is_err());
+    assert!(cuda.decode(&b.cache, &[99], &b.q, attn).is_err());
+}
+
+/// Without a GPU the backend reports why, as a typed error.
+#[test]
+fn cuda_unavailable_is_typed() {
+    match CudaBackend::new() {
+        Ok(_) => println!("a GPU is present; nothing to check"),
+        Err(e) => {
+            assert!(
+                matches!(e, kivi_runtime::Error::Unavailable { backend: "cuda", .. }),
+                "{e}"
+            );
+            assert!(!e.to_string().is_empty());
+            println!("no GPU here, as expected: {e}");
+        }
+    }
+}

@@ -1,0 +1,306 @@
+//! Every variant of every kernel of every preset, at three head layouts,
+//! compiled by NVRTC for sm_80 and sm_90 to PTX and CUBIN, with the resource
+//! use ptxas reports (registers, spills, shared memory). No GPU needed.
+//!
+//! Writes `target/kivi-nvrtc-report.json` and prints the counts. Fails on
+//! any compile error and on any variant whose static shared memory exceeds
+//! the 48 KiB a block can have without opting in.
+//!
+//! Skips (with the reason printed) only when NVRTC cannot be found; the test
+//! script provisions it (scripts/provision-cuda.sh), so in CI it runs.
+//! Compiled artifacts (with NVRTC's log, which carries ptxas's `-v` report)
+//! go through the artifact cache (`$KIVI_CACHE_DIR`, else `~/.cache/kivi`),
+//! so a second run is quick.
+
+use kivi_runtime::cuda::{ptxas, Arch, Compiler, NvrtcOptions, Origin};
+use kivi_spec::{presets, Heads, Scheme};
+use kivi_templates::{generate, variants, Kernel};
+use rayon::prelude::*;
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+const LAYOUTS: [(Heads, u32); 3] = [
+    (Heads::Gqa { q: 32, kv: 8 }, 128),
+    (Heads::Mqa(4), 256),
+    (Heads::Mha(8), 64),
+];
+const ARCHS: [Arch; 2] = [Arch::SM80, Arch::SM90];
+const MAX_STATIC_SHARED: u32 = 48 * 1024;
+
+struct Job {
+    scheme: Scheme,
+    kernel: Kernel,
+    variant: kivi_templates::Variant,
+    arch: Arch,
+}
+
+struct Row {
+    name: String,
+    arch: Arch,
+    origin: &'static str,
+    seconds: f64,
+    resources: Vec<ptxas::Resources>,
+    error: Option<String>,
+    ptx: String,
+}
+
+fn json_str(s: &str) -> String {
+    let mut o = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => o.push_str("\\\""),
+            '\\' => o.push_str("\\\\"),
+            '\n' => o.push_str("\\n"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(o, "\\u{:04x}", c as u32);
+            }
+            c => o.push(c),
+        }
+    }
+    o.push('"');
+    o
+}
+
+fn target_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("CARGO_TARGET_DIR") {
+        return PathBuf::from(d);
+    }
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target")
+}
+
+#[test]
+fn every_variant_compiles_for_sm80_and_sm90() {
+    let compiler = match Compiler::new() {
+        Ok(c) if !c.is_offline() => c,
+        Ok(_) => {
+            println!("SKIP nvrtc_all_variants: NVRTC is not on this machine (offline mode)");
+            return;
+        }
+        Err(e) => {
+            println!("SKIP nvrtc_all_variants: {e}");
+            return;
+        }
+    };
+    let t0 = Instant::now();
+    let mut jobs = Vec::new();
+    for preset in presets::all() {
+        for (heads, d) in LAYOUTS {
+            let s = preset.with_shape(heads, d).expect("every preset binds these layouts");
+            for kernel in Kernel::ALL {
+                let vs = variants(&s, kernel);
+                assert!(!vs.is_empty(), "{} {heads} d{d}: no {kernel} variants", s.name);
+                for v in vs {
+                    for arch in ARCHS {
+                        jobs.push(Job {
+                            scheme: s.clone(),
+                            kernel,
+                            variant: v,
+                            arch,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    let rows: Vec<Row> = jobs
+        .par_iter()
+        .map(|j| {
+            let g = match generate(&j.scheme, j.kernel, &j.variant) {
+                Ok(g) => g,
+                Err(e) => {
+                    return Row {
+                        name: format!("{}/{}/{}", j.scheme.name, j.kernel, j.variant.name()),
+                        arch: j.arch,
+                        origin: "generate",
+                        seconds: 0.0,
+                        resources: vec![],
+                        error: Some(e.to_string()),
+                        ptx: String::new(),
+                    }
+                }
+            };
+            let opts = NvrtcOptions::for_arch(j.arch);
+            let t = Instant::now();
+            match compiler.compile(&g.name, &g.source, &opts) {
+                Ok(c) => {
+                    let origin = match c.origin {
+                        Origin::Cached => "cached",
+                        Origin::Compiled { .. } => "compiled",
+                        Origin::Recompiled { .. } => "recompiled",
+                    };
+                    let mut error = None;
+                    if c.artifact.cubin.is_empty() {
+                        error = Some("no CUBIN".to_string());
+                    }
+                    for e in &g.entry_points {
+                        if !c.artifact.ptx.contains(&format!(".entry {e}(")) {
+                            error = Some(format!("entry point {e} missing from the PTX"));
+                        }
+                    }
+                    let resources = c.resources();
+                    if resources.len() != g.entry_points.len() {
+                        error = Some(format!(
+                            "ptxas reported {} entry points, the source has {}",
+                            resources.len(),
+                            g.entry_points.len()
+                        ));
+                    }
+                    if let Some(big) = resources.iter().find(|r| r.shared > MAX_STATIC_SHARED) {
+                        error = Some(format!(
+                            "{} uses {} bytes of static shared memory",
+                            big.function, big.shared
+                        ));
+                    }
+                    Row {
+                        name: g.name,
+                        arch: j.arch,
+                        origin,
+                        seconds: t.elapsed().as_secs_f64(),
+                        resources,
+                        error,
+                        ptx: c.artifact.ptx,
+                    }
+                }
+                Err(e) => Row {
+                    name: g.name,
+                    arch: j.arch,
+                    origin: "failed",
+                    seconds: t.elapsed().as_secs_f64(),
+                    resources: vec![],
+                    error: Some(e.to_string()),
+                    ptx: String::new(),
+                },
+            }
+        })
+        .collect();
+    let wall = t0.elapsed().as_secs_f64();
+
+    // The resource numbers come from the ptxas NVRTC runs to make the CUBIN
+    // (`--ptxas-options=-v`); the wheel's standalone ptxas on the PTX must
+    // agree. Checked on a sample: a second ptxas run per variant would double
+    // the test's time for the same numbers.
+    let mut crosschecked = 0;
+    for r in rows
+        .iter()
+        .filter(|r| r.error.is_none() && r.name.contains("/decode/"))
+        .step_by(97)
+        .take(6)
+    {
+        let standalone = ptxas::resources(&r.ptx, r.arch).expect("the wheel's ptxas runs");
+        let key = |v: &[ptxas::Resources]| {
+            let mut k: Vec<_> = v
+                .iter()
+                .map(|x| (x.function.clone(), x.registers, x.spill_stores, x.shared))
+                .collect();
+            k.sort();
+            k
+        };
+        assert_eq!(
+            key(&standalone),
+            key(&r.resources),
+            "{} ({}): ptxas and NVRTC's report differ",
+            r.name,
+            r.arch
+        );
+        crosschecked += 1;
+    }
+
+    // Report.
+    let mut per_arch: BTreeMap<String, (usize, usize, usize, usize)> = BTreeMap::new(); // ok, failed, compiled, spilling
+    for r in &rows {
+        let e = per_arch.entry(r.arch.name()).or_default();
+        if r.error.is_none() {
+            e.0 += 1;
+        } else {
+            e.1 += 1;
+        }
+        if r.origin == "compiled" || r.origin == "recompiled" {
+            e.2 += 1;
+        }
+        if r.resources.iter().any(|x| x.spills()) {
+            e.3 += 1;
+        }
+    }
+    let mut json = String::new();
+    let _ = writeln!(json, "{{\n  \"nvrtc\": {},", json_str(compiler.version()));
+    let _ = writeln!(json, "  \"wall_seconds\": {wall:.3},");
+    let _ = writeln!(json, "  \"variants\": [");
+    for (i, r) in rows.iter().enumerate() {
+        let res: Vec<String> = r
+            .resources
+            .iter()
+            .map(|x| {
+                format!(
+                    "{{\"function\": {}, \"registers\": {}, \"spill_stores\": {}, \"spill_loads\": {}, \"stack_frame\": {}, \"shared\": {}, \"cmem0\": {}}}",
+                    json_str(&x.function),
+                    x.registers,
+                    x.spill_stores,
+                    x.spill_loads,
+                    x.stack_frame,
+                    x.shared,
+                    x.cmem0
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            json,
+            "    {{\"name\": {}, \"arch\": {}, \"origin\": {}, \"seconds\": {:.4}, \"error\": {}, \"resources\": [{}]}}{}",
+            json_str(&r.name),
+            json_str(&r.arch.name()),
+            json_str(r.origin),
+            r.seconds,
+            r.error.as_deref().map_or("null".to_string(), json_str),
+            res.join(", "),
+            if i + 1 == rows.len() { "" } else { "," }
+        );
+    }
+    let _ = writeln!(json, "  ]\n}}");
+    let path = target_dir().join("kivi-nvrtc-report.json");
+    let _ = std::fs::create_dir_all(target_dir());
+    std::fs::write(&path, json).expect("write the report");
+
+    let compiled: usize = per_arch.values().map(|v| v.2).sum();
+    println!(
+        "nvrtc {}: {} kernel builds ({} compiled now, the rest from the artifact cache) in {wall:.1} s; report {}",
+        compiler.version(),
+        rows.len(),
+        compiled,
+        path.display()
+    );
+    println!("  resource reports cross-checked against standalone ptxas: {crosschecked}");
+    for (arch, (ok, failed, fresh, spill)) in &per_arch {
+        println!("  {arch}: {ok} compiled ok, {failed} failed, {fresh} compiled now, {spill} spill registers");
+    }
+    let worst = rows
+        .iter()
+        .flat_map(|r| r.resources.iter().map(move |x| (x.registers, &r.name, r.arch)))
+        .max();
+    if let Some((regs, name, arch)) = worst {
+        println!("  most registers: {regs} ({name}, {arch})");
+    }
+    let failures: Vec<&Row> = rows.iter().filter(|r| r.error.is_some()).collect();
+    for f in failures.iter().take(10) {
+        println!(
+            "FAILED {} ({}): {}",
+            f.name,
+            f.arch,
+            f.error
+                .as_deref()
+                .unwrap_or("")
+                .lines()
+                .take(6)
+                .collect::<Vec<_>>()
+                .join(" | ")
+        );
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} kernel builds failed",
+        failures.len(),
+        rows.len()
+    );
+    // Every kernel of every preset and layout was built for both archs.
+    assert_eq!(per_arch.len(), ARCHS.len());
+}
