@@ -1,0 +1,593 @@
+//! The decode-attention benchmark suite behind `kivi bench`.
+//!
+//! For every (layout, context, batch) point it fills one paged cache per
+//! scheme with the same random K/V, then times `CpuBackend::decode` with
+//! the schemes interleaved rep by rep, so that a drift in the machine's speed
+//! (it is shared) hits every scheme alike and the ratios stay honest. Next to
+//! the times it reports what bounds them: the KV bytes a decode must read
+//! (exact, from the layout), the FLOPs of the attention, and the machine's
+//! streaming-read bandwidth measured in the same run. Peers (numpy, torch,
+//! jax) run the same shapes from a Python venv ([`peers`]).
+
+pub mod peers;
+
+use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, CpuParams, PagedCache};
+use kivi_spec::layout::Footprint;
+use kivi_spec::{presets, Heads, Scheme};
+use serde::Serialize;
+use std::time::Instant;
+
+/// A head layout to benchmark.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Layout {
+    pub name: &'static str,
+    pub q_heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+}
+
+/// GQA 32:8, head_dim 128 (Llama-3-8B-like).
+pub const GQA: Layout = Layout {
+    name: "gqa32:8/d128",
+    q_heads: 32,
+    kv_heads: 8,
+    head_dim: 128,
+};
+
+/// MQA 4:1, head_dim 256 (Gemma-3-270M-like).
+pub const MQA: Layout = Layout {
+    name: "mqa4:1/d256",
+    q_heads: 4,
+    kv_heads: 1,
+    head_dim: 256,
+};
+
+impl Layout {
+    /// `gqa` or `mqa`.
+    pub fn by_name(name: &str) -> Option<Layout> {
+        match name {
+            "gqa" => Some(GQA),
+            "mqa" => Some(MQA),
+            _ => None,
+        }
+    }
+    fn heads(&self) -> Heads {
+        Heads::from_counts(self.q_heads, self.kv_heads)
+    }
+}
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub layouts: Vec<Layout>,
+    pub contexts: Vec<usize>,
+    pub batches: Vec<usize>,
+    /// Preset names; `f16` is the baseline the ratios refer to.
+    pub schemes: Vec<String>,
+    /// Timed repetitions per point (after one warm-up each).
+    pub reps: usize,
+    pub params: CpuParams,
+    /// Prefill/append throughput and memory at `prefill_tokens`.
+    pub prefill: bool,
+    pub prefill_tokens: usize,
+}
+
+/// Median, 20th/80th percentile and minimum of a set of times, in ms.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct Stats {
+    pub median_ms: f64,
+    pub p20_ms: f64,
+    pub p80_ms: f64,
+    pub min_ms: f64,
+    pub reps: usize,
+}
+
+impl Stats {
+    /// Order statistics of `ms` (which must not be empty).
+    pub fn of(ms: &[f64]) -> Stats {
+        let mut t = ms.to_vec();
+        t.sort_by(f64::total_cmp);
+        let n = t.len();
+        let q = |p: f64| t[((p * (n - 1) as f64).round() as usize).min(n - 1)];
+        Stats {
+            median_ms: q(0.5),
+            p20_ms: q(0.2),
+            p80_ms: q(0.8),
+            min_ms: t[0],
+            reps: n,
+        }
+    }
+}
+
+/// One timed decode point.
+#[derive(Clone, Debug, Serialize)]
+pub struct DecodeRow {
+    pub layout: &'static str,
+    pub context: usize,
+    pub batch: usize,
+    pub scheme: String,
+    #[serde(flatten)]
+    pub stats: Stats,
+    /// KV payload one decode reads (codes, parameters, windows), all sequences.
+    pub kv_bytes: usize,
+    /// `kv_bytes / median`.
+    pub gb_per_s: f64,
+    /// Attention FLOPs (2 per multiply-add, scores and values) / median.
+    pub gflop_per_s: f64,
+    /// f16 median / this median (higher is faster).
+    pub speedup_vs_f16: Option<f64>,
+    /// numpy f32 peer median / this median.
+    pub speedup_vs_numpy: Option<f64>,
+    /// Median time if the read ran at the measured stream bandwidth.
+    pub byte_floor_ms: f64,
+}
+
+/// Prefill and append throughput of one scheme, and its memory.
+#[derive(Clone, Debug, Serialize)]
+pub struct PrefillRow {
+    pub layout: &'static str,
+    pub scheme: String,
+    pub tokens: usize,
+    /// `PagedCache::extend` of `tokens` tokens, one call.
+    pub extend_tokens_per_s: f64,
+    /// `PagedCache::append`, one token per call.
+    pub append_tokens_per_s: f64,
+    /// `cache.memory().total` holding `tokens` tokens.
+    pub memory_bytes: usize,
+    pub memory_vs_f16: Option<f64>,
+}
+
+/// Everything one run measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub command: String,
+    pub machine: Machine,
+    pub params: String,
+    pub decode: Vec<DecodeRow>,
+    pub peers: peers::PeerReport,
+    pub prefill: Vec<PrefillRow>,
+    pub notes: Vec<String>,
+}
+
+/// The machine as the run saw it.
+#[derive(Clone, Debug, Serialize)]
+pub struct Machine {
+    pub cpu: String,
+    pub threads: usize,
+    pub isa: &'static str,
+    /// Sum of a 1 GiB buffer over 2 threads, best of 3, GB/s (1e9 bytes).
+    pub read_gb_per_s: f64,
+}
+
+fn cpu_name() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|x| x.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
+
+/// Streaming-read bandwidth: a 1 GiB buffer summed by 2 threads, best of 3.
+pub fn read_bandwidth(bytes: usize) -> f64 {
+    let words = bytes / 8;
+    // Distinct, non-zero contents so that no page is shared or elided.
+    let buf: Vec<u64> = (0..words as u64)
+        .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+        .collect();
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        let sum: u64 = std::thread::scope(|s| {
+            let hs: Vec<_> = buf
+                .chunks(words.div_ceil(2).max(1))
+                .map(|c| s.spawn(move || sum_words(c)))
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap_or(0)).fold(0, u64::wrapping_add)
+        });
+        std::hint::black_box(sum);
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    bytes as f64 / best / 1e9
+}
+
+fn sum_words(c: &[u64]) -> u64 {
+    // Four independent sums: the loop is load-bound, not add-latency-bound.
+    let mut a = [0u64; 4];
+    let mut it = c.chunks_exact(4);
+    for w in &mut it {
+        for j in 0..4 {
+            a[j] = a[j].wrapping_add(w[j]);
+        }
+    }
+    it.remainder()
+        .iter()
+        .fold(a.iter().fold(0, |x, y| x.wrapping_add(*y)), |x, y| x.wrapping_add(*y))
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// Key/value rows `[tokens, kv_heads, head_dim]`: keys with per-channel
+/// offsets (as real keys have), values plain noise.
+fn kv_data(tokens: usize, l: Layout, seed: u64) -> (Vec<f32>, Vec<f32>) {
+    let (h, d) = (l.kv_heads as usize, l.head_dim as usize);
+    let mut r = Rng(seed | 1);
+    let mut k = Vec::with_capacity(tokens * h * d);
+    let mut v = Vec::with_capacity(tokens * h * d);
+    for _ in 0..tokens * h {
+        for c in 0..d {
+            k.push(((c * 7) % 5) as f32 * 0.5 - 1.0 + r.next());
+            v.push(r.next());
+        }
+    }
+    (k, v)
+}
+
+fn bind(name: &str, l: Layout) -> Result<Scheme, String> {
+    let s = presets::by_name(name).ok_or_else(|| {
+        let all: Vec<String> = presets::all().into_iter().map(|s| s.name).collect();
+        format!("unknown scheme `{name}`; presets are {}", all.join(", "))
+    })?;
+    s.with_shape(l.heads(), l.head_dim)
+        .map_err(|e| format!("scheme `{name}` does not fit {}: {e}", l.name))
+}
+
+/// 4 FLOPs per (query head, channel, token): a multiply-add for the score
+/// and one for the value sum.
+pub fn attention_flops(l: Layout, context: usize, batch: usize) -> f64 {
+    4.0 * l.q_heads as f64 * l.head_dim as f64 * context as f64 * batch as f64
+}
+
+/// Times every scheme at one (layout, context, batch) point, interleaved.
+fn decode_point(
+    cfg: &Config,
+    l: Layout,
+    context: usize,
+    batch: usize,
+    bandwidth: f64,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<DecodeRow>, String> {
+    let (k, v) = kv_data(context, l, 0x5eed + context as u64);
+    let mut r = Rng(77);
+    let q: Vec<f32> = (0..batch * (l.q_heads * l.head_dim) as usize)
+        .map(|_| r.next())
+        .collect();
+    let cpu = CpuBackend::new(cfg.params).map_err(|e| e.to_string())?;
+    let mut cases = Vec::new();
+    for name in &cfg.schemes {
+        let s = bind(name, l)?;
+        let shape = s.shape().ok_or("unbound scheme")?;
+        let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(batch * (context + 64)))
+            .map_err(|e| format!("{name}: {e}"))?;
+        let mut ids = Vec::new();
+        for _ in 0..batch {
+            let id = cache.add_sequence();
+            cache.extend(id, &k, &v).map_err(|e| format!("{name}: {e}"))?;
+            ids.push(id);
+        }
+        let attn = AttnParams::of(&s, shape);
+        // Warm-up (and a check that it runs at all).
+        cpu.decode(&cache, &ids, &q, attn).map_err(|e| format!("{name}: {e}"))?;
+        let bytes = Footprint::for_tokens(&s, context).total() * batch;
+        cases.push((name.clone(), cache, ids, attn, bytes, Vec::new()));
+    }
+    progress(&format!("{} context {context} batch {batch}: timing", l.name));
+    for _ in 0..cfg.reps {
+        for (_, cache, ids, attn, _, times) in cases.iter_mut() {
+            let t0 = Instant::now();
+            let out = cpu.decode(cache, ids, &q, *attn).map_err(|e| e.to_string())?;
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+            std::hint::black_box(out);
+        }
+    }
+    let flops = attention_flops(l, context, batch);
+    let rows: Vec<DecodeRow> = cases
+        .into_iter()
+        .map(|(scheme, _, _, _, bytes, times)| {
+            let stats = Stats::of(&times);
+            DecodeRow {
+                layout: l.name,
+                context,
+                batch,
+                scheme,
+                kv_bytes: bytes,
+                gb_per_s: bytes as f64 / stats.median_ms / 1e6,
+                gflop_per_s: flops / stats.median_ms / 1e6,
+                speedup_vs_f16: None,
+                speedup_vs_numpy: None,
+                byte_floor_ms: bytes as f64 / bandwidth / 1e6,
+                stats,
+            }
+        })
+        .collect();
+    Ok(rows)
+}
+
+/// Prefill (`extend`) and streaming (`append`) throughput and memory.
+fn prefill_rows(cfg: &Config, l: Layout) -> Result<Vec<PrefillRow>, String> {
+    let n = cfg.prefill_tokens;
+    let (k, v) = kv_data(n, l, 99);
+    let row = (l.kv_heads * l.head_dim) as usize;
+    let appends = n.min(2048);
+    let mut out = Vec::new();
+    for name in &cfg.schemes {
+        let s = bind(name, l)?;
+        let mut cache =
+            PagedCache::new(s.clone(), CacheConfig::for_tokens(n + appends + 256)).map_err(|e| e.to_string())?;
+        let id = cache.add_sequence();
+        let t0 = Instant::now();
+        cache.extend(id, &k, &v).map_err(|e| e.to_string())?;
+        let extend_s = t0.elapsed().as_secs_f64();
+        let memory = cache.memory().total;
+        let id2 = cache.add_sequence();
+        let t0 = Instant::now();
+        for t in 0..appends {
+            cache
+                .append(id2, &k[t * row..(t + 1) * row], &v[t * row..(t + 1) * row])
+                .map_err(|e| e.to_string())?;
+        }
+        let append_s = t0.elapsed().as_secs_f64();
+        out.push(PrefillRow {
+            layout: l.name,
+            scheme: name.clone(),
+            tokens: n,
+            extend_tokens_per_s: n as f64 / extend_s,
+            append_tokens_per_s: appends as f64 / append_s,
+            memory_bytes: memory,
+            memory_vs_f16: None,
+        });
+    }
+    if let Some(f) = out.iter().find(|r| r.scheme == "f16").map(|r| r.memory_bytes) {
+        for r in &mut out {
+            r.memory_vs_f16 = Some(r.memory_bytes as f64 / f as f64);
+        }
+    }
+    Ok(out)
+}
+
+/// Runs the suite. `peer_runner` supplies the peers' timings for the shapes
+/// (or a report of why there are none); `progress` gets one line per step.
+pub fn run(
+    cfg: &Config,
+    command: String,
+    peer_runner: &mut dyn FnMut(&[peers::Shape]) -> peers::PeerReport,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Report, String> {
+    if cfg.reps == 0 {
+        return Err("--reps must be at least 1".into());
+    }
+    progress("measuring streaming-read bandwidth (1 GiB over 2 threads)");
+    let bandwidth = read_bandwidth(1 << 30);
+    let threads = if cfg.params.threads > 0 {
+        cfg.params.threads
+    } else {
+        rayon::current_num_threads()
+    };
+    let machine = Machine {
+        cpu: cpu_name(),
+        threads,
+        isa: cfg.params.isa(128).name(),
+        read_gb_per_s: bandwidth,
+    };
+    let mut decode = Vec::new();
+    let mut shapes = Vec::new();
+    for &l in &cfg.layouts {
+        for &context in &cfg.contexts {
+            for &batch in &cfg.batches {
+                progress(&format!("{} context {context} batch {batch}: filling caches", l.name));
+                let mut rows = decode_point(cfg, l, context, batch, bandwidth, progress)?;
+                if let Some(f) = rows.iter().find(|r| r.scheme == "f16").map(|r| r.stats.median_ms) {
+                    for r in &mut rows {
+                        r.speedup_vs_f16 = Some(f / r.stats.median_ms);
+                    }
+                }
+                decode.extend(rows);
+                shapes.push(peers::Shape {
+                    layout: l.name.to_string(),
+                    q_heads: l.q_heads,
+                    kv_heads: l.kv_heads,
+                    head_dim: l.head_dim,
+                    context,
+                    batch,
+                });
+            }
+        }
+    }
+    progress("running peers");
+    let peer_report = peer_runner(&shapes);
+    for r in &mut decode {
+        if let Some(p) = peer_report.find("numpy", "f32", r.layout, r.context, r.batch) {
+            r.speedup_vs_numpy = Some(p.median_ms / r.stats.median_ms);
+        }
+    }
+    let mut prefill = Vec::new();
+    if cfg.prefill {
+        for &l in &cfg.layouts {
+            progress(&format!("{}: prefill/append of {} tokens", l.name, cfg.prefill_tokens));
+            prefill.extend(prefill_rows(cfg, l)?);
+        }
+    }
+    let notes = vec![
+        format!(
+            "times are wall-clock per decode call (all sequences of the batch, one query token each), {} reps after a warm-up, schemes interleaved rep by rep",
+            cfg.reps
+        ),
+        "kv_bytes: exact payload from the layout (codes + scales + zero points + f16 windows); byte_floor_ms = kv_bytes / read bandwidth".into(),
+        "caches of a few MB stay in the CPU caches across reps: at short contexts GB/s can exceed the DRAM bandwidth".into(),
+    ];
+    Ok(Report {
+        command,
+        machine,
+        params: cfg.params.name(),
+        decode,
+        peers: peer_report,
+        prefill,
+        notes,
+    })
+}
+
+/// The report as aligned text tables.
+pub fn render(r: &Report) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(s, "# {}", r.command);
+    let _ = writeln!(
+        s,
+        "machine: {} | {} threads | kernel {} ({}) | stream read {:.1} GB/s",
+        r.machine.cpu, r.machine.threads, r.params, r.machine.isa, r.machine.read_gb_per_s
+    );
+    let _ = writeln!(
+        s,
+        "\n{:<13} {:>6} {:>3} {:<6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>7} {:>8}",
+        "layout",
+        "ctx",
+        "B",
+        "scheme",
+        "median",
+        "p20",
+        "p80",
+        "min",
+        "KV MB",
+        "GB/s",
+        "GFLOP/s",
+        "vs f16",
+        "vs np",
+        "floor"
+    );
+    for d in &r.decode {
+        let f = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.2}x"));
+        let _ = writeln!(
+            s,
+            "{:<13} {:>6} {:>3} {:<6} {:>7.3}ms {:>7.3}ms {:>7.3}ms {:>7.3}ms {:>9.2} {:>7.1} {:>7.1} {:>7} {:>7} {:>6.2}ms",
+            d.layout,
+            d.context,
+            d.batch,
+            d.scheme,
+            d.stats.median_ms,
+            d.stats.p20_ms,
+            d.stats.p80_ms,
+            d.stats.min_ms,
+            d.kv_bytes as f64 / 1e6,
+            d.gb_per_s,
+            d.gflop_per_s,
+            f(d.speedup_vs_f16),
+            f(d.speedup_vs_numpy),
+            d.byte_floor_ms
+        );
+    }
+    let _ = writeln!(s, "\npeers:");
+    for (name, status) in &r.peers.available {
+        let _ = writeln!(s, "  {name}: {status}");
+    }
+    if let Some(e) = &r.peers.error {
+        let _ = writeln!(s, "  not run: {e}");
+    }
+    for p in &r.peers.results {
+        match &p.error {
+            Some(e) => {
+                let _ = writeln!(
+                    s,
+                    "  {} {} {} ctx {} B {}: error: {e}",
+                    p.peer, p.dtype, p.layout, p.context, p.batch
+                );
+            }
+            None => {
+                let ours = r
+                    .decode
+                    .iter()
+                    .filter(|d| d.layout == p.layout && d.context == p.context && d.batch == p.batch)
+                    .map(|d| format!("{} {:.2}x", d.scheme, p.median_ms / d.stats.median_ms))
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                let _ = writeln!(
+                    s,
+                    "  {:<10} {:<3} {:<13} ctx {:>6} B {:>2}: median {:>8.3}ms (p20 {:.3}, p80 {:.3}) | ours faster by: {}",
+                    p.peer, p.dtype, p.layout, p.context, p.batch, p.median_ms, p.p20_ms, p.p80_ms, ours
+                );
+            }
+        }
+    }
+    if !r.prefill.is_empty() {
+        let _ = writeln!(
+            s,
+            "\n{:<13} {:<6} {:>7} {:>14} {:>14} {:>12} {:>8}",
+            "layout", "scheme", "tokens", "extend tok/s", "append tok/s", "memory MB", "vs f16"
+        );
+        for p in &r.prefill {
+            let _ = writeln!(
+                s,
+                "{:<13} {:<6} {:>7} {:>14.0} {:>14.0} {:>12.2} {:>8}",
+                p.layout,
+                p.scheme,
+                p.tokens,
+                p.extend_tokens_per_s,
+                p.append_tokens_per_s,
+                p.memory_bytes as f64 / 1e6,
+                p.memory_vs_f16.map_or("-".into(), |v| format!("{v:.3}"))
+            );
+        }
+    }
+    for n in &r.notes {
+        let _ = writeln!(s, "note: {n}");
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_order() {
+        let s = Stats::of(&[5.0, 1.0, 3.0, 2.0, 4.0]);
+        assert_eq!((s.min_ms, s.median_ms, s.reps), (1.0, 3.0, 5));
+        assert!(s.p20_ms <= s.median_ms && s.median_ms <= s.p80_ms);
+    }
+
+    #[test]
+    fn flops_and_bytes() {
+        assert_eq!(attention_flops(GQA, 1, 1), 4.0 * 32.0 * 128.0);
+        let k2 = bind("kivi2", GQA).unwrap();
+        let f16 = bind("f16", GQA).unwrap();
+        let (a, b) = (
+            Footprint::for_tokens(&k2, 32768).total(),
+            Footprint::for_tokens(&f16, 32768).total(),
+        );
+        assert_eq!(b, 32768 * 8 * 2 * 128 * 2);
+        assert!(a * 5 < b);
+        assert!(bind("nope", GQA).is_err());
+    }
+
+    #[test]
+    fn tiny_suite_runs() {
+        let cfg = Config {
+            layouts: vec![MQA],
+            contexts: vec![300],
+            batches: vec![2],
+            schemes: vec!["f16".into(), "kivi2".into()],
+            reps: 2,
+            params: CpuParams::default(),
+            prefill: true,
+            prefill_tokens: 300,
+        };
+        let r = run(&cfg, "test".into(), &mut |_| peers::PeerReport::default(), &mut |_| {}).unwrap();
+        assert_eq!(r.decode.len(), 2);
+        assert!(r
+            .decode
+            .iter()
+            .all(|d| d.stats.median_ms > 0.0 && d.speedup_vs_f16.is_some()));
+        assert_eq!(r.prefill.len(), 2);
+        assert!(render(&r).contains("kivi2"));
+    }
+}
