@@ -1,8 +1,111 @@
-//! `kivi inspect`.
+//! `kivi inspect`: show cached tuning decisions and why they were made;
+//! export a device's decisions as a bundle.
+
+use kivi_tuner::decisions::{self, Distrust, Store};
+use kivi_tuner::fingerprint::{Fingerprint, Toolchain};
+use std::path::PathBuf;
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Decision cache directory (default: $KIVI_CACHE_DIR, $XDG_CACHE_HOME/kivi or ~/.cache/kivi)
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
+    /// Only entries of this scheme name
+    #[arg(long)]
+    scheme: Option<String>,
+    /// Show every candidate, not only the chosen, the default, the fastest and the rejected
+    #[arg(long)]
+    all: bool,
+    /// Print the decision files as JSON
+    #[arg(long)]
+    json: bool,
+    /// Write this machine's cpu decisions as a bundle to FILE (import with `kivi tune --import FILE`)
+    #[arg(long)]
+    export: Option<PathBuf>,
+}
 
-pub fn run(_args: Args) -> super::Result {
-    Err("`kivi inspect` is not implemented yet".into())
+pub fn run(args: Args) -> super::Result {
+    let dir = decisions::cache_dir(args.cache_dir.as_deref())?;
+    let here = Fingerprint::host_cpu();
+    let toolchain = Toolchain::current("rustc");
+    if let Some(out) = &args.export {
+        let store = Store::new(dir.clone(), here, toolchain);
+        let n = decisions::export_bundle(&store, out)?;
+        println!("exported {n} decisions for this machine's cpu to {}", out.display());
+        return Ok(());
+    }
+    let files = decisions::scan(&dir);
+    if files.is_empty() {
+        println!("no decision files in {}", dir.display());
+        return Ok(());
+    }
+    if args.json {
+        let v: Vec<serde_json::Value> = files
+            .iter()
+            .map(|(p, r)| match r {
+                Ok(f) => serde_json::json!({"path": p, "file": f}),
+                Err(d) => serde_json::json!({"path": p, "error": d.to_string()}),
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?);
+        return Ok(());
+    }
+    println!("decision cache: {}", dir.display());
+    for (path, r) in &files {
+        println!();
+        println!("file {}", path.display());
+        let f = match r {
+            Ok(f) => f,
+            Err(d) => {
+                let hint = match d {
+                    Distrust::Corrupt(_) => "the next `kivi tune` moves it aside and writes a fresh one",
+                    Distrust::Stale(_) => "the next `kivi tune` replaces it",
+                    Distrust::Foreign(_) => "it does not describe the device its name says",
+                };
+                println!("  ignored: {d} ({hint})");
+                continue;
+            }
+        };
+        let mine = f.device.backend == "cpu" && f.device == here;
+        let status = if f.device.backend == "cpu" && !mine {
+            "another device (not used here)".to_string()
+        } else if mine && f.toolchain != toolchain {
+            format!(
+                "stale for this build ({}; this is {}): will be re-tuned",
+                f.toolchain.summary(),
+                toolchain.summary()
+            )
+        } else if mine {
+            "this machine, in use".into()
+        } else {
+            "used where this device is present".into()
+        };
+        println!("  device: {}", f.device.summary());
+        for (k, v) in &f.device.facts {
+            println!("    {k}: {v}");
+        }
+        println!("  toolchain: {}", f.toolchain.summary());
+        println!("  status: {status}");
+        println!("  entries: {}", f.entries.len());
+        for e in f.entries.values() {
+            if args.scheme.as_ref().is_some_and(|s| *s != e.scheme) {
+                continue;
+            }
+            println!();
+            println!(
+                "  {} (hash {}) bucket {}{}",
+                e.scheme,
+                e.scheme_hash,
+                e.bucket,
+                if e.pinned { " [pinned]" } else { "" }
+            );
+            println!("  chosen {}: {}", e.chosen, e.reason);
+            println!("  measured: {}", e.method);
+            if let Some(p) = e.peak_gbps {
+                println!("  peak read bandwidth: {p:.1} GB/s (GB/s column: KV bytes read per call / median)");
+            }
+            super::tune::print_entry_table(e, args.all);
+        }
+    }
+    Ok(())
 }

@@ -1,8 +1,364 @@
-//! `kivi tune`.
+//! `kivi tune`: tune kernel variants for a scheme over shape buckets and
+//! cache the decisions.
+
+use kivi_spec::{Heads, Scheme};
+use kivi_tuner::bucket::{parse_counts, Bucket};
+use kivi_tuner::decisions::{self, Entry, Status, Store};
+use kivi_tuner::progress::Bar;
+use kivi_tuner::tune::{self, Origin, Outcome, Plan, Target};
+use kivi_tuner::CpuTarget;
+use std::path::PathBuf;
+use std::time::Instant;
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Scheme: a preset name (see `kivi schemes`) or a file holding scheme text
+    #[arg(long)]
+    scheme: String,
+    /// Backend to tune: auto (cuda when usable, else cpu), cpu or cuda
+    #[arg(long, default_value = "auto")]
+    backend: String,
+    /// Head layout, e.g. gqa:32:8, mha:8, mqa:4 (default: the scheme's, else gqa:32:8)
+    #[arg(long)]
+    heads: Option<String>,
+    /// Head dimension (default: the scheme's, else 128)
+    #[arg(long)]
+    head_dim: Option<u32>,
+    /// Context lengths to tune, comma-separated (each names a power-of-two bucket)
+    #[arg(long, default_value = "1k,4k,16k")]
+    contexts: String,
+    /// Batch sizes to tune, comma-separated
+    #[arg(long, default_value = "1,4")]
+    batch: String,
+    /// Time budget in seconds for all buckets that need measuring
+    #[arg(long, default_value_t = 60.0)]
+    budget: f64,
+    /// Print the results as JSON on stdout instead of a table
+    #[arg(long)]
+    json: bool,
+    /// Write an SVG chart of time per variant per context length
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Decision cache directory (default: $KIVI_CACHE_DIR, $XDG_CACHE_HOME/kivi or ~/.cache/kivi)
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
+    /// Record this variant as the choice for every bucket (verified, not timed)
+    #[arg(long)]
+    pin: Option<String>,
+    /// Ignore cached timings and pins; measure everything again
+    #[arg(long)]
+    force: bool,
+    /// Also measure candidates that an earlier run skipped when its budget ran out
+    #[arg(long)]
+    resume: bool,
+    /// Import a decision bundle (from `kivi inspect --export`) instead of tuning
+    #[arg(long, conflicts_with_all = ["pin", "force"])]
+    import: Option<PathBuf>,
+    /// No progress bar
+    #[arg(long)]
+    quiet: bool,
+}
 
-pub fn run(_args: Args) -> super::Result {
-    Err("`kivi tune` is not implemented yet".into())
+/// A preset by name, else a file with scheme text.
+pub fn load_scheme(s: &str) -> super::Result<Scheme> {
+    if let Some(p) = kivi_spec::presets::by_name(s) {
+        return Ok(p);
+    }
+    let path = std::path::Path::new(s);
+    if path.exists() {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {s}: {e}"))?;
+        return kivi_spec::parse_scheme(&text).map_err(|e| format!("{s}: {e}").into());
+    }
+    let names: Vec<String> = kivi_spec::presets::all().into_iter().map(|p| p.name).collect();
+    Err(format!("unknown scheme `{s}`: not a preset ({}) nor a file", names.join(", ")).into())
+}
+
+/// `gqa:32:8`, `mha:8`, `mqa:4`.
+pub fn parse_heads(s: &str) -> super::Result<Heads> {
+    let parts: Vec<&str> = s.split(':').map(str::trim).collect();
+    let num = |x: &str| -> super::Result<u32> {
+        x.parse::<u32>()
+            .ok()
+            .filter(|n| *n > 0)
+            .ok_or_else(|| format!("`{x}` in --heads {s} is not a positive head count").into())
+    };
+    let h = match parts.as_slice() {
+        ["gqa", q, kv] => Heads::Gqa {
+            q: num(q)?,
+            kv: num(kv)?,
+        },
+        ["mha", n] => Heads::Mha(num(n)?),
+        ["mqa", q] => Heads::Mqa(num(q)?),
+        _ => return Err(format!("--heads `{s}` is not gqa:Q:KV, mha:N or mqa:Q").into()),
+    };
+    if h.q_heads() % h.kv_heads() != 0 {
+        return Err(format!(
+            "--heads `{s}`: {} query heads do not divide into {} KV heads",
+            h.q_heads(),
+            h.kv_heads()
+        )
+        .into());
+    }
+    Ok(h)
+}
+
+/// Binds the shape from the flags or the scheme's own.
+pub fn bind(scheme: &Scheme, heads: Option<&str>, head_dim: Option<u32>) -> super::Result<Scheme> {
+    let h = match heads {
+        Some(t) => parse_heads(t)?,
+        None => scheme.heads.unwrap_or(Heads::Gqa { q: 32, kv: 8 }),
+    };
+    let d = head_dim.or(scheme.head_dim).unwrap_or(128);
+    Ok(scheme
+        .with_shape(h, d)
+        .map_err(|e| format!("scheme `{}`: {e}", scheme.name))?)
+}
+
+pub fn fmt_time(s: f64) -> String {
+    if !s.is_finite() {
+        "-".into()
+    } else if s >= 1.0 {
+        format!("{s:.2} s")
+    } else if s >= 1e-3 {
+        format!("{:.3} ms", s * 1e3)
+    } else {
+        format!("{:.1} us", s * 1e6)
+    }
+}
+
+/// The table rows worth showing for one entry: the choice, the default,
+/// the three next fastest, and everything rejected.
+pub fn print_entry_table(e: &Entry, all: bool) {
+    let def = e
+        .candidate(&e.default)
+        .and_then(|c| c.timing.filter(|_| c.status.timed()));
+    let mut timed: Vec<_> = e
+        .candidates
+        .iter()
+        .filter(|c| c.status.timed() && c.timing.is_some())
+        .collect();
+    timed.sort_by(|a, b| a.timing.unwrap().median_s.total_cmp(&b.timing.unwrap().median_s));
+    let mut rows: Vec<&decisions::CandidateRecord> = Vec::new();
+    let push = |c: &'_ decisions::CandidateRecord, rows: &mut Vec<_>| {
+        if !rows.iter().any(|r: &&decisions::CandidateRecord| r.name == c.name) {
+            rows.push(e.candidate(&c.name).expect("own candidate"));
+        }
+    };
+    if let Some(c) = e.candidate(&e.chosen) {
+        push(c, &mut rows);
+    }
+    if let Some(c) = e.candidate(&e.default) {
+        push(c, &mut rows);
+    }
+    let extra = if all { usize::MAX } else { 3 };
+    for c in timed.iter().take(extra + 2) {
+        if rows.len() >= extra + 2 {
+            break;
+        }
+        push(c, &mut rows);
+    }
+    for c in e.candidates.iter().filter(|c| all || c.status == Status::Rejected) {
+        push(c, &mut rows);
+    }
+    let w = rows.iter().map(|r| r.name.len()).max().unwrap_or(8).max(8) + 2;
+    println!(
+        "  {:<w$} {:>10} {:>21} {:>7} {:>9}  status",
+        "variant", "median", "p20 / p80", "GB/s", "vs dflt"
+    );
+    for r in rows {
+        let mark = if r.name == e.chosen { "*" } else { " " };
+        let name = if r.name == e.default {
+            format!("{} (default)", r.name)
+        } else {
+            r.name.clone()
+        };
+        let name = format!("{mark}{name}");
+        let w2 = w + 10;
+        match r.timing.filter(|_| r.status.timed()) {
+            Some(t) => {
+                let sp = def
+                    .map(|d| format!("{:.2}x", d.median_s / t.median_s))
+                    .unwrap_or_else(|| "-".into());
+                let roof = e
+                    .peak_gbps
+                    .map(|p| format!(" ({:.0}%)", t.gbps / p * 100.0))
+                    .unwrap_or_default();
+                println!(
+                    "  {name:<w2$.w2$} {:>10} {:>21} {:>7.2} {:>9}  {}{roof}{}",
+                    fmt_time(t.median_s),
+                    format!("{} / {}", fmt_time(t.p20_s), fmt_time(t.p80_s)),
+                    t.gbps,
+                    sp,
+                    r.status.name(),
+                    r.reason.as_ref().map(|x| format!(": {x}")).unwrap_or_default()
+                );
+            }
+            None => println!(
+                "  {name:<w2$.w2$} {:>10} {:>21} {:>7} {:>9}  {}{}",
+                "-",
+                "-",
+                "-",
+                "-",
+                r.status.name(),
+                r.reason.as_ref().map(|x| format!(": {x}")).unwrap_or_default()
+            ),
+        }
+    }
+    let count = |s: Status| e.candidates.iter().filter(|c| c.status == s).count();
+    if !all {
+        println!(
+            "  ({} candidates: {} ok, {} eliminated, {} rejected, {} pruned, {} skipped; `kivi inspect` lists them all)",
+            e.candidates.len(),
+            count(Status::Ok),
+            count(Status::Eliminated),
+            count(Status::Rejected),
+            count(Status::Pruned),
+            count(Status::Skipped)
+        );
+    }
+}
+
+fn origin_text(o: &Outcome) -> String {
+    match &o.origin {
+        Origin::Cached => "cached (nothing measured)".into(),
+        Origin::Pinned => "pinned".into(),
+        Origin::Tuned { measured, reused } => {
+            format!("tuned in {:.1} s ({measured} measured, {reused} reused)", o.spent_s)
+        }
+        Origin::Failed(e) => format!("FAILED: {e}"),
+    }
+}
+
+pub fn run(args: Args) -> super::Result {
+    let t0 = Instant::now();
+    if !(args.budget.is_finite() && args.budget > 0.0) {
+        return Err(format!("--budget {} must be a positive number of seconds", args.budget).into());
+    }
+    let dir = decisions::cache_dir(args.cache_dir.as_deref())?;
+    let mut warnings: Vec<String> = Vec::new();
+    if let Some(bundle) = &args.import {
+        let n = decisions::import_bundle(&dir, bundle, &mut warnings)?;
+        for w in &warnings {
+            eprintln!("kivi: warning: {w}");
+        }
+        println!(
+            "imported {n} decisions from {} into {}",
+            bundle.display(),
+            dir.display()
+        );
+        return Ok(());
+    }
+    let scheme = bind(&load_scheme(&args.scheme)?, args.heads.as_deref(), args.head_dim)?;
+    let shape = scheme.shape().expect("bound");
+    let gqa = shape.group_size();
+    let contexts = parse_counts(&args.contexts).map_err(|e| format!("--contexts: {e}"))?;
+    let batches = parse_counts(&args.batch).map_err(|e| format!("--batch: {e}"))?;
+    let mut buckets: Vec<Bucket> = Vec::new();
+    for &b in &batches {
+        for &c in &contexts {
+            let k = Bucket::of(b, c, gqa);
+            if !buckets.contains(&k) {
+                buckets.push(k);
+            }
+        }
+    }
+
+    let backend = args.backend.to_ascii_lowercase();
+    let mut notes: Vec<String> = Vec::new();
+    match backend.as_str() {
+        "cpu" => {}
+        "auto" | "cuda" => {
+            // No CUDA tuning target in this build yet: tune the CPU, and say so.
+            notes.push(format!(
+                "{}: no usable CUDA device/backend here, so the cpu backend is tuned instead",
+                if backend == "cuda" {
+                    "--backend cuda"
+                } else {
+                    "--backend auto"
+                }
+            ));
+        }
+        other => return Err(format!("--backend `{other}` is not auto, cpu or cuda").into()),
+    }
+    let target = CpuTarget::new(&scheme)?;
+    let store = Store::new(dir.clone(), target.device(), target.toolchain());
+    let plan = Plan {
+        budget_s: args.budget,
+        force: args.force,
+        pin: args.pin.clone(),
+        resume: args.resume,
+    };
+    let mut bar = Bar::new(buckets.clone(), args.budget, args.quiet || args.json);
+    for n in &notes {
+        eprintln!("kivi: note: {n}");
+    }
+    let outcomes = tune::run(&target, &store, &scheme, &buckets, &plan, &mut bar, &mut warnings);
+    bar.clear();
+    for w in &warnings {
+        eprintln!("kivi: warning: {w}");
+    }
+
+    let entries: Vec<&Entry> = outcomes.iter().filter_map(|o| o.entry.as_ref()).collect();
+    if let Some(p) = &args.plot {
+        let title = format!(
+            "kivi tune: {} ({}, head_dim {}) on {}",
+            scheme.name,
+            scheme.heads.expect("bound"),
+            shape.head_dim,
+            target.device().name
+        );
+        let svg = kivi_tuner::plot::svg(&title, &entries);
+        decisions::write_atomic(p, svg.as_bytes())?;
+    }
+    if args.json {
+        let out = serde_json::json!({
+            "scheme": scheme.name,
+            "scheme_hash": tune::hex(kivi_spec::scheme_hash(&scheme)),
+            "backend": target.backend(),
+            "device": target.device(),
+            "toolchain": target.toolchain(),
+            "cache_file": store.path(),
+            "notes": notes,
+            "warnings": warnings,
+            "elapsed_s": t0.elapsed().as_secs_f64(),
+            "buckets": outcomes.iter().map(|o| serde_json::json!({
+                "bucket": o.bucket,
+                "origin": origin_text(o),
+                "spent_s": o.spent_s,
+                "entry": o.entry,
+            })).collect::<Vec<_>>(),
+        });
+        println!("{}", serde_json::to_string_pretty(&out).map_err(|e| e.to_string())?);
+    } else {
+        println!(
+            "kivi tune: scheme {} ({}, head_dim {}), backend {} on {}",
+            scheme.name,
+            scheme.heads.expect("bound"),
+            shape.head_dim,
+            target.backend(),
+            target.device().summary()
+        );
+        for o in &outcomes {
+            println!();
+            println!(
+                "bucket {} (batch {}, context {}, gqa {}): {}",
+                o.bucket,
+                o.bucket.batch,
+                o.bucket.context,
+                o.bucket.gqa,
+                origin_text(o)
+            );
+            if let Some(e) = &o.entry {
+                println!("  chosen {}: {}", e.chosen, e.reason);
+                print_entry_table(e, false);
+            }
+        }
+        println!();
+        println!("decisions: {}", store.path().display());
+        println!("elapsed: {:.1} s", t0.elapsed().as_secs_f64());
+    }
+    if outcomes.iter().all(|o| matches!(o.origin, Origin::Failed(_))) {
+        return Err("no bucket could be tuned".into());
+    }
+    Ok(())
 }

@@ -1,0 +1,414 @@
+//! The CPU backend as a tuning [`Target`]: the candidates are
+//! [`CpuParams`] (splits over the sequence, tokens per tile, threads).
+//!
+//! Timing uses the host's monotonic clock around whole calls (the CPU has no
+//! device clock; a call is a few hundred microseconds or more, far above
+//! the clock's resolution). To read KV from memory as in serving — where
+//! the other layers' KV and the weights evict this layer's — the workload
+//! holds several copies of the batch and rotates through them, enough to
+//! cover twice the last-level cache where memory allows (capped at
+//! [`CpuTarget::max_rotate_bytes`]; the decision records the coverage).
+
+use crate::bucket::Bucket;
+use crate::fingerprint::{Fingerprint, Toolchain};
+use crate::tune::{Candidate, Method, Target, Workload};
+use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, CpuParams, PagedCache, ReferenceBackend, SeqId};
+use kivi_spec::{Heads, Scheme, Tensor};
+use std::sync::OnceLock;
+use std::time::Instant;
+
+/// Split counts tried (`0` lets the kernel pick).
+pub const SPLITS: &[usize] = &[0, 1, 2, 4, 8, 16, 32];
+/// Tile sizes tried.
+pub const TILES: &[usize] = &[16, 32, 64, 128, 256];
+/// A split shorter than this is pruned: the merge would cost more than it saves.
+pub const MIN_SPLIT_TOKENS: usize = 64;
+/// Tolerance against the reference (absolute + relative to the output's magnitude).
+pub const TOLERANCE: f32 = 2e-3;
+
+/// The CPU backend for one bound scheme.
+pub struct CpuTarget {
+    scheme: Scheme,
+    device: Fingerprint,
+    cores: usize,
+    /// Upper bound on the bytes of rotated input copies per bucket.
+    pub max_rotate_bytes: u64,
+    /// Upper bound on the number of copies.
+    pub max_copies: usize,
+    /// Timing methodology.
+    pub method: Method,
+    peak: OnceLock<Option<f64>>,
+}
+
+impl CpuTarget {
+    /// `scheme` must be bound to a shape ([`Scheme::with_shape`]).
+    pub fn new(scheme: &Scheme) -> Result<CpuTarget, String> {
+        if scheme.shape().is_none() {
+            return Err(format!(
+                "scheme `{}` has no heads/head_dim; bind a shape before tuning",
+                scheme.name
+            ));
+        }
+        let device = Fingerprint::host_cpu();
+        let cores = device.facts.get("cores").and_then(|c| c.parse().ok()).unwrap_or(1);
+        Ok(CpuTarget {
+            scheme: scheme.clone(),
+            device,
+            cores,
+            max_rotate_bytes: 192 << 20,
+            max_copies: 32,
+            method: Method::default(),
+            peak: OnceLock::new(),
+        })
+    }
+
+    /// The parameters behind a candidate name, if it is one of ours.
+    pub fn params(&self, bucket: &Bucket, name: &str) -> Option<CpuParams> {
+        self.space(bucket).into_iter().find(|p| p.name() == name)
+    }
+
+    /// The whole parameter space in canonical order: the default first,
+    /// then variants that change one parameter of the default, then two,
+    /// and so on. Under a tight budget the nearest neighbours of the default
+    /// are measured first, and ties go to the variant closest to it.
+    /// Fields that `CpuParams` may grow keep their defaults.
+    pub fn space(&self, _bucket: &Bucket) -> Vec<CpuParams> {
+        let default = CpuParams::default();
+        let mut threads = vec![0];
+        if self.cores > 1 {
+            // One thread: no fork/join at all, which wins for tiny problems.
+            threads.push(1);
+        }
+        let mut v = vec![default];
+        for &th in &threads {
+            for &splits in SPLITS {
+                for &tile_tokens in TILES {
+                    let p = CpuParams {
+                        splits,
+                        tile_tokens,
+                        threads: th,
+                        ..default
+                    };
+                    if !v.contains(&p) {
+                        v.push(p);
+                    }
+                }
+            }
+        }
+        // The portable scalar loops, once: a guard against a machine where
+        // the SIMD path loses.
+        let scalar = CpuParams {
+            scalar: true,
+            ..default
+        };
+        if !v.contains(&scalar) {
+            v.push(scalar);
+        }
+        let distance = |p: &CpuParams| {
+            (p.splits != default.splits) as u32
+                + (p.tile_tokens != default.tile_tokens) as u32
+                + (p.threads != default.threads) as u32
+                + (p.scalar != default.scalar) as u32
+        };
+        // Stable: within one distance the enumeration order above decides.
+        v.sort_by_key(distance);
+        v
+    }
+}
+
+/// Runs the reference memory-read benchmark once: a parallel sum over a
+/// buffer well beyond the last-level cache where memory allows.
+fn measure_peak_gbps(llc: Option<u64>) -> Option<f64> {
+    use rayon::prelude::*;
+    let bytes = (llc.unwrap_or(32 << 20) * 2).clamp(64 << 20, 512 << 20) as usize;
+    let buf = vec![1u64; bytes / 8];
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let s: u64 = buf
+            .par_chunks(1 << 16)
+            .map(|c| c.iter().fold(0u64, |a, b| a.wrapping_add(*b)))
+            .sum();
+        std::hint::black_box(s);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (best > 0.0).then(|| bytes as f64 / best / 1e9)
+}
+
+impl Target for CpuTarget {
+    fn backend(&self) -> &'static str {
+        "cpu"
+    }
+    fn device(&self) -> Fingerprint {
+        self.device.clone()
+    }
+    fn toolchain(&self) -> Toolchain {
+        Toolchain::current("rustc")
+    }
+    fn candidates(&self, bucket: &Bucket) -> Vec<Candidate> {
+        self.space(bucket)
+            .into_iter()
+            .map(|p| Candidate {
+                name: p.name(),
+                hash: kivi_spec::fnv1a64(format!("{p:?}").as_bytes()),
+                notes: Vec::new(),
+            })
+            .collect()
+    }
+    fn check(&self, c: &Candidate, bucket: &Bucket) -> Result<(), String> {
+        let p = self
+            .params(bucket, &c.name)
+            .ok_or_else(|| format!("`{}` is not a cpu variant", c.name))?;
+        CpuBackend::new(p).map_err(|e| e.to_string())?;
+        if p.threads > self.cores {
+            return Err(format!("{} threads on {} cores", p.threads, self.cores));
+        }
+        let ctx = bucket.context as usize;
+        if p.splits > 0 {
+            let per = ctx / p.splits;
+            if per < MIN_SPLIT_TOKENS {
+                return Err(format!("a split would hold {per} tokens (< {MIN_SPLIT_TOKENS})"));
+            }
+            if p.tile_tokens > per {
+                return Err(format!("tile of {} tokens exceeds a split of {per}", p.tile_tokens));
+            }
+        } else if p.tile_tokens > ctx {
+            return Err(format!("tile of {} tokens exceeds the context", p.tile_tokens));
+        }
+        if p.threads == 1 && p.splits > 1 {
+            // Splits exist to feed threads; on one thread they only add merges.
+            return Err("splits > 1 on a single thread".into());
+        }
+        Ok(())
+    }
+    fn workload<'a>(&'a self, bucket: &Bucket, prep_budget_s: f64) -> Result<Box<dyn Workload + 'a>, String> {
+        Ok(Box::new(CpuWorkload::new(self, bucket, prep_budget_s)?))
+    }
+    fn method(&self) -> Method {
+        self.method.clone()
+    }
+    fn peak_gbps(&self) -> Option<f64> {
+        *self.peak.get_or_init(|| measure_peak_gbps(self.device.llc_bytes()))
+    }
+}
+
+/// xorshift64*: deterministic inputs without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let x = self.0.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+struct CpuWorkload<'a> {
+    target: &'a CpuTarget,
+    bucket: Bucket,
+    cache: PagedCache,
+    /// One batch of sequence ids per rotated copy.
+    sets: Vec<Vec<SeqId>>,
+    q: Vec<f32>,
+    attn: AttnParams,
+    want: Vec<f32>,
+    next: usize,
+    bytes: u64,
+    llc: Option<u64>,
+}
+
+impl<'a> CpuWorkload<'a> {
+    fn new(target: &'a CpuTarget, bucket: &Bucket, prep_budget_s: f64) -> Result<Self, String> {
+        let start = Instant::now();
+        let scheme = &target.scheme;
+        let shape = scheme.shape().ok_or("unbound scheme")?;
+        let heads = scheme.heads.unwrap_or(Heads::Mha(1));
+        if heads.q_heads() / heads.kv_heads() != bucket.gqa {
+            return Err(format!(
+                "bucket {bucket} has GQA ratio {}, the scheme {}",
+                bucket.gqa, heads
+            ));
+        }
+        let (hkv, d) = (shape.kv_heads, shape.head_dim);
+        let lengths = bucket.tuning_lengths();
+        let tokens: usize = lengths.iter().sum();
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ bucket.context as u64);
+        // Keys get a few outlier channels, as real keys do.
+        let data: Vec<(Vec<f32>, Vec<f32>)> = lengths
+            .iter()
+            .map(|&t| {
+                let k: Vec<f32> = (0..t * hkv * d)
+                    .map(|i| rng.next() * if i % d % 17 == 3 { 6.0 } else { 1.0 })
+                    .collect();
+                let v: Vec<f32> = (0..t * hkv * d).map(|_| rng.next()).collect();
+                (k, v)
+            })
+            .collect();
+        // Bytes per copy first, from a one-copy probe of the layout.
+        let llc = target.device.llc_bytes();
+        let probe_bytes = estimate_bytes(scheme, &lengths);
+        let want = llc.map_or(1, |l| (2 * l).div_ceil(probe_bytes.max(1)) as usize);
+        let by_mem = (target.max_rotate_bytes / probe_bytes.max(1)).max(1) as usize;
+        let copies = want.min(by_mem).clamp(1, target.max_copies);
+        let mut cache = PagedCache::new(
+            scheme.clone(),
+            CacheConfig::for_tokens(tokens * copies + 64 * lengths.len() * copies),
+        )
+        .map_err(|e| e.to_string())?;
+        let mut sets = Vec::with_capacity(copies);
+        for c in 0..copies {
+            // Extra copies only while the preparation budget lasts.
+            if c > 0 && start.elapsed().as_secs_f64() > prep_budget_s {
+                break;
+            }
+            let mut set = Vec::with_capacity(lengths.len());
+            for (k, v) in &data {
+                let id = cache.add_sequence();
+                cache
+                    .extend(id, k, v)
+                    .map_err(|e| format!("cannot build tuning inputs: {e}"))?;
+                set.push(id);
+            }
+            sets.push(set);
+        }
+        let bytes = measured_bytes(&cache, &sets[0])?;
+        let q: Vec<f32> = (0..lengths.len() * shape.q_heads * d).map(|_| rng.next()).collect();
+        let attn = AttnParams::of(scheme, shape);
+        let want = reference_parallel(&cache, &sets[0], &q, attn)?;
+        Ok(CpuWorkload {
+            target,
+            bucket: *bucket,
+            cache,
+            sets,
+            q,
+            attn,
+            want,
+            next: 0,
+            bytes,
+            llc,
+        })
+    }
+
+    fn backend(&self, c: &Candidate) -> Result<CpuBackend, String> {
+        let p = self
+            .target
+            .params(&self.bucket, &c.name)
+            .ok_or_else(|| format!("`{}` is not a cpu variant", c.name))?;
+        CpuBackend::new(p).map_err(|e| e.to_string())
+    }
+}
+
+/// The oracle on a batch, one sequence per rayon task (it is the slowest
+/// part of preparing a bucket; the oracle itself stays scalar and plain).
+fn reference_parallel(cache: &PagedCache, seqs: &[SeqId], q: &[f32], attn: AttnParams) -> Result<Vec<f32>, String> {
+    use rayon::prelude::*;
+    let per = q.len() / seqs.len().max(1);
+    let outs: Vec<Result<Vec<f32>, String>> = seqs
+        .par_iter()
+        .enumerate()
+        .map(|(b, &s)| {
+            ReferenceBackend
+                .decode(cache, &[s], &q[b * per..(b + 1) * per], attn)
+                .map_err(|e| format!("reference failed: {e}"))
+        })
+        .collect();
+    let mut want = Vec::with_capacity(q.len());
+    for o in outs {
+        want.extend(o?);
+    }
+    Ok(want)
+}
+
+/// KV bytes of a batch before building it (the layout's exact footprint).
+fn estimate_bytes(scheme: &Scheme, lengths: &[usize]) -> u64 {
+    lengths
+        .iter()
+        .map(|&t| {
+            let f = kivi_spec::layout::Footprint::for_tokens(scheme, t);
+            (f.codes + f.scales + f.zeros + f.windows) as u64
+        })
+        .sum::<u64>()
+        .max(1)
+}
+
+/// KV bytes one decode call reads: the codes, scales and zero points of the
+/// blocks in use, plus the full-precision tokens actually present.
+fn measured_bytes(cache: &PagedCache, seqs: &[SeqId]) -> Result<u64, String> {
+    let shape = cache.shape();
+    let row = (shape.kv_heads * shape.head_dim * cache.scheme().dtype.bytes()) as u64;
+    let mut total = 0u64;
+    for &s in seqs {
+        let m = cache.sequence_memory(s).map_err(|e| e.to_string())?;
+        let view = cache.view(s).map_err(|e| e.to_string())?;
+        let raw: u64 = [Tensor::Key, Tensor::Value]
+            .iter()
+            .map(|&t| (view.tokens() - view.quantized(t)) as u64 * row)
+            .sum();
+        total += (m.codes + m.scales + m.zeros) as u64 + raw;
+    }
+    Ok(total)
+}
+
+/// Largest |got - want| beyond `TOLERANCE * (1 + |want|)`, or the first non-finite output.
+pub fn compare(got: &[f32], want: &[f32]) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!("output has {} values, the reference {}", got.len(), want.len()));
+    }
+    let mut worst: Option<(usize, f32)> = None;
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        if !g.is_finite() {
+            return Err(format!("output {i} is {g} (reference {w})"));
+        }
+        let excess = (g - w).abs() - TOLERANCE * (1.0 + w.abs());
+        if excess > 0.0 && worst.map_or(true, |(_, e)| excess > e) {
+            worst = Some((i, excess));
+        }
+    }
+    match worst {
+        None => Ok(()),
+        Some((i, _)) => Err(format!(
+            "output {i} is {} but the reference says {} (tolerance {TOLERANCE} x (1 + |ref|))",
+            got[i], want[i]
+        )),
+    }
+}
+
+impl Workload for CpuWorkload<'_> {
+    fn bytes_per_call(&self) -> u64 {
+        self.bytes
+    }
+    fn verify(&mut self, c: &Candidate) -> Result<(), String> {
+        let be = self.backend(c)?;
+        let got = be
+            .decode(&self.cache, &self.sets[0], &self.q, self.attn)
+            .map_err(|e| format!("failed: {e}"))?;
+        compare(&got, &self.want)
+    }
+    fn sample(&mut self, c: &Candidate, iters: u32) -> Result<f64, String> {
+        let be = self.backend(c)?;
+        let t = Instant::now();
+        for _ in 0..iters.max(1) {
+            self.next = (self.next + 1) % self.sets.len();
+            let out = be
+                .decode(&self.cache, &self.sets[self.next], &self.q, self.attn)
+                .map_err(|e| e.to_string())?;
+            std::hint::black_box(out);
+        }
+        Ok(t.elapsed().as_secs_f64() / iters.max(1) as f64)
+    }
+    fn describe(&self) -> String {
+        let rot = self.bytes * self.sets.len() as u64;
+        let cover = match self.llc {
+            Some(l) => format!(", {:.1}x the last-level cache ({} MiB)", rot as f64 / l as f64, l >> 20),
+            None => String::new(),
+        };
+        format!(
+            "host monotonic clock around whole calls; inputs rotated over {} copies ({:.1} MiB{cover}); lengths {:?}",
+            self.sets.len(),
+            rot as f64 / (1u64 << 20) as f64,
+            self.bucket.tuning_lengths()
+        )
+    }
+}
