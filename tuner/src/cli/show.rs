@@ -103,8 +103,9 @@ pub fn per_token(s: &Scheme) -> super::Result<((usize, usize), Cost, Cost)> {
 /// `n / d` printed exactly: an integer when it divides, else a decimal and
 /// the fraction.
 pub fn exact(n: usize, d: usize) -> String {
-    if n % d == 0 {
-        (n / d).to_string()
+    let (whole, rest) = (n / d, n % d);
+    if rest == 0 {
+        whole.to_string()
     } else {
         format!("{:.4} ({n}/{d})", n as f64 / d as f64)
     }
