@@ -46,14 +46,14 @@ fn tensor(rng: &mut Rng, tokens: usize, hkv: usize, d: usize, key: bool) -> Vec<
     x
 }
 
+/// The three instruction sets: AVX-512 (where the CPU has it), AVX2, scalar.
+fn isas() -> [CpuParams; 3] {
+    let d = CpuParams::default();
+    [d, CpuParams { avx512: false, ..d }, CpuParams { scalar: true, ..d }]
+}
+
 fn params_default() -> Vec<CpuParams> {
-    vec![
-        CpuParams::default(),
-        CpuParams {
-            scalar: true,
-            ..CpuParams::default()
-        },
-    ]
+    isas().to_vec()
 }
 
 /// Fills a cache with sequences of `lens` (some by prefill, some by appends)
@@ -142,12 +142,11 @@ fn kernel_parameters() {
     let mut params = Vec::new();
     for splits in [1, 3, 0] {
         for tile_tokens in [1, 7, 64] {
-            for scalar in [false, true] {
+            for isa in isas() {
                 params.push(CpuParams {
                     splits,
                     tile_tokens,
-                    threads: 0,
-                    scalar,
+                    ..isa
                 });
             }
         }
@@ -263,6 +262,15 @@ fn head_dims_off_the_simd_width() {
     s.value = quant(4, Axis::Token, 12, ScaleDtype::F16);
     s.residual = 5;
     assert_eq!(CpuParams::default().isa(36), Isa::Scalar);
+    // head_dim 40: AVX2 at most (AVX-512 reads 16 channels at a time).
+    assert_ne!(CpuParams::default().isa(40), Isa::Avx512);
+    let mut w = presets::kivi4();
+    w.key = quant(4, Axis::Channel, 8, ScaleDtype::F16);
+    w.value = quant(4, Axis::Token, 8, ScaleDtype::F16);
+    w.residual = 16;
+    for heads in [Heads::Gqa { q: 8, kv: 2 }, Heads::Mqa(3)] {
+        check(&w, heads, 40, &LENGTHS, &params_default(), 10);
+    }
     for heads in layouts() {
         check(&s, heads, 36, &LENGTHS, &params_default(), 7);
     }
@@ -277,6 +285,19 @@ fn head_dims_off_the_simd_width() {
         &LENGTHS,
         &params_default(),
         9,
+    );
+}
+
+#[test]
+fn instruction_sets_are_selected_as_documented() {
+    let d = CpuParams::default();
+    assert_eq!(CpuParams { scalar: true, ..d }.isa(128), Isa::Scalar);
+    assert_ne!(CpuParams { avx512: false, ..d }.isa(128), Isa::Avx512);
+    // Report what this machine exercised, so a log shows which paths ran.
+    eprintln!(
+        "isa at head_dim 128: default {:?}, avx512 off {:?}",
+        d.isa(128),
+        CpuParams { avx512: false, ..d }.isa(128)
     );
 }
 

@@ -64,7 +64,7 @@ fn kind_of(codec: &Codec, t: Tensor, isa: Isa) -> Kind {
     match (q.axis, t) {
         (Axis::Channel, Tensor::Key) => Kind::ChanFold { bits: q.bits, group: g },
         (Axis::Channel, Tensor::Value) => Kind::ChanDeq { bits: q.bits, group: g },
-        (Axis::Token, _) if g.is_power_of_two() && (isa == Isa::Scalar || g >= 8) => Kind::Tok {
+        (Axis::Token, _) if g.is_power_of_two() && g >= isa.width() => Kind::Tok {
             bits: q.bits,
             gshift: g.trailing_zeros(),
         },
@@ -223,6 +223,9 @@ fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: us
             Loc::Sink(s) => raw_rows(plan, view.sinks_raw(t), s, h, len, &mut sub),
             Loc::Window(w) => raw_rows(plan, view.ring_raw(t), w, h, len, &mut sub),
             Loc::Block(b, off) => {
+                if t == Tensor::Key && off == 0 {
+                    prefetch_next_block(plan, view, h, p);
+                }
                 let part = view.block_part(b, h, t);
                 let tl = &plan.layouts[i];
                 let wpt = tl.words_per_token;
@@ -277,8 +280,14 @@ fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: us
                                 for ((f, x), s) in sc.qf[hh * d..(hh + 1) * d].iter_mut().zip(qh).zip(&sc.cs) {
                                     *f = x * s;
                                 }
-                                sc.cst[hh] = qh.iter().zip(&sc.cz).map(|(x, z)| x * z).sum();
                             }
+                            // sum_d q_d z_d for every head: the zero points as one row.
+                            let zrow = F32Rows {
+                                data: &sc.cz,
+                                base: 0,
+                                stride: d,
+                            };
+                            simd::dot(plan.isa, &zrow, 1, d, q, g, &mut sc.cst, g);
                             sc.key_group = Some(key);
                         }
                         let Op::Score { out, .. } = &mut sub else {
@@ -413,6 +422,28 @@ fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: us
     });
 }
 
+/// Asks for the next block's K and V bytes of head `h` while this block is
+/// computed: a head's parts of consecutive blocks are a block apart in the
+/// pool, a stride the hardware prefetchers do not follow across pages.
+fn prefetch_next_block(plan: &Plan, view: &SeqView, h: usize, p: usize) {
+    let next = (p - plan.sinks) / plan.block_tokens + 1;
+    let Some(&b) = view.table().get(next) else {
+        return;
+    };
+    for t in [Tensor::Key, Tensor::Value] {
+        let part = view.block_part(b, h, t);
+        #[cfg(target_arch = "x86_64")]
+        for line in part.chunks(16) {
+            // SAFETY: a prefetch is a hint; the address is inside `part`.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(line.as_ptr() as *const i8)
+            };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = part;
+    }
+}
+
 impl Scratch {
     fn new(plan: &Plan) -> Scratch {
         let (d, g) = (plan.d, plan.group);
@@ -447,8 +478,20 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
         let n = tile.min(z - t0);
         let s = &mut scores[..n * g];
         run_tensor(plan, view, Tensor::Key, h, t0, n, &mut Op::Score { q, out: s }, &mut sc);
+        // Tile maxima, one pass over the rows (scores are finite: the inputs are).
+        let mut tmax = [f32::NEG_INFINITY; 64];
+        let tmax = &mut tmax[..g.min(64)];
+        for row in s.chunks_exact(g) {
+            for (t, &x) in tmax.iter_mut().zip(row) {
+                *t = if x > *t { x } else { *t };
+            }
+        }
         for hh in 0..g {
-            let tm = (0..n).map(|i| s[i * g + hh]).fold(f32::NEG_INFINITY, f32::max);
+            let tm = if hh < 64 {
+                tmax[hh]
+            } else {
+                (0..n).map(|i| s[i * g + hh]).fold(f32::NEG_INFINITY, f32::max)
+            };
             let new_m = m[hh].max(tm);
             let corr = if m[hh] == f32::NEG_INFINITY {
                 0.0

@@ -16,9 +16,9 @@
 //!   are not a power of two) take a generic path that dequantizes a tile
 //!   with the cache's own row reader.
 //!
-//! The inner loops exist twice: AVX2 + FMA + F16C (chosen at run time with
-//! `is_x86_feature_detected!`) and a portable scalar version that is always
-//! compiled and tested. [`CpuParams::scalar`] or the environment variable
+//! The inner loops exist three times: AVX-512F and AVX2 + FMA + F16C (chosen
+//! at run time with `is_x86_feature_detected!`) and a portable scalar
+//! version that is always compiled and tested. [`CpuParams::scalar`] or the environment variable
 //! `KIVI_CPU_SCALAR=1` (read once) force the scalar one.
 
 mod kernel;
@@ -49,6 +49,9 @@ pub struct CpuParams {
     pub threads: usize,
     /// Force the portable scalar inner loops even where AVX2 is available.
     pub scalar: bool,
+    /// Use AVX-512 where the CPU has it (and `head_dim % 16 == 0`);
+    /// `false` caps the kernel at AVX2.
+    pub avx512: bool,
 }
 
 impl Default for CpuParams {
@@ -58,6 +61,7 @@ impl Default for CpuParams {
             tile_tokens: 32,
             threads: 0,
             scalar: false,
+            avx512: true,
         }
     }
 }
@@ -73,17 +77,18 @@ impl CpuParams {
     /// ```
     pub fn name(&self) -> String {
         format!(
-            "cpu/s{}.t{}.th{}{}",
+            "cpu/s{}.t{}.th{}{}{}",
             self.splits,
             self.tile_tokens,
             self.threads,
-            if self.scalar { ".scalar" } else { "" }
+            if self.scalar { ".scalar" } else { "" },
+            if self.avx512 { "" } else { ".noavx512" }
         )
     }
 
     /// The instruction set the inner loops will use for `head_dim`.
     pub fn isa(&self, head_dim: usize) -> Isa {
-        Isa::select(self.scalar || env_scalar(), head_dim)
+        Isa::select(self.scalar || env_scalar(), self.avx512, head_dim)
     }
 }
 

@@ -19,16 +19,32 @@ pub enum Isa {
     Scalar,
     /// AVX2 + FMA + F16C (x86-64, detected at run time).
     Avx2,
+    /// AVX-512F/DQ (+ F16C), 16 channels per instruction.
+    Avx512,
 }
 
 impl Isa {
     /// The best available instruction set, unless `force_scalar`. The AVX2
     /// loops read rows eight channels at a time, so they need `head_dim % 8 == 0`.
-    pub fn select(force_scalar: bool, head_dim: usize) -> Isa {
-        if force_scalar || !head_dim.is_multiple_of(8) || !avx2_available() {
+    /// AVX-512 needs `head_dim % 16 == 0` and `allow_avx512`.
+    pub fn select(force_scalar: bool, allow_avx512: bool, head_dim: usize) -> Isa {
+        if force_scalar {
             Isa::Scalar
-        } else {
+        } else if allow_avx512 && head_dim.is_multiple_of(16) && avx512_available() {
+            Isa::Avx512
+        } else if head_dim.is_multiple_of(8) && avx2_available() {
             Isa::Avx2
+        } else {
+            Isa::Scalar
+        }
+    }
+
+    /// Channels one instruction handles.
+    pub fn width(self) -> usize {
+        match self {
+            Isa::Scalar => 1,
+            Isa::Avx2 => 8,
+            Isa::Avx512 => 16,
         }
     }
 
@@ -37,6 +53,7 @@ impl Isa {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
         }
     }
 }
@@ -46,8 +63,18 @@ fn avx2_available() -> bool {
     is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
 }
 
+#[cfg(target_arch = "x86_64")]
+fn avx512_available() -> bool {
+    avx2_available() && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq")
+}
+
 #[cfg(not(target_arch = "x86_64"))]
 fn avx2_available() -> bool {
+    false
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx512_available() -> bool {
     false
 }
 
@@ -64,6 +91,12 @@ pub(crate) trait Rows {
     /// AVX2, FMA and F16C are available and `fits(n, d)` holds with `i < n`, `8c + 8 <= d`.
     #[cfg(target_arch = "x86_64")]
     unsafe fn get8(&self, i: usize, c: usize) -> __m256;
+    /// Values `16c..16c+16` of row `i`.
+    ///
+    /// # Safety
+    /// AVX-512F is available and `fits(n, d)` holds with `i < n`, `16c + 16 <= d`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn get16(&self, i: usize, c: usize) -> __m512;
 }
 
 /// Rows stored as f16 bits, `stride` elements apart.
@@ -132,6 +165,12 @@ impl Rows for F16Rows<'_> {
         let p = self.data.as_ptr().add(self.base + i * self.stride + 8 * c);
         _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
     }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn get16(&self, i: usize, c: usize) -> __m512 {
+        let p = self.data.as_ptr().add(self.base + i * self.stride + 16 * c);
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+    }
 }
 
 impl Rows for Bf16Rows<'_> {
@@ -149,6 +188,13 @@ impl Rows for Bf16Rows<'_> {
         let w = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
         _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w))
     }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn get16(&self, i: usize, c: usize) -> __m512 {
+        let p = self.data.as_ptr().add(self.base + i * self.stride + 16 * c);
+        let w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w))
+    }
 }
 
 impl Rows for F32Rows<'_> {
@@ -163,6 +209,11 @@ impl Rows for F32Rows<'_> {
     #[inline(always)]
     unsafe fn get8(&self, i: usize, c: usize) -> __m256 {
         _mm256_loadu_ps(self.data.as_ptr().add(self.base + i * self.stride + 8 * c))
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn get16(&self, i: usize, c: usize) -> __m512 {
+        _mm512_loadu_ps(self.data.as_ptr().add(self.base + i * self.stride + 16 * c))
     }
 }
 
@@ -200,6 +251,32 @@ impl<const BITS: u32> CodeRows<'_, BITS> {
             _ => unreachable!("the plan only builds code rows of 2, 4 or 8 bits"),
         }
     }
+    /// Codes `16c..16c+16` of row `i` as i32 lanes.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn codes16(&self, i: usize, c: usize) -> __m512i {
+        let row = self.words.as_ptr().add(self.base + i * self.wpt);
+        match BITS {
+            2 => {
+                let w = _mm512_set1_epi32(*row.add(c) as i32);
+                let sh = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+                _mm512_and_si512(_mm512_srlv_epi32(w, sh), _mm512_set1_epi32(3))
+            }
+            4 => {
+                // Words 2c and 2c+1, eight codes each.
+                let lo = _mm512_set1_epi32(*row.add(2 * c) as i32);
+                let hi = _mm512_set1_epi32(*row.add(2 * c + 1) as i32);
+                let w = _mm512_mask_blend_epi32(0xff00, lo, hi);
+                let sh = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+                _mm512_and_si512(_mm512_srlv_epi32(w, sh), _mm512_set1_epi32(15))
+            }
+            8 => {
+                let p = (row as *const u8).add(16 * c);
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i))
+            }
+            _ => unreachable!("the plan only builds code rows of 2, 4 or 8 bits"),
+        }
+    }
 }
 
 impl<const BITS: u32> Rows for CodeRows<'_, BITS> {
@@ -220,6 +297,11 @@ impl<const BITS: u32> Rows for CodeRows<'_, BITS> {
     #[inline(always)]
     unsafe fn get8(&self, i: usize, c: usize) -> __m256 {
         _mm256_cvtepi32_ps(self.codes8(i, c))
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn get16(&self, i: usize, c: usize) -> __m512 {
+        _mm512_cvtepi32_ps(self.codes16(i, c))
     }
 }
 
@@ -245,6 +327,17 @@ impl<const BITS: u32> Rows for TokRows<'_, BITS> {
             _mm256_set1_ps(*self.z.get_unchecked(j)),
         )
     }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn get16(&self, i: usize, c: usize) -> __m512 {
+        // Needs groups of at least 16 channels (the plan checks).
+        let j = i * self.ng + ((16 * c) >> self.gshift);
+        let x = _mm512_cvtepi32_ps(self.codes.codes16(i, c));
+        _mm512_add_ps(
+            _mm512_mul_ps(x, _mm512_set1_ps(*self.s.get_unchecked(j))),
+            _mm512_set1_ps(*self.z.get_unchecked(j)),
+        )
+    }
 }
 
 impl<const BITS: u32> Rows for ChanRows<'_, BITS> {
@@ -262,6 +355,14 @@ impl<const BITS: u32> Rows for ChanRows<'_, BITS> {
         let s = _mm256_loadu_ps(self.s.as_ptr().add(8 * c));
         let z = _mm256_loadu_ps(self.z.as_ptr().add(8 * c));
         _mm256_add_ps(_mm256_mul_ps(x, s), z)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn get16(&self, i: usize, c: usize) -> __m512 {
+        let x = _mm512_cvtepi32_ps(self.codes.codes16(i, c));
+        let s = _mm512_loadu_ps(self.s.as_ptr().add(16 * c));
+        let z = _mm512_loadu_ps(self.z.as_ptr().add(16 * c));
+        _mm512_add_ps(_mm512_mul_ps(x, s), z)
     }
 }
 
@@ -299,6 +400,25 @@ pub(crate) fn dot<R: Rows>(
                         avx2::dot::<R, 2>(r, n, d, qp, op, ostride)
                     } else {
                         avx2::dot::<R, 1>(r, n, d, qp, op, ostride)
+                    };
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => {
+            assert!(d.is_multiple_of(16) && avx512_available());
+            let mut h0 = 0;
+            while h0 < heads {
+                let rem = heads - h0;
+                let (qp, op) = (q[h0 * d..].as_ptr(), out[h0..].as_mut_ptr());
+                // SAFETY: as for AVX2.
+                unsafe {
+                    h0 += if rem >= 4 {
+                        avx512::dot::<R, 4>(r, n, d, qp, op, ostride)
+                    } else if rem >= 2 {
+                        avx512::dot::<R, 2>(r, n, d, qp, op, ostride)
+                    } else {
+                        avx512::dot::<R, 1>(r, n, d, qp, op, ostride)
                     };
                 }
             }
@@ -355,6 +475,25 @@ pub(crate) fn axpy<R: Rows>(
                 }
             }
         }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => {
+            assert!(d.is_multiple_of(16) && avx512_available());
+            let mut h0 = 0;
+            while h0 < heads {
+                let rem = heads - h0;
+                let (pp, ap) = (p[h0..].as_ptr(), acc[h0 * d..].as_mut_ptr());
+                // SAFETY: as for AVX2.
+                unsafe {
+                    h0 += if rem >= 4 {
+                        avx512::axpy::<R, 4>(r, n, d, pp, pstride, ap)
+                    } else if rem >= 2 {
+                        avx512::axpy::<R, 2>(r, n, d, pp, pstride, ap)
+                    } else {
+                        avx512::axpy::<R, 1>(r, n, d, pp, pstride, ap)
+                    };
+                }
+            }
+        }
         _ => {
             for i in 0..n {
                 for h in 0..heads {
@@ -373,7 +512,7 @@ pub(crate) fn f16_to_f32(isa: Isa, src: &[u16], dst: &mut [f32]) {
     let n = src.len().min(dst.len());
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 && avx2_available() {
+    if isa != Isa::Scalar && avx2_available() {
         // SAFETY: F16C checked; every chunk lies inside both slices.
         unsafe { done = avx2::f16_to_f32(&src[..n], &mut dst[..n]) };
     }
@@ -386,7 +525,7 @@ pub(crate) fn f16_to_f32(isa: Isa, src: &[u16], dst: &mut [f32]) {
 /// `x <- exp(x)` for `x <= 0` (softmax terms after subtracting the max).
 pub(crate) fn exp_le0(isa: Isa, x: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 && avx2_available() {
+    if isa != Isa::Scalar && avx2_available() {
         // SAFETY: features checked.
         unsafe { avx2::exp_le0(x) };
         return;
@@ -437,6 +576,13 @@ mod avx2 {
         _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehl_ps(sh, s2)))
     }
 
+    /// Horizontal sums of four vectors, as one vector `[s0, s1, s2, s3]`.
+    #[inline(always)]
+    pub unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
+        let u = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+        _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps::<1>(u))
+    }
+
     /// Scores of `NH` heads; two rows at a time so that each query chunk
     /// loaded from L1 feeds two FMAs. Returns `NH`.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -462,9 +608,15 @@ mod avx2 {
                     a1[h] = _mm256_fmadd_ps(qv, x1, a1[h]);
                 }
             }
-            for h in 0..NH {
-                *out.add(i * ostride + h) = hsum(a0[h]);
-                *out.add((i + 1) * ostride + h) = hsum(a1[h]);
+            if NH == 4 {
+                // Four heads' scores are adjacent in `out`: one tree, one store.
+                _mm_storeu_ps(out.add(i * ostride), hsum4(a0[0], a0[1], a0[2], a0[3]));
+                _mm_storeu_ps(out.add((i + 1) * ostride), hsum4(a1[0], a1[1], a1[2], a1[3]));
+            } else {
+                for h in 0..NH {
+                    *out.add(i * ostride + h) = hsum(a0[h]);
+                    *out.add((i + 1) * ostride + h) = hsum(a1[h]);
+                }
             }
             i += 2;
         }
@@ -526,5 +678,93 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn exp_le0(x: &mut [f32]) {
         super::exp_body(x)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)] // indexes walk arrays of registers in step
+mod avx512 {
+    use super::Rows;
+    use std::arch::x86_64::*;
+
+    /// As `avx2::dot`, 16 channels per instruction.
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
+    pub unsafe fn dot<R: Rows, const NH: usize>(
+        r: &R,
+        n: usize,
+        d: usize,
+        q: *const f32,
+        out: *mut f32,
+        ostride: usize,
+    ) -> usize {
+        let chunks = d / 16;
+        let mut i = 0;
+        while i + 2 <= n {
+            let mut a0 = [_mm512_setzero_ps(); NH];
+            let mut a1 = [_mm512_setzero_ps(); NH];
+            for c in 0..chunks {
+                let x0 = r.get16(i, c);
+                let x1 = r.get16(i + 1, c);
+                for h in 0..NH {
+                    let qv = _mm512_loadu_ps(q.add(h * d + 16 * c));
+                    a0[h] = _mm512_fmadd_ps(qv, x0, a0[h]);
+                    a1[h] = _mm512_fmadd_ps(qv, x1, a1[h]);
+                }
+            }
+            if NH == 4 {
+                let half = |v: __m512| _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v));
+                let s0 = super::avx2::hsum4(half(a0[0]), half(a0[1]), half(a0[2]), half(a0[3]));
+                let s1 = super::avx2::hsum4(half(a1[0]), half(a1[1]), half(a1[2]), half(a1[3]));
+                _mm_storeu_ps(out.add(i * ostride), s0);
+                _mm_storeu_ps(out.add((i + 1) * ostride), s1);
+            } else {
+                for h in 0..NH {
+                    *out.add(i * ostride + h) = _mm512_reduce_add_ps(a0[h]);
+                    *out.add((i + 1) * ostride + h) = _mm512_reduce_add_ps(a1[h]);
+                }
+            }
+            i += 2;
+        }
+        if i < n {
+            let mut a0 = [_mm512_setzero_ps(); NH];
+            for c in 0..chunks {
+                let x0 = r.get16(i, c);
+                for h in 0..NH {
+                    a0[h] = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(h * d + 16 * c)), x0, a0[h]);
+                }
+            }
+            for h in 0..NH {
+                *out.add(i * ostride + h) = _mm512_reduce_add_ps(a0[h]);
+            }
+        }
+        NH
+    }
+
+    /// As `avx2::axpy`, 16 channels per instruction.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn axpy<R: Rows, const NH: usize>(
+        r: &R,
+        n: usize,
+        d: usize,
+        p: *const f32,
+        pstride: usize,
+        acc: *mut f32,
+    ) -> usize {
+        for c in 0..d / 16 {
+            let mut a = [_mm512_setzero_ps(); NH];
+            for h in 0..NH {
+                a[h] = _mm512_loadu_ps(acc.add(h * d + 16 * c));
+            }
+            for i in 0..n {
+                let x = r.get16(i, c);
+                for h in 0..NH {
+                    a[h] = _mm512_fmadd_ps(_mm512_set1_ps(*p.add(i * pstride + h)), x, a[h]);
+                }
+            }
+            for h in 0..NH {
+                _mm512_storeu_ps(acc.add(h * d + 16 * c), a[h]);
+            }
+        }
+        NH
     }
 }
