@@ -67,6 +67,8 @@ pub struct Config {
     /// Timed repetitions per point (after one warm-up each).
     pub reps: usize,
     pub params: CpuParams,
+    /// Evict the caches before each timed decode (KV cold, as in serving).
+    pub cold: bool,
     /// Prefill/append throughput and memory at `prefill_tokens`.
     pub prefill: bool,
     pub prefill_tokens: usize,
@@ -143,6 +145,8 @@ pub struct Report {
     pub command: String,
     pub machine: Machine,
     pub params: String,
+    /// KV evicted from the CPU caches before each timed decode.
+    pub cold: bool,
     pub decode: Vec<DecodeRow>,
     pub peers: peers::PeerReport,
     pub prefill: Vec<PrefillRow>,
@@ -157,6 +161,49 @@ pub struct Machine {
     pub isa: &'static str,
     /// Sum of a 1 GiB buffer over 2 threads, best of 3, GB/s (1e9 bytes).
     pub read_gb_per_s: f64,
+}
+
+/// Bytes of the last-level cache (sysfs), or 32 MiB when unknown.
+pub fn last_level_cache() -> usize {
+    let mut best = 0;
+    for i in 0..8 {
+        let p = format!("/sys/devices/system/cpu/cpu0/cache/index{i}/size");
+        if let Ok(s) = std::fs::read_to_string(p) {
+            let s = s.trim();
+            let (num, mul) = match s.strip_suffix('K') {
+                Some(n) => (n, 1 << 10),
+                None => match s.strip_suffix('M') {
+                    Some(n) => (n, 1 << 20),
+                    None => (s, 1),
+                },
+            };
+            best = best.max(num.parse::<usize>().unwrap_or(0) * mul);
+        }
+    }
+    if best == 0 {
+        32 << 20
+    } else {
+        best
+    }
+}
+
+/// Reads a buffer twice the last-level cache so that the next decode finds
+/// its KV in DRAM, as a decode step does after the other layers ran.
+struct Evictor(Vec<u64>);
+
+impl Evictor {
+    fn new() -> Evictor {
+        let bytes = (2 * last_level_cache()).clamp(64 << 20, 1 << 30);
+        Evictor((0..(bytes / 8) as u64).collect())
+    }
+    fn run(&self) {
+        let half = self.0.len().div_ceil(2);
+        let s: u64 = std::thread::scope(|sc| {
+            let hs: Vec<_> = self.0.chunks(half).map(|c| sc.spawn(move || sum_words(c))).collect();
+            hs.into_iter().map(|h| h.join().unwrap_or(0)).fold(0, u64::wrapping_add)
+        });
+        std::hint::black_box(s);
+    }
 }
 
 fn cpu_name() -> String {
@@ -283,8 +330,12 @@ fn decode_point(
         cases.push((name.clone(), cache, ids, attn, bytes, Vec::new()));
     }
     progress(&format!("{} context {context} batch {batch}: timing", l.name));
+    let evict = cfg.cold.then(Evictor::new);
     for _ in 0..cfg.reps {
         for (_, cache, ids, attn, _, times) in cases.iter_mut() {
+            if let Some(e) = &evict {
+                e.run();
+            }
             let t0 = Instant::now();
             let out = cpu.decode(cache, ids, &q, *attn).map_err(|e| e.to_string())?;
             times.push(t0.elapsed().as_secs_f64() * 1e3);
@@ -424,12 +475,21 @@ pub fn run(
             cfg.reps
         ),
         "kv_bytes: exact payload from the layout (codes + scales + zero points + f16 windows); byte_floor_ms = kv_bytes / read bandwidth".into(),
-        "caches of a few MB stay in the CPU caches across reps: at short contexts GB/s can exceed the DRAM bandwidth".into(),
+        if cfg.cold {
+            format!(
+                "cold KV: before each timed decode the run reads {} MiB (2x the {} MiB last-level cache) so that KV comes from DRAM",
+                (2 * last_level_cache()).clamp(64 << 20, 1 << 30) >> 20,
+                last_level_cache() >> 20
+            )
+        } else {
+            "warm KV (--warm): caches that fit the last-level cache are read from it, GB/s can exceed DRAM bandwidth".into()
+        },
     ];
     Ok(Report {
         command,
         machine,
         params: cfg.params.name(),
+        cold: cfg.cold,
         decode,
         peers: peer_report,
         prefill,
@@ -444,8 +504,13 @@ pub fn render(r: &Report) -> String {
     let _ = writeln!(s, "# {}", r.command);
     let _ = writeln!(
         s,
-        "machine: {} | {} threads | kernel {} ({}) | stream read {:.1} GB/s",
-        r.machine.cpu, r.machine.threads, r.params, r.machine.isa, r.machine.read_gb_per_s
+        "machine: {} | {} threads | kernel {} ({}) | stream read {:.1} GB/s | KV {}",
+        r.machine.cpu,
+        r.machine.threads,
+        r.params,
+        r.machine.isa,
+        r.machine.read_gb_per_s,
+        if r.cold { "cold" } else { "warm" }
     );
     let _ = writeln!(
         s,
@@ -578,6 +643,7 @@ mod tests {
             schemes: vec!["f16".into(), "kivi2".into()],
             reps: 2,
             params: CpuParams::default(),
+            cold: false,
             prefill: true,
             prefill_tokens: 300,
         };

@@ -49,6 +49,13 @@ pub struct Args {
     /// Force the scalar inner loops
     #[arg(long)]
     scalar: bool,
+    /// Cap the kernel at AVX2 even where AVX-512 is available
+    #[arg(long)]
+    no_avx512: bool,
+    /// Keep the KV warm in the CPU caches between reps (default: evict by
+    /// reading 2x the last-level cache before each timed decode, as in serving)
+    #[arg(long)]
+    warm: bool,
     /// Skip the Python peers
     #[arg(long)]
     no_peers: bool,
@@ -113,6 +120,7 @@ pub fn run(a: Args) -> super::Result {
         tile_tokens: a.tile,
         threads: a.threads,
         scalar: a.scalar,
+        avx512: !a.no_avx512,
     };
     kivi_runtime::CpuBackend::new(params)?;
     let cfg = suite::Config {
@@ -122,6 +130,7 @@ pub fn run(a: Args) -> super::Result {
         schemes: or(a.schemes, &["f16", "int8", "kivi4", "kivi2"]),
         reps: a.reps.unwrap_or(if a.quick { 5 } else { 9 }),
         params,
+        cold: !a.warm,
         prefill: !a.no_prefill,
         prefill_tokens: a.prefill_tokens,
     };
