@@ -164,8 +164,7 @@ impl Target for CpuTarget {
             return Err(format!("{} threads on {} cores", p.threads, self.cores));
         }
         let ctx = bucket.context as usize;
-        if p.splits > 0 {
-            let per = ctx / p.splits;
+        if let Some(per) = ctx.checked_div(p.splits) {
             if per < MIN_SPLIT_TOKENS {
                 return Err(format!("a split would hold {per} tokens (< {MIN_SPLIT_TOKENS})"));
             }
@@ -362,7 +361,7 @@ pub fn compare(got: &[f32], want: &[f32]) -> Result<(), String> {
             return Err(format!("output {i} is {g} (reference {w})"));
         }
         let excess = (g - w).abs() - TOLERANCE * (1.0 + w.abs());
-        if excess > 0.0 && worst.map_or(true, |(_, e)| excess > e) {
+        if excess > 0.0 && worst.is_none_or(|(_, e)| excess > e) {
             worst = Some((i, excess));
         }
     }

@@ -55,7 +55,7 @@ pub fn choose(timed: &[(usize, Timing)], floor: f64) -> Option<usize> {
     timed
         .iter()
         .enumerate()
-        .filter(|(_, (_, t))| t.median_s <= best_t.median_s * (1.0 + tie_tolerance(t, &best_t, floor)))
+        .filter(|(_, (_, t))| t.median_s <= best_t.median_s * (1.0 + tie_tolerance(t, best_t, floor)))
         .min_by_key(|(_, (idx, _))| *idx)
         .map(|(i, _)| i)
 }
