@@ -1,0 +1,286 @@
+//! The main job: declare a KV-cache scheme in Rust, fill a paged cache with
+//! a realistic decode workload, run decode attention on the CPU backend, and
+//! report exactly what the quantized cache saves and what it costs in
+//! accuracy and time.
+//!
+//! ```text
+//! cargo run --release --example main_job [-- CONTEXT_TOKENS]
+//! ```
+//!
+//! Steps (one function each, in order):
+//! 1. declare KIVI-2 for a GQA 32:8, head_dim 128 model with `kivi::scheme!`;
+//! 2. make synthetic K/V/Q shaped like a real LLM layer's: keys with a few
+//!    large-magnitude outlier channels, values without, queries that focus
+//!    on a handful of past tokens;
+//! 3. fill a KIVI-2 paged cache and an f16 cache token by token;
+//! 4. decode attention on the CPU backend, checked against the reference;
+//! 5. report memory (exact bytes from the caches), error against f16 and
+//!    against exact f32 attention, and timings.
+
+use kivi::runtime::reference;
+use kivi::{AttnParams, Backend, CacheConfig, CpuBackend, PagedCache, ReferenceBackend, Scheme, SeqId, Shape};
+use std::time::{Duration, Instant};
+
+kivi::scheme! {
+    // KIVI (ICML 2024) at 2 bits: keys per channel, values per token, the
+    // most recent 128 tokens kept in f16.
+    pub Kivi2 {
+        key: quant(bits = 2, axis = channel, group = 32),
+        value: quant(bits = 2, axis = token, group = 32),
+        residual: 128,
+        heads: gqa(q = 32, kv = 8),
+        head_dim: 128,
+    }
+}
+
+/// Tokens in the cache when no argument is given.
+const DEFAULT_CONTEXT: usize = 4096;
+/// Timed repetitions of each decode (the median is reported).
+const REPEATS: usize = 9;
+
+/// One layer's worth of decode inputs: `k`, `v` are `[T, Hkv, D]`, `q` is `[Hq, D]`.
+struct Workload {
+    tokens: usize,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    q: Vec<f32>,
+}
+
+/// A small deterministic generator (xorshift64*), so every run sees the same data.
+struct Rng(u64);
+
+impl Rng {
+    fn uniform(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        ((self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40) as f32 + 0.5) / (1u64 << 24) as f32
+    }
+    /// Standard normal (Box-Muller).
+    fn normal(&mut self) -> f32 {
+        let (u, v) = (self.uniform(), self.uniform());
+        (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
+    }
+}
+
+fn context_from_args() -> Result<usize, String> {
+    match std::env::args().nth(1) {
+        None => Ok(DEFAULT_CONTEXT),
+        Some(a) => match a.parse::<usize>() {
+            Ok(n) if (1..=1 << 20).contains(&n) => Ok(n),
+            _ => Err(format!(
+                "CONTEXT_TOKENS must be an integer from 1 to 1048576, got `{a}`"
+            )),
+        },
+    }
+}
+
+/// Synthetic data with the statistics that make KV quantization hard or
+/// easy in real models: a few key channels carry large, mostly fixed-sign
+/// values (the reason KIVI quantizes keys per channel), keys drift smoothly
+/// with position (as rotary embeddings make them), values are unremarkable,
+/// and each query head looks for a few specific past tokens.
+fn synthetic_workload(shape: Shape, tokens: usize, seed: u64) -> Workload {
+    let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+    let mut rng = Rng(seed);
+    // Per KV head and channel: offset, spread and a rotation frequency.
+    let mut bias = vec![0f32; hkv * d];
+    let mut spread = vec![1f32; hkv * d];
+    let mut freq = vec![0f32; hkv * d];
+    for h in 0..hkv {
+        for c in 0..d {
+            freq[h * d + c] = 10000f32.powf(-((c / 2 * 2) as f32) / d as f32);
+            spread[h * d + c] = 0.5 + 0.5 * rng.uniform();
+        }
+        // 4 outlier channels per head: magnitudes 8..20 with a fixed sign,
+        // varying over tokens no more than other channels do. Per-channel
+        // groups absorb them; per-token groups stretch to cover them.
+        for _ in 0..4 {
+            let c = (rng.uniform() * d as f32) as usize % d;
+            let sign = if rng.uniform() < 0.5 { -1.0 } else { 1.0 };
+            bias[h * d + c] = sign * (8.0 + 12.0 * rng.uniform());
+        }
+    }
+    let mut k = vec![0f32; tokens * hkv * d];
+    let mut v = vec![0f32; tokens * hkv * d];
+    for t in 0..tokens {
+        for h in 0..hkv {
+            for c in 0..d {
+                let i = h * d + c;
+                let rot = (t as f32 * freq[i]).sin();
+                k[(t * hkv + h) * d + c] = bias[i] + spread[i] * (0.7 * rng.normal() + 0.7 * rot);
+                v[(t * hkv + h) * d + c] = rng.normal();
+            }
+        }
+    }
+    // Each query head looks for 3 past tokens of its KV head (plus noise), so
+    // the softmax is peaked, as in real decode steps; like real heads it
+    // favours recent tokens: two of the three are among the last 128.
+    let group = hq / hkv;
+    let mut q = vec![0f32; hq * d];
+    for head in 0..hq {
+        let kvh = head / group;
+        for pick in 0..3 {
+            let span = if pick < 2 { tokens.min(128) } else { tokens };
+            let t = tokens - 1 - (rng.uniform() * span as f32) as usize % span;
+            for c in 0..d {
+                let centred = k[(t * hkv + kvh) * d + c] - bias[kvh * d + c];
+                q[head * d + c] += 1.5 * centred;
+            }
+        }
+        for c in 0..d {
+            q[head * d + c] += 0.3 * rng.normal();
+        }
+    }
+    Workload { tokens, k, v, q }
+}
+
+/// A cache for `scheme` holding the workload, appended one token at a time
+/// as a decoder does. Returns the cache, its sequence and the fill time.
+fn fill_cache(scheme: &Scheme, w: &Workload) -> kivi::Result<(PagedCache, SeqId, Duration)> {
+    let shape = scheme.shape().expect("a bound scheme");
+    let row = shape.kv_heads * shape.head_dim;
+    let mut cache = PagedCache::new(scheme.clone(), CacheConfig::for_tokens(w.tokens))?;
+    let seq = cache.add_sequence();
+    let start = Instant::now();
+    for t in 0..w.tokens {
+        cache.append(seq, &w.k[t * row..(t + 1) * row], &w.v[t * row..(t + 1) * row])?;
+    }
+    Ok((cache, seq, start.elapsed()))
+}
+
+/// Runs `decode` `REPEATS` times; returns the last output and the median time.
+fn timed_decode(
+    backend: &dyn Backend,
+    cache: &PagedCache,
+    seq: SeqId,
+    q: &[f32],
+    attn: AttnParams,
+) -> kivi::Result<(Vec<f32>, Duration)> {
+    let mut times = Vec::with_capacity(REPEATS);
+    let mut out = Vec::new();
+    for _ in 0..REPEATS {
+        let start = Instant::now();
+        out = backend.decode(cache, &[seq], q, attn)?;
+        times.push(start.elapsed());
+    }
+    times.sort();
+    Ok((out, times[REPEATS / 2]))
+}
+
+/// Exact attention: f32 inputs, no rounding, no quantization (the oracle
+/// with a full-precision f32 scheme).
+fn exact_attention(shape: Shape, w: &Workload, attn: AttnParams) -> kivi::Result<Vec<f32>> {
+    let exact = Scheme {
+        name: "exact_f32".into(),
+        dtype: kivi::Dtype::F32,
+        ..kivi::presets::f16()
+    }
+    .with_shape(
+        kivi::Heads::from_counts(shape.q_heads as u32, shape.kv_heads as u32),
+        shape.head_dim as u32,
+    )?;
+    reference::decode_attention(&exact, &w.q, &w.k, &w.v, attn)
+}
+
+/// `||a - b|| / ||b||` and `max |a - b|`.
+fn errors(a: &[f32], b: &[f32]) -> (f64, f64) {
+    let (mut num, mut den, mut max) = (0f64, 0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        let e = (*x as f64 - *y as f64).abs();
+        num += e * e;
+        den += (*y as f64) * (*y as f64);
+        max = max.max(e);
+    }
+    ((num / den.max(f64::MIN_POSITIVE)).sqrt(), max)
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
+    // 1. The scheme, declared and validated at compile time.
+    let scheme = Kivi2::spec();
+    let shape = scheme.shape().ok_or("Kivi2 declares its shape")?;
+    let tokens = context_from_args()?;
+    println!(
+        "kivi main job: {} with {} x head_dim {}, {tokens} tokens of context",
+        scheme.name,
+        scheme.heads.map(|h| h.to_string()).unwrap_or_default(),
+        shape.head_dim
+    );
+    println!("scheme hash {:016x}\n{}", Kivi2::HASH, Kivi2::CANONICAL);
+
+    // 2. A realistic decode workload.
+    let w = synthetic_workload(shape, tokens, 0x6b69_7669);
+
+    // 3. The KIVI-2 cache and the f16 baseline, filled the same way.
+    let f16 = kivi::presets::f16().with_shape(scheme.heads.ok_or("heads")?, shape.head_dim as u32)?;
+    let (kv2, seq2, fill2) = fill_cache(&scheme, &w)?;
+    let (kvf, seqf, fillf) = fill_cache(&f16, &w)?;
+
+    // 4. Decode attention on the CPU backend; the oracle checks it.
+    let attn = AttnParams::of(&scheme, shape);
+    let cpu = CpuBackend::default();
+    let (out2, t2) = timed_decode(&cpu, &kv2, seq2, &w.q, attn)?;
+    let (outf, tf) = timed_decode(&cpu, &kvf, seqf, &w.q, attn)?;
+    let (oracle2, tref) = timed_decode(&ReferenceBackend, &kv2, seq2, &w.q, attn)?;
+    let (cpu_vs_oracle, _) = errors(&out2, &oracle2);
+    if cpu_vs_oracle > 1e-4 {
+        return Err(format!("the CPU backend disagrees with the reference: relative error {cpu_vs_oracle:.3e}").into());
+    }
+    let exact = exact_attention(shape, &w, attn)?;
+
+    // 5. The report.
+    let (m2, mf) = (kv2.memory(), kvf.memory());
+    let (bytes, per) = kivi::spec::layout::bytes_per_token_per_head(&scheme);
+    println!("memory (exact bytes held by each paged cache):");
+    for (name, m) in [(scheme.name.as_str(), &m2), ("f16", &mf)] {
+        println!(
+            "  {name:6} {:>11} = codes {} + scales {} + zeros {} + windows {} + tables {}",
+            m.total, m.codes, m.scales, m.zeros, m.windows, m.tables
+        );
+    }
+    println!(
+        "  saved  {:>11} bytes ({:.1}% less, {:.2}x smaller); a quantized token costs {} bytes per KV head instead of {}",
+        mf.total as i64 - m2.total as i64,
+        100.0 * (1.0 - m2.total as f64 / mf.total as f64),
+        mf.total as f64 / m2.total as f64,
+        bytes as f64 / per as f64,
+        4 * shape.head_dim
+    );
+    let (e2, max2) = errors(&out2, &exact);
+    let (ef, maxf) = errors(&outf, &exact);
+    let (e2f, max2f) = errors(&out2, &outf);
+    println!(
+        "decode attention error (relative L2, max abs), {} query heads:",
+        shape.q_heads
+    );
+    println!("  {:6} vs exact f32: {e2:.3e}  {max2:.3e}", scheme.name);
+    println!("  f16    vs exact f32: {ef:.3e}  {maxf:.3e}");
+    println!("  {:6} vs f16 cache: {e2f:.3e}  {max2f:.3e}", scheme.name);
+    println!("  cpu backend vs reference on the same cache: {cpu_vs_oracle:.1e}");
+    println!("time (decode: median of {REPEATS}):");
+    println!(
+        "  fill, one token at a time: {} {:.1} ms, f16 {:.1} ms",
+        scheme.name,
+        ms(fill2),
+        ms(fillf)
+    );
+    println!(
+        "  decode, cpu backend:       {} {:.3} ms, f16 {:.3} ms (reference backend {:.1} ms)",
+        scheme.name,
+        ms(t2),
+        ms(tf),
+        ms(tref)
+    );
+    Ok(())
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("main_job: error: {e}");
+        std::process::exit(1);
+    }
+}
