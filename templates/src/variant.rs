@@ -100,7 +100,7 @@ impl Variant {
                 why,
             })
         };
-        if self.threads == 0 || self.threads % 32 != 0 || self.threads > 1024 {
+        if self.threads == 0 || !self.threads.is_multiple_of(32) || self.threads > 1024 {
             return invalid(format!(
                 "{} threads per block is not a multiple of 32 between 32 and 1024",
                 self.threads
@@ -122,7 +122,7 @@ impl Variant {
             ));
         }
         let group = shape.group_size() as u32;
-        if self.heads_per_block == 0 || group % self.heads_per_block != 0 || self.heads_per_block > 16 {
+        if self.heads_per_block == 0 || !group.is_multiple_of(self.heads_per_block) || self.heads_per_block > 16 {
             return invalid(format!(
                 "{} query heads per block does not divide the GQA group of {group} (at most 16)",
                 self.heads_per_block
@@ -138,7 +138,7 @@ impl Variant {
             ("key part", layout.key.words),
             ("KV head part", layout.head_words),
         ] {
-            if n % w != 0 {
+            if !n.is_multiple_of(w) {
                 return invalid(format!(
                     "a {what} of {n} words is not a multiple of the {w}-word load width"
                 ));
@@ -189,7 +189,7 @@ impl fmt::Display for Variant {
 /// every head), then smaller divisors, largest first, up to 8.
 fn head_choices(shape: &Shape) -> Vec<u32> {
     let g = shape.group_size() as u32;
-    let best = (1..=g.min(8)).rev().find(|h| g % h == 0).unwrap_or(1);
+    let best = (1..=g.min(8)).rev().find(|h| g.is_multiple_of(*h)).unwrap_or(1);
     let mut v = vec![best];
     if best > 1 {
         v.push(1);

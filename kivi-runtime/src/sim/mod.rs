@@ -490,7 +490,7 @@ impl SimExtend {
         let dtype = self.scheme.dtype;
         let mut counts = Vec::with_capacity(batch);
         for b in 0..batch {
-            if k_new[b].len() != v_new[b].len() || k_new[b].len() % (h * d) != 0 {
+            if k_new[b].len() != v_new[b].len() || !k_new[b].len().is_multiple_of(h * d) {
                 return Err(Error::Shape {
                     what: "key/value input",
                     expected: format!("equal lengths, multiples of {}", h * d),
