@@ -65,7 +65,12 @@ fn compiles_toy_kernel_to_ptx_and_cubin_and_caches_it() {
         assert_eq!(again.key, first.key);
 
         // corrupt the file: detected, recompiled, replaced
-        let path = c.cache().unwrap().path("toy/scale", first.key);
+        let path = c.artifact_path("toy/scale", TOY, &opts).unwrap();
+        assert!(
+            path.to_str().unwrap().contains(&format!("-{}-", arch.name())),
+            "{}",
+            path.display()
+        );
         let mut bytes = std::fs::read(&path).unwrap();
         let n = bytes.len();
         bytes[n / 2] ^= 0x55;

@@ -458,6 +458,21 @@ impl DeviceCache {
     /// Decode attention of one query per sequence (`q` is `[batch, Hq, D]`);
     /// returns `[batch, Hq, D]`.
     pub fn decode(&self, q: &[f32], attn: AttnParams, variant: Option<Variant>) -> Result<Vec<f32>> {
+        if attn.window == Some(0) {
+            // A window of no tokens attends to nothing (the kernels read 0 as
+            // "no window"); the oracle's answer is zero.
+            self.check()?;
+            let n = self.batch * self.shape.q_heads * self.shape.head_dim;
+            if q.len() != n {
+                return Err(Error::Shape {
+                    what: "query batch",
+                    expected: n.to_string(),
+                    got: q.len().to_string(),
+                });
+            }
+            round_inputs(&self.scheme, "query", q, self.shape.q_heads, self.shape.head_dim)?;
+            return Ok(vec![0.0; n]);
+        }
         let m = self.decode_module(variant)?;
         let mut run = self.prepare_decode(&m, q, attn)?;
         run.launch()?;
@@ -478,10 +493,15 @@ impl DeviceCache {
         }
         let qr = round_inputs(&self.scheme, "query", q, hq, d)?;
         let g = &module.generated;
-        let window = match attn.window {
-            None => 0,
-            Some(w) => i32::try_from(w.max(1)).unwrap_or(i32::MAX),
-        };
+        let window =
+            match attn.window {
+                Some(0) => return Err(Error::Config(
+                    "a sliding window of 0 tokens attends to nothing; DeviceCache::decode answers it without a launch"
+                        .into(),
+                )),
+                None => 0,
+                Some(w) => i32::try_from(w).unwrap_or(i32::MAX),
+            };
         guarded("preparing a decode", || {
             let z = driver_err("allocating");
             Ok(DecodeRun {

@@ -194,6 +194,12 @@ impl Compiler {
         self.cache.as_ref()
     }
 
+    /// Where the artifact of `name` compiled under `opts` lives (or would).
+    pub fn artifact_path(&self, name: &str, source: &str, opts: &NvrtcOptions) -> Option<PathBuf> {
+        let key = self.key(source, opts);
+        self.cache.as_ref().map(|c| c.path(&file_name(name, opts.arch), key))
+    }
+
     /// The cache key of `source` under `opts`.
     pub fn key(&self, source: &str, opts: &NvrtcOptions) -> ArtifactKey {
         ArtifactKey::new(source, &self.version, &opts.args(), &opts.arch.name())
@@ -206,7 +212,7 @@ impl Compiler {
         let key = self.key(source, opts);
         let mut corrupt = None;
         if let Some(cache) = &self.cache {
-            match cache.load(name, key) {
+            match cache.load(&file_name(name, opts.arch), key) {
                 Lookup::Hit(artifact) => {
                     return Ok(Compiled {
                         name: name.to_string(),
@@ -242,7 +248,7 @@ impl Compiler {
         let seconds = t0.elapsed().as_secs_f64();
         if let Some(cache) = &self.cache {
             // A cache that cannot be written costs time, not correctness.
-            if let Err(e) = cache.store(name, key, &artifact) {
+            if let Err(e) = cache.store(&file_name(name, opts.arch), key, &artifact) {
                 eprintln!("kivi: cannot write artifact cache {}: {e}", cache.dir().display());
             }
         }
@@ -258,6 +264,12 @@ impl Compiler {
             origin,
         })
     }
+}
+
+/// The readable half of an artifact's file name: the kernel name and arch
+/// (`...-sm_90-<key>.kart`), so a bundle for one GPU can be picked by glob.
+fn file_name(name: &str, arch: Arch) -> String {
+    format!("{name}-{arch}")
 }
 
 fn cstr_lossy(v: &[c_char]) -> String {

@@ -26,6 +26,10 @@ pub fn backend_or_skip(test: &str, needed: impl FnOnce() -> Vec<Generated>) -> O
             Some(b)
         }
         Err(e @ Error::Unavailable { .. }) => {
+            // scripts/gpu-check.sh sets this: on the GPU machine a skip is a failure.
+            if std::env::var_os("KIVI_REQUIRE_GPU").is_some() {
+                panic!("{test}: KIVI_REQUIRE_GPU is set but the GPU is unavailable: {e}");
+            }
             if let Ok(arch) = std::env::var("KIVI_CUDA_PRECOMPILE") {
                 precompile(test, &arch, needed());
             }
