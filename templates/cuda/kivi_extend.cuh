@@ -7,7 +7,7 @@
 // (kivi_spec::layout::regions): the tokens q0..q1 (counted after the sinks)
 // leave the window and are quantized into their blocks — channel-axis
 // tensors G tokens at a time (one scale and zero point per channel), token-
-// axis tensors one token at a time (one per G channels), `full` tensors
+// axis tensors a chunk of tokens at a time (one per G channels), `full` tensors
 // stored raw. Their rows come from the window ring (older tokens) or the new
 // input. Only then are the new tokens that stay unquantized written to the
 // sink buffer or the ring: a ring slot that is flushed now is the slot the
@@ -118,37 +118,50 @@ __device__ __forceinline__ void extend_tensor(u32* __restrict__ pool, const u32*
       __syncthreads();
     }
   } else {
-    // token axis: one token at a time, a scale and zero point per G channels
+    // token axis: a scale and zero point per G channels of each token; a
+    // chunk of tokens (inside one block) at a time, so that every thread has
+    // a group to reduce even when a token has few groups.
     constexpr float maxc = (float)((1u << T::BITS) - 1u);
     constexpr int NG = C::D / T::GROUP;
-    for (int j = q0; j < q1; ++j) {
-      for (int g = tid; g < NG; g += C::THREADS) {
+    // tokens per chunk: a group per thread, at most G (so CHUNK * NG <= D
+    // fits the staging arrays)
+    constexpr int BY_THREADS = C::THREADS / NG;
+    constexpr int CHUNK = BY_THREADS < 1 ? 1 : (BY_THREADS < T::GROUP ? BY_THREADS : T::GROUP);
+    for (int j0 = q0; j0 < q1;) {
+      const int nt = min(min(CHUNK, q1 - j0), C::BLOCK_TOKENS - j0 % C::BLOCK_TOKENS);
+      for (int e = tid; e < nt * NG; e += C::THREADS) {
+        const int t = e / NG, g = e % NG;
         float lo = __int_as_float(0x7f800000), hi = neg_inf();
         for (int c = 0; c < T::GROUP; ++c) {
-          const float x = x_at(j, g * T::GROUP + c);
+          const float x = x_at(j0 + t, g * T::GROUP + c);
           lo = fminf(lo, x);
           hi = fmaxf(hi, x);
         }
         const float sc = round_scale<T>(__fdiv_rn(__fsub_rn(hi, lo), maxc));
         const float zp = round_scale<T>(lo);
         if (!is_finite(sc) || !is_finite(zp)) status[b] = 1;
-        s_s[g] = sc;
-        s_z[g] = zp;
+        s_s[e] = sc;
+        s_z[e] = zp;
       }
       __syncthreads();
-      u32* part = pool + part_offset<C, T>(table[j / C::BLOCK_TOKENS], h);
-      const int off = j % C::BLOCK_TOKENS;
-      store_params<T>(part + T::SCALES, param_index<C, T>(off, 0), NG, s_s, tid, C::THREADS);
-      store_params<T>(part + T::ZEROS, param_index<C, T>(off, 0), NG, s_z, tid, C::THREADS);
-      for (int w = tid; w < T::WPT; w += C::THREADS) {
+      u32* part = pool + part_offset<C, T>(table[j0 / C::BLOCK_TOKENS], h);
+      const int off = j0 % C::BLOCK_TOKENS;
+      store_params<T>(part + T::SCALES, param_index<C, T>(off, 0), nt * NG, s_s, tid, C::THREADS);
+      store_params<T>(part + T::ZEROS, param_index<C, T>(off, 0), nt * NG, s_z, tid, C::THREADS);
+      for (int e = tid; e < nt * T::WPT; e += C::THREADS) {
+        const int t = e / T::WPT, w = e % T::WPT;
         u32 word = 0;
         for (int i = 0; i < T::CPW; ++i) {
           const int d = w * T::CPW + i;
-          if (d < C::D) word |= encode<T>(x_at(j, d), s_s[d / T::GROUP], s_z[d / T::GROUP]) << (i * T::BITS);
+          if (d < C::D) {
+            const int g = t * NG + d / T::GROUP;
+            word |= encode<T>(x_at(j0 + t, d), s_s[g], s_z[g]) << (i * T::BITS);
+          }
         }
-        part[off * T::WPT + w] = word;
+        part[(off + t) * T::WPT + w] = word;
       }
       __syncthreads();
+      j0 += nt;
     }
   }
   __syncthreads();  // every ring row is read before any is overwritten

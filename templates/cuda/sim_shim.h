@@ -179,6 +179,9 @@ inline thread_local Fiber* current = nullptr;
 // x87 control words are left alone: nothing here changes them.)
 extern "C" __attribute__((visibility("hidden"))) void kivi_sim_swap(void** save, void* next);
 extern "C" __attribute__((visibility("hidden"))) void kivi_sim_boot();
+// Defined once per library: the first translation unit of a library defines
+// them, the others are compiled with KIVI_SIM_SWAP_ELSEWHERE.
+#ifndef KIVI_SIM_SWAP_ELSEWHERE
 __asm__(
     ".text\n"
     ".p2align 4\n"
@@ -198,6 +201,7 @@ __asm__(
     "kivi_sim_boot:\n"
     "  movq %r12, %rdi\n  callq *%r13\n  ud2\n"
     ".size kivi_sim_boot, .-kivi_sim_boot\n");
+#endif
 #else
 #error "sim_shim: fibers are implemented for x86-64 only; port kivi_sim_swap to this architecture"
 #endif

@@ -22,7 +22,6 @@ const FLAGS: &[&str] = &[
     "-std=c++20",
     "-O1",
     "-fPIC",
-    "-shared",
     "-pthread",
     "-ffp-contract=off",
     "-fno-strict-aliasing",
@@ -186,59 +185,115 @@ pub fn compile(gens: &[&Generated]) -> Result<Arc<SimLibrary>> {
         }
     }
     let cxx = find_compiler()?;
-    let tu = translation_unit(&uniq);
+    // Big batches are split into translation units compiled in parallel and
+    // linked into one library; each unit re-parses the headers, so a unit
+    // gets at least a few sources.
+    let jobs = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8);
+    let per_unit = uniq.len().div_ceil(jobs).max(4);
+    let units: Vec<String> = uniq.chunks(per_unit.max(1)).map(translation_unit).collect();
     let shim = kivi_templates::SIM_SHIM;
-    let key = kivi_spec::fnv1a64(format!("{cxx}\n{}\n{shim}\n{tu}", FLAGS.join(" ")).as_bytes());
+    let key = kivi_spec::fnv1a64(format!("{cxx}\n{}\n{shim}\n{}", FLAGS.join(" "), units.join("\n")).as_bytes());
     if let Some(lib) = loaded().lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
         return Ok(lib.clone());
     }
     let dir = cache_dir();
-    let inc = dir.join(format!("include-{:016x}", kivi_spec::fnv1a64(shim.as_bytes())));
     let so = dir.join(format!("{key:016x}.so"));
     if !so.exists() {
-        std::fs::create_dir_all(&inc).map_err(|e| sim_err(format!("cannot create {}: {e}", inc.display())))?;
-        // The shim, and a stand-in for the one CUDA header the sources include.
-        for (name, text) in [
-            ("sim_shim.h", shim.to_string()),
-            ("cuda_fp16.h", "#pragma once\n#include \"sim_shim.h\"\n".to_string()),
-        ] {
-            let p = inc.join(name);
-            if std::fs::read_to_string(&p).ok().as_deref() != Some(text.as_str()) {
-                write_atomic(&p, text.as_bytes())?;
-            }
-        }
-        let cpp = dir.join(format!("{key:016x}.cpp"));
-        write_atomic(&cpp, tu.as_bytes())?;
-        let tmp = dir.join(format!("{key:016x}.so.tmp{}", std::process::id()));
-        let out = Command::new(&cxx)
-            .args(FLAGS)
-            .arg("-I")
-            .arg(&inc)
-            .arg("-o")
-            .arg(&tmp)
-            .arg(&cpp)
-            .output()
-            .map_err(|e| sim_err(format!("cannot run {cxx}: {e}")))?;
-        if !out.status.success() {
-            let _ = std::fs::remove_file(&tmp);
-            let names: Vec<&str> = uniq.iter().map(|g| g.name.as_str()).collect();
-            let log = String::from_utf8_lossy(&out.stderr);
-            // The first errors are the useful ones; g++ can print megabytes.
-            let log: String = log.lines().take(60).collect::<Vec<_>>().join("\n");
-            return Err(Error::Compile {
-                backend: "sim",
-                kernel: format!("{} ({})", names.join(", "), cpp.display()),
-                log,
-            });
-        }
-        std::fs::rename(&tmp, &so).map_err(|e| sim_err(format!("cannot move {} into place: {e}", tmp.display())))?;
+        build(&cxx, &dir, key, &units, &uniq, &so)?;
     }
     let lib = Arc::new(load(&so, &uniq)?);
-    loaded()
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(key, lib.clone());
+    loaded().lock().unwrap_or_else(|e| e.into_inner()).insert(key, lib.clone());
     Ok(lib)
+}
+
+fn build(cxx: &str, dir: &Path, key: u64, units: &[String], gens: &[&Generated], so: &Path) -> Result<()> {
+    let shim = kivi_templates::SIM_SHIM;
+    let inc = dir.join(format!("include-{:016x}", kivi_spec::fnv1a64(shim.as_bytes())));
+    std::fs::create_dir_all(&inc).map_err(|e| sim_err(format!("cannot create {}: {e}", inc.display())))?;
+    // The shim, and a stand-in for the one CUDA header the sources include.
+    for (name, text) in [
+        ("sim_shim.h", shim.to_string()),
+        ("cuda_fp16.h", "#pragma once\n#include \"sim_shim.h\"\n".to_string()),
+    ] {
+        let p = inc.join(name);
+        if std::fs::read_to_string(&p).ok().as_deref() != Some(text.as_str()) {
+            write_atomic(&p, text.as_bytes())?;
+        }
+    }
+    let pid = std::process::id();
+    let failed = |cpp: &Path, stderr: &[u8]| {
+        let names: Vec<&str> = gens.iter().map(|g| g.name.as_str()).collect();
+        // The first errors are the useful ones; g++ can print megabytes.
+        let log = String::from_utf8_lossy(stderr);
+        let log: String = log.lines().take(60).collect::<Vec<_>>().join("\n");
+        Error::Compile {
+            backend: "sim",
+            kernel: format!("{} ({})", names.join(", "), cpp.display()),
+            log,
+        }
+    };
+    let mut objects = Vec::new();
+    let results: Vec<Result<PathBuf>> = std::thread::scope(|sc| {
+        let handles: Vec<_> = units
+            .iter()
+            .enumerate()
+            .map(|(i, unit)| {
+                let inc = &inc;
+                sc.spawn(move || -> Result<PathBuf> {
+                    let cpp = dir.join(format!("{key:016x}-{i}.cpp"));
+                    write_atomic(&cpp, unit.as_bytes())?;
+                    let obj = dir.join(format!("{key:016x}-{i}.o.tmp{pid}"));
+                    let mut cmd = Command::new(cxx);
+                    cmd.args(FLAGS).arg("-c").arg("-I").arg(inc).arg("-o").arg(&obj).arg(&cpp);
+                    if i > 0 {
+                        cmd.arg("-DKIVI_SIM_SWAP_ELSEWHERE");
+                    }
+                    let out = cmd.output().map_err(|e| sim_err(format!("cannot run {cxx}: {e}")))?;
+                    if !out.status.success() {
+                        let _ = std::fs::remove_file(&obj);
+                        return Err(failed(&cpp, &out.stderr));
+                    }
+                    Ok(obj)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(sim_err("a compiler thread panicked"))))
+            .collect()
+    });
+    let mut first_err = None;
+    for r in results {
+        match r {
+            Ok(o) => objects.push(o),
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    let cleanup = |objs: &[PathBuf]| {
+        for o in objs {
+            let _ = std::fs::remove_file(o);
+        }
+    };
+    if let Some(e) = first_err {
+        cleanup(&objects);
+        return Err(e);
+    }
+    let tmp = dir.join(format!("{key:016x}.so.tmp{pid}"));
+    let out = Command::new(cxx)
+        .args(["-shared", "-pthread", "-o"])
+        .arg(&tmp)
+        .args(&objects)
+        .output()
+        .map_err(|e| sim_err(format!("cannot run {cxx}: {e}")));
+    cleanup(&objects);
+    let out = out?;
+    if !out.status.success() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(failed(&dir.join(format!("{key:016x}-0.cpp")), &out.stderr));
+    }
+    std::fs::rename(&tmp, so).map_err(|e| sim_err(format!("cannot move {} into place: {e}", tmp.display())))
 }
 
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
