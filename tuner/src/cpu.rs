@@ -223,28 +223,8 @@ impl<'a> CpuWorkload<'a> {
         let start = Instant::now();
         let scheme = &target.scheme;
         let shape = scheme.shape().ok_or("unbound scheme")?;
-        let heads = scheme.heads.unwrap_or(Heads::Mha(1));
-        if heads.q_heads() / heads.kv_heads() != bucket.gqa {
-            return Err(format!(
-                "bucket {bucket} has GQA ratio {}, the scheme {}",
-                bucket.gqa, heads
-            ));
-        }
-        let (hkv, d) = (shape.kv_heads, shape.head_dim);
-        let lengths = bucket.tuning_lengths();
+        let (lengths, data, q) = bucket_data(scheme, bucket)?;
         let tokens: usize = lengths.iter().sum();
-        let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ bucket.context as u64);
-        // Keys get a few outlier channels, as real keys do.
-        let data: Vec<(Vec<f32>, Vec<f32>)> = lengths
-            .iter()
-            .map(|&t| {
-                let k: Vec<f32> = (0..t * hkv * d)
-                    .map(|i| rng.next() * if i % d % 17 == 3 { 6.0 } else { 1.0 })
-                    .collect();
-                let v: Vec<f32> = (0..t * hkv * d).map(|_| rng.next()).collect();
-                (k, v)
-            })
-            .collect();
         // Bytes per copy first, from a one-copy probe of the layout.
         let llc = target.device.llc_bytes();
         let probe_bytes = estimate_bytes(scheme, &lengths);
@@ -273,7 +253,6 @@ impl<'a> CpuWorkload<'a> {
             sets.push(set);
         }
         let bytes = measured_bytes(&cache, &sets[0])?;
-        let q: Vec<f32> = (0..lengths.len() * shape.q_heads * d).map(|_| rng.next()).collect();
         let attn = AttnParams::of(scheme, shape);
         let want = reference_parallel(&cache, &sets[0], &q, attn)?;
         Ok(CpuWorkload {
@@ -297,6 +276,63 @@ impl<'a> CpuWorkload<'a> {
             .ok_or_else(|| format!("`{}` is not a cpu variant", c.name))?;
         CpuBackend::new(p).map_err(|e| e.to_string())
     }
+}
+
+/// Per-sequence K/V (`[T, Hkv, D]`, deterministic) and the query batch for
+/// a bucket's tuning inputs.
+type BucketData = (Vec<usize>, Vec<(Vec<f32>, Vec<f32>)>, Vec<f32>);
+
+fn bucket_data(scheme: &Scheme, bucket: &Bucket) -> Result<BucketData, String> {
+    let shape = scheme.shape().ok_or("unbound scheme")?;
+    let heads = scheme.heads.unwrap_or(Heads::Mha(1));
+    if heads.q_heads() / heads.kv_heads() != bucket.gqa {
+        return Err(format!(
+            "bucket {bucket} has GQA ratio {}, the scheme {}",
+            bucket.gqa, heads
+        ));
+    }
+    let (hkv, d) = (shape.kv_heads, shape.head_dim);
+    let lengths = bucket.tuning_lengths();
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ bucket.context as u64);
+    // Keys get a few outlier channels, as real keys do.
+    let data: Vec<(Vec<f32>, Vec<f32>)> = lengths
+        .iter()
+        .map(|&t| {
+            let k: Vec<f32> = (0..t * hkv * d)
+                .map(|i| rng.next() * if i % d % 17 == 3 { 6.0 } else { 1.0 })
+                .collect();
+            let v: Vec<f32> = (0..t * hkv * d).map(|_| rng.next()).collect();
+            (k, v)
+        })
+        .collect();
+    let q: Vec<f32> = (0..lengths.len() * shape.q_heads * d).map(|_| rng.next()).collect();
+    Ok((lengths, data, q))
+}
+
+/// A host cache, its sequences, the query batch, the attention parameters
+/// and the reference output.
+pub type Inputs = (PagedCache, Vec<SeqId>, Vec<f32>, AttnParams, Vec<f32>);
+
+/// One copy of a bucket's tuning inputs in a host cache, with the query,
+/// the attention parameters and the reference output (for backends that
+/// keep their own copy, such as CUDA).
+pub fn build_inputs(scheme: &Scheme, bucket: &Bucket) -> Result<Inputs, String> {
+    let shape = scheme.shape().ok_or("unbound scheme")?;
+    let (lengths, data, q) = bucket_data(scheme, bucket)?;
+    let tokens: usize = lengths.iter().sum();
+    let mut cache = PagedCache::new(scheme.clone(), CacheConfig::for_tokens(tokens + 64 * lengths.len()))
+        .map_err(|e| e.to_string())?;
+    let mut seqs = Vec::new();
+    for (k, v) in &data {
+        let id = cache.add_sequence();
+        cache
+            .extend(id, k, v)
+            .map_err(|e| format!("cannot build tuning inputs: {e}"))?;
+        seqs.push(id);
+    }
+    let attn = AttnParams::of(scheme, shape);
+    let want = reference_parallel(&cache, &seqs, &q, attn)?;
+    Ok((cache, seqs, q, attn, want))
 }
 
 /// The oracle on a batch, one sequence per rayon task (it is the slowest

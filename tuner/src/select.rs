@@ -209,10 +209,9 @@ pub fn select_with(
 /// The main entry point: selects (or, in [`Mode::Tune`], tunes) the variant
 /// for `scheme` on `backend` at `bucket`. `scheme` must be bound to a shape.
 ///
-/// On the CPU this needs nothing else. For CUDA the decision cache is keyed
-/// by the GPU's fingerprint, which only the CUDA backend can read: until it
-/// is wired in, CUDA selection returns an error the caller can act on (fall
-/// back to the CPU backend).
+/// On the CPU this needs nothing else. For CUDA it opens GPU 0 (the
+/// decision cache is keyed by the GPU's fingerprint); without a usable GPU
+/// it returns an error the caller can act on (fall back to the CPU).
 ///
 /// ```no_run
 /// use kivi_tuner::{select_or_tune, Bucket, BackendKind, SelectOptions};
@@ -250,4 +249,19 @@ pub fn select_cpu(scheme: &Scheme, bucket: Bucket, opts: &SelectOptions) -> Resu
     let params = target.params(&bucket, &sel.variant).unwrap_or_else(CpuParams::default);
     let backend = CpuBackend::new(params).map_err(|e| e.to_string())?;
     Ok((backend, sel))
+}
+
+/// [`select_or_tune`] on CUDA, returning the decode variant to pass to
+/// `kivi_runtime::cuda::CudaBackend::with_variant`.
+pub fn select_cuda(
+    scheme: &Scheme,
+    bucket: Bucket,
+    opts: &SelectOptions,
+) -> Result<(kivi_templates::Variant, Selection), String> {
+    let target = crate::cuda::CudaTarget::new(scheme)?;
+    let sel = select_with(&target, scheme, bucket, opts)?;
+    let v = target
+        .variant(&sel.variant)
+        .unwrap_or_else(|| kivi_templates::default_variant(scheme, kivi_templates::Kernel::Decode));
+    Ok((v, sel))
 }

@@ -218,6 +218,61 @@ pub fn print_entry_table(e: &Entry, all: bool) {
     }
 }
 
+/// The CUDA decode variants ranked without a GPU: generated, compiled with
+/// NVRTC for sm_90 where NVRTC is present (ptxas resources), occupancy on
+/// an H200 (132 SMs), pruned and ranked.
+fn print_static_ranking(scheme: &Scheme, buckets: &[Bucket]) {
+    use kivi_runtime::cuda::{Arch, Compiler};
+    let compiler = Compiler::new().ok();
+    let mut batches: Vec<u32> = buckets.iter().map(|b| b.batch).collect();
+    batches.dedup();
+    for batch in batches {
+        let b = buckets.iter().find(|x| x.batch == batch).expect("listed");
+        println!();
+        println!(
+            "CUDA decode variants, static ranking for batch {batch} on sm_90 / 132 SMs ({}; not timed: no GPU here):",
+            if compiler.is_some() {
+                "compiled with NVRTC, ptxas resources"
+            } else {
+                "NVRTC not found, launch shapes only"
+            }
+        );
+        match kivi_tuner::cuda::static_ranking(scheme, b, Arch::SM90, 132, compiler.as_ref()) {
+            Err(e) => println!("  {e}"),
+            Ok(rows) => {
+                println!(
+                    "  {:<28} {:>7} {:>7} {:>6} {:>6} {:>9} {:>6}  verdict",
+                    "variant", "threads", "blocks", "regs", "spill", "smem B", "score"
+                );
+                for (i, r) in rows.iter().enumerate() {
+                    let res = r.compiled.as_ref().ok().and_then(|x| x.as_ref());
+                    let verdict = match (&r.pruned, &r.compiled) {
+                        (Some(p), _) => format!("pruned: {p}"),
+                        (None, Err(e)) => format!("rank {} (not compiled: {e})", i + 1),
+                        (None, Ok(_)) => format!(
+                            "rank {}{}",
+                            i + 1,
+                            r.blocks_per_sm
+                                .map(|(n, why)| format!(", {n} blocks/SM (limit: {why})"))
+                                .unwrap_or_default()
+                        ),
+                    };
+                    println!(
+                        "  {:<28} {:>7} {:>7} {:>6} {:>6} {:>9} {:>6}  {verdict}",
+                        r.name,
+                        r.threads,
+                        r.grid_blocks,
+                        res.map_or("-".into(), |x| x.registers.to_string()),
+                        res.map_or("-".into(), |x| (x.spill_stores + x.spill_loads).to_string()),
+                        r.shared_bytes,
+                        r.score.map_or("-".into(), |x| format!("{x:.2}")),
+                    );
+                }
+            }
+        }
+    }
+}
+
 fn origin_text(o: &Outcome) -> String {
     match &o.origin {
         Origin::Cached => "cached (nothing measured)".into(),
@@ -265,22 +320,22 @@ pub fn run(args: Args) -> super::Result {
 
     let backend = args.backend.to_ascii_lowercase();
     let mut notes: Vec<String> = Vec::new();
-    match backend.as_str() {
-        "cpu" => {}
-        "auto" | "cuda" => {
-            // No CUDA tuning target in this build yet: tune the CPU, and say so.
-            notes.push(format!(
-                "{}: no usable CUDA device/backend here, so the cpu backend is tuned instead",
-                if backend == "cuda" {
-                    "--backend cuda"
-                } else {
-                    "--backend auto"
-                }
-            ));
-        }
+    let mut static_report = false;
+    let target: Box<dyn Target> = match backend.as_str() {
+        "cpu" => Box::new(CpuTarget::new(&scheme)?),
+        "auto" | "cuda" => match kivi_tuner::cuda::CudaTarget::new(&scheme) {
+            Ok(t) => Box::new(t),
+            Err(why) => {
+                // No GPU here: tune what can run, and still say how the
+                // CUDA variants compare on paper.
+                notes.push(format!("no usable CUDA device ({why}); tuning the cpu backend instead"));
+                static_report = true;
+                Box::new(CpuTarget::new(&scheme)?)
+            }
+        },
         other => return Err(format!("--backend `{other}` is not auto, cpu or cuda").into()),
-    }
-    let target = CpuTarget::new(&scheme)?;
+    };
+    let target: &dyn Target = target.as_ref();
     let store = Store::new(dir.clone(), target.device(), target.toolchain());
     let plan = Plan {
         budget_s: args.budget,
@@ -292,7 +347,7 @@ pub fn run(args: Args) -> super::Result {
     for n in &notes {
         eprintln!("kivi: note: {n}");
     }
-    let outcomes = tune::run(&target, &store, &scheme, &buckets, &plan, &mut bar, &mut warnings);
+    let outcomes = tune::run(target, &store, &scheme, &buckets, &plan, &mut bar, &mut warnings);
     bar.clear();
     for w in &warnings {
         eprintln!("kivi: warning: {w}");
@@ -352,6 +407,9 @@ pub fn run(args: Args) -> super::Result {
                 println!("  chosen {}: {}", e.chosen, e.reason);
                 print_entry_table(e, false);
             }
+        }
+        if static_report {
+            print_static_ranking(&scheme, &buckets);
         }
         println!();
         println!("decisions: {}", store.path().display());
