@@ -490,7 +490,8 @@ pub fn scan(dir: &Path) -> Vec<(PathBuf, Result<DecisionFile, Distrust>)> {
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default();
-            n.starts_with("decisions-") && n.ends_with(".json")
+            // Files moved aside as corrupt are listed too, as ignored.
+            n.starts_with("decisions-") && (n.ends_with(".json") || n.contains(".json.bad-"))
         })
         .collect();
     paths.sort();

@@ -150,9 +150,10 @@ pub fn print_entry_table(e: &Entry, all: bool) {
     if let Some(c) = e.candidate(&e.default) {
         push(c, &mut rows);
     }
-    let extra = if all { usize::MAX } else { 3 };
-    for c in timed.iter().take(extra + 2) {
-        if rows.len() >= extra + 2 {
+    // The chosen, the default and three more of the fastest (all with --all).
+    let limit = if all { usize::MAX } else { 5 };
+    for c in &timed {
+        if rows.len() >= limit {
             break;
         }
         push(c, &mut rows);

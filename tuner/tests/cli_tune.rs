@@ -1,0 +1,154 @@
+//! `kivi tune` / `kivi inspect` end to end on the CPU backend, tiny shapes.
+
+use std::process::Command;
+
+fn kivi(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kivi")).args(args).output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn dir(tag: &str) -> String {
+    let d = std::env::temp_dir().join(format!("kivi-cli-tune-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d.display().to_string()
+}
+
+const SMALL: &[&str] = &[
+    "--heads",
+    "gqa:8:2",
+    "--head-dim",
+    "64",
+    "--contexts",
+    "300",
+    "--batch",
+    "1,2",
+    "--budget",
+    "2",
+];
+
+#[test]
+fn tune_then_hit_then_recover_from_a_truncated_file() {
+    let d = dir("hit");
+    let mut args = vec!["tune", "--scheme", "kivi2", "--backend", "cpu", "--cache-dir", &d];
+    args.extend_from_slice(SMALL);
+    let (ok, out, err) = kivi(&args);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("bucket b1.c512.g4") && out.contains("bucket b2.c512.g4"),
+        "{out}"
+    );
+    assert!(out.contains("tuned in"), "{out}");
+    assert!(out.contains("(default)"), "{out}");
+
+    let t = std::time::Instant::now();
+    let (ok, out, err) = kivi(&args);
+    assert!(ok, "{err}");
+    assert!(t.elapsed().as_secs_f64() < 2.0);
+    assert_eq!(out.matches("cached (nothing measured)").count(), 2, "{out}");
+
+    let file = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "json"))
+        .unwrap();
+    let text = std::fs::read(&file).unwrap();
+    std::fs::write(&file, &text[..text.len() / 3]).unwrap();
+    let (ok, out, err) = kivi(&args);
+    assert!(ok, "{err}");
+    assert!(err.contains("warning") && err.contains("corrupt"), "{err}");
+    assert_eq!(out.matches("tuned in").count(), 2, "{out}");
+
+    let (ok, out, err) = kivi(&["inspect", "--cache-dir", &d, "--all"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("this machine, in use"), "{out}");
+    assert!(out.contains("ignored: corrupt"), "{out}");
+    assert!(out.contains("pruned"), "{out}");
+
+    // Export, import elsewhere, hit there.
+    let bundle = format!("{d}/bundle.json");
+    let (ok, _, err) = kivi(&["inspect", "--cache-dir", &d, "--export", &bundle]);
+    assert!(ok, "{err}");
+    let d2 = dir("imported");
+    let (ok, out, err) = kivi(&["tune", "--scheme", "kivi2", "--cache-dir", &d2, "--import", &bundle]);
+    assert!(ok, "{err}");
+    assert!(out.contains("imported 2 decisions"), "{out}");
+    let mut args2 = vec!["tune", "--scheme", "kivi2", "--backend", "cpu", "--cache-dir", &d2];
+    args2.extend_from_slice(SMALL);
+    let (ok, out, _) = kivi(&args2);
+    assert!(ok);
+    assert_eq!(out.matches("cached (nothing measured)").count(), 2, "{out}");
+}
+
+#[test]
+fn json_plot_pin_and_bad_flags() {
+    let d = dir("json");
+    let plot = format!("{d}/t.svg");
+    let mut args = vec![
+        "tune",
+        "--scheme",
+        "kivi2",
+        "--backend",
+        "cpu",
+        "--cache-dir",
+        &d,
+        "--json",
+        "--plot",
+        &plot,
+    ];
+    args.extend_from_slice(SMALL);
+    let (ok, out, err) = kivi(&args);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["buckets"].as_array().unwrap().len(), 2);
+    assert!(v["buckets"][0]["entry"]["chosen"].is_string());
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("polyline"));
+
+    let mut args = vec![
+        "tune",
+        "--scheme",
+        "kivi2",
+        "--backend",
+        "cpu",
+        "--cache-dir",
+        &d,
+        "--pin",
+        "cpu/s1.t64.th0",
+    ];
+    args.extend_from_slice(SMALL);
+    let (ok, out, err) = kivi(&args);
+    assert!(ok, "{err}");
+    assert_eq!(out.matches("): pinned").count(), 2, "{out}");
+
+    for bad in [
+        vec!["tune", "--scheme", "nope"],
+        vec!["tune", "--scheme", "kivi2", "--heads", "gqa:8:3"],
+        vec!["tune", "--scheme", "kivi2", "--contexts", "0"],
+        vec!["tune", "--scheme", "kivi2", "--backend", "tpu"],
+        vec!["tune", "--scheme", "kivi2", "--budget=-1"],
+        vec![
+            "tune",
+            "--scheme",
+            "kivi2",
+            "--cache-dir",
+            &d,
+            "--pin",
+            "cpu/nope",
+            "--contexts",
+            "300",
+            "--heads",
+            "mha:2",
+            "--head-dim",
+            "64",
+        ],
+    ] {
+        let (ok, _, err) = kivi(&bad);
+        assert!(!ok, "{bad:?}");
+        assert!(!err.contains("panicked"), "{bad:?}: {err}");
+        assert!(err.lines().count() <= 2, "{bad:?}: {err}");
+    }
+}
