@@ -1,8 +1,8 @@
 //! A progress bar on stderr, drawn by hand (no dependency).
 //!
-//! On a terminal it redraws one line at most ten times a second; when stderr
-//! is not a terminal (CI logs, pipes) it prints nothing until a bucket is
-//! done, then one plain line, so logs stay readable.
+//! On a terminal it redraws one line at most ten times a second and clears
+//! it at the end; when stderr is not a terminal (CI logs, pipes) it draws
+//! nothing, so logs stay readable (the final table says what happened).
 
 use crate::bucket::Bucket;
 use crate::tune::Progress;
@@ -30,18 +30,6 @@ impl Bar {
             budget_s,
             quiet,
         }
-    }
-
-    /// Prints a finished bucket's one-line summary (clearing the bar first).
-    pub fn finish_bucket(&mut self, line: &str) {
-        if self.quiet {
-            return;
-        }
-        let mut e = std::io::stderr().lock();
-        if self.tty {
-            let _ = write!(e, "\r\x1b[2K");
-        }
-        let _ = writeln!(e, "{line}");
     }
 
     /// Clears the bar.
