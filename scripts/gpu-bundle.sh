@@ -62,7 +62,6 @@ done
 # Seed it with what the user cache already holds for ARCH (same keys: the
 # key does not depend on paths).
 user_cache="${KIVI_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kivi}"
-[ -n "${KIVI_CACHE_DIR:-}" ] || user_cache="${XDG_CACHE_HOME:-$HOME/.cache}/kivi"
 mkdir -p "$bundle/cache/artifacts"
 if [ -d "$user_cache/artifacts" ]; then
     find "$user_cache/artifacts" -maxdepth 1 -name "*-$arch-*.kart" -exec cp {} "$bundle/cache/artifacts/" \;
@@ -77,7 +76,6 @@ done
 unset KIVI_CUDA_PRECOMPILE
 
 # The NVRTC version the artifacts were keyed with (offline mode needs it).
-"$bundle/bin/cuda_decode" --exact cuda_unavailable_is_typed >/dev/null 2>&1 || true
 version="$(python3 - "$KIVI_CUDA_HOME" <<'EOF'
 import ctypes, sys
 lib = ctypes.CDLL(sys.argv[1] + "/lib/libnvrtc.so.13")

@@ -113,11 +113,63 @@ fn gen_err(e: kivi_templates::GenError) -> Error {
     Error::Config(e.to_string())
 }
 
+/// The argument lists the launches below push, in order. Checked against
+/// the generator's own list before every launch, so a change of kernel
+/// signature is an error, not a kernel reading garbage.
+const DECODE_PARAMS: [&str; 13] = [
+    "pool",
+    "tables",
+    "table_stride",
+    "seq_lens",
+    "q",
+    "sinks_k",
+    "sinks_v",
+    "ring_k",
+    "ring_v",
+    "sm_scale",
+    "window",
+    "part_ml",
+    "part_acc",
+];
+const COMBINE_PARAMS: [&str; 3] = ["part_ml", "part_acc", "out"];
+const EXTEND_PARAMS: [&str; 13] = [
+    "pool",
+    "tables",
+    "table_stride",
+    "old_lens",
+    "new_counts",
+    "k_new",
+    "v_new",
+    "max_new",
+    "sinks_k",
+    "sinks_v",
+    "ring_k",
+    "ring_v",
+    "status",
+];
+
+fn expected_params(entry: &str) -> &'static [&'static str] {
+    match entry {
+        "kivi_decode" => &DECODE_PARAMS,
+        "kivi_combine" => &COMBINE_PARAMS,
+        _ => &EXTEND_PARAMS,
+    }
+}
+
 fn cfg_of(g: &Generated, entry: &str, batch: usize) -> Result<LaunchConfig> {
     let e = g
         .launch
         .entry(entry)
         .ok_or_else(|| Error::Config(format!("`{}` has no launch shape for `{entry}`", g.name)))?;
+    let names: Vec<&str> = e.params.iter().map(|p| p.name).collect();
+    if names != expected_params(entry) {
+        return Err(Error::Config(format!(
+            "`{}`: kernel `{entry}` takes ({}), the CUDA backend passes ({})",
+            g.name,
+            names.join(", "),
+            expected_params(entry).join(", ")
+        )));
+    }
     let grid = e.grid(batch as u32, 0);
     Ok(LaunchConfig {
         grid_dim: (grid[0], grid[1], grid[2]),
@@ -632,5 +684,27 @@ impl Backend for CudaBackend {
         }
         let dc = DeviceCache::upload(self.device.clone(), cache, seqs)?;
         dc.decode(q, attn, self.variant)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kivi_spec::{presets, Heads};
+
+    /// The generator's kernel signatures are the ones the launches push.
+    #[test]
+    fn launches_match_the_generated_signatures() {
+        for p in presets::all() {
+            let s = p.with_shape(Heads::Gqa { q: 8, kv: 2 }, 64).unwrap();
+            for k in Kernel::ALL {
+                let g = generate(&s, k, &default_variant(&s, k)).unwrap();
+                for e in &g.entry_points {
+                    let cfg = cfg_of(&g, e, 3).unwrap();
+                    assert_eq!(cfg.grid_dim.2, 3, "grid z is the batch");
+                    assert_eq!(cfg.shared_mem_bytes, 0);
+                }
+            }
+        }
     }
 }
