@@ -95,20 +95,30 @@ impl CpuTarget {
                 }
             }
         }
-        // The portable scalar loops, once: a guard against a machine where
-        // the SIMD path loses.
-        let scalar = CpuParams {
-            scalar: true,
-            ..default
-        };
-        if !v.contains(&scalar) {
-            v.push(scalar);
+        // The other instruction sets, once each, where they run different
+        // code than the default: AVX2 where AVX-512 would be used (some
+        // CPUs clock down under AVX-512) and the portable scalar loops.
+        let d = self.scheme.head_dim.unwrap_or(0) as usize;
+        for alt in [
+            CpuParams {
+                avx512: false,
+                ..default
+            },
+            CpuParams {
+                scalar: true,
+                ..default
+            },
+        ] {
+            if alt.isa(d) != default.isa(d) && !v.contains(&alt) {
+                v.push(alt);
+            }
         }
         let distance = |p: &CpuParams| {
             (p.splits != default.splits) as u32
                 + (p.tile_tokens != default.tile_tokens) as u32
                 + (p.threads != default.threads) as u32
                 + (p.scalar != default.scalar) as u32
+                + (p.avx512 != default.avx512) as u32
         };
         // Stable: within one distance the enumeration order above decides.
         v.sort_by_key(distance);
