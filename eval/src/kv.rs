@@ -1,0 +1,106 @@
+//! The KV cache of a model run, provided by kivi: one
+//! [`kivi_runtime::PagedCache`] per layer, the scheme bound to the model's
+//! head layout, decode attention through [`kivi_runtime::CpuBackend`].
+
+use crate::error::{Error, Result};
+use crate::model::{Config, KvCache};
+use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, CpuParams, PagedCache, SeqId};
+use kivi_spec::{Codec, Dtype, Heads, Scheme};
+
+/// The unquantized baseline: f32 activations, keys and values kept as they
+/// are (`dtype: f32`, `key: full`, `value: full`).
+pub fn f32_scheme() -> Scheme {
+    let mut s = kivi_spec::presets::f16();
+    s.name = "f32".into();
+    s.dtype = Dtype::F32;
+    s.key = Codec::Full;
+    s.value = Codec::Full;
+    s
+}
+
+/// A preset by name, or `f32` for [`f32_scheme`].
+pub fn scheme_by_name(name: &str) -> Option<Scheme> {
+    if name == "f32" {
+        Some(f32_scheme())
+    } else {
+        kivi_spec::presets::by_name(name)
+    }
+}
+
+/// A scheme named on the command line: `f32`, a preset name, scheme text
+/// (`name { key: ..., ... }`), or the path of a file holding scheme text.
+pub fn resolve_scheme(spec: &str) -> Result<Scheme> {
+    if let Some(s) = scheme_by_name(spec) {
+        return Ok(s);
+    }
+    let text = if spec.contains('{') {
+        spec.to_string()
+    } else if std::path::Path::new(spec).is_file() {
+        std::fs::read_to_string(spec).map_err(|e| Error::io(spec, e))?
+    } else {
+        let known: Vec<String> = kivi_spec::presets::all().into_iter().map(|s| s.name).collect();
+        return Err(Error::Config(format!(
+            "unknown scheme `{spec}`; use f32, a preset ({}), scheme text or a scheme file",
+            known.join(", ")
+        )));
+    };
+    kivi_spec::parse_scheme(&text).map_err(|e| Error::Config(format!("scheme `{spec}`: {e}")))
+}
+
+/// One sequence's cache for every layer of a model.
+pub struct KiviCache {
+    caches: Vec<PagedCache>,
+    seqs: Vec<SeqId>,
+    backend: CpuBackend,
+    softmax_scale: f32,
+}
+
+impl KiviCache {
+    /// Caches for `scheme` (shape left open: it is bound here to the model's
+    /// heads and head_dim) with room for `max_tokens` tokens per layer.
+    pub fn new(scheme: &Scheme, cfg: &Config, max_tokens: usize) -> Result<KiviCache> {
+        let heads = Heads::from_counts(cfg.q_heads as u32, cfg.kv_heads as u32);
+        let bound = scheme.with_shape(heads, cfg.head_dim as u32)?;
+        let mut caches = Vec::with_capacity(cfg.layers);
+        let mut seqs = Vec::with_capacity(cfg.layers);
+        for _ in 0..cfg.layers {
+            let mut c = PagedCache::new(bound.clone(), CacheConfig::for_tokens(max_tokens))?;
+            seqs.push(c.add_sequence());
+            caches.push(c);
+        }
+        Ok(KiviCache {
+            caches,
+            seqs,
+            // threads = 0: the global rayon pool, shared with candle, sized
+            // once by the caller (a per-call pool would be rebuilt per token).
+            backend: CpuBackend::new(CpuParams::default())?,
+            softmax_scale: cfg.softmax_scale,
+        })
+    }
+
+    /// The bound scheme.
+    pub fn scheme(&self) -> &Scheme {
+        self.caches[0].scheme()
+    }
+
+    /// Bytes the caches of all layers use now (exact, from the cache).
+    pub fn memory_bytes(&self) -> usize {
+        self.caches.iter().map(|c| c.memory().total).sum()
+    }
+}
+
+impl KvCache for KiviCache {
+    fn prefill(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<()> {
+        Ok(self.caches[layer].extend(self.seqs[layer], k, v)?)
+    }
+
+    fn attend(&mut self, layer: usize, q: &[f32], k: &[f32], v: &[f32], window: Option<usize>) -> Result<Vec<f32>> {
+        let (cache, seq) = (&mut self.caches[layer], self.seqs[layer]);
+        cache.append(seq, k, v)?;
+        let attn = AttnParams {
+            softmax_scale: self.softmax_scale,
+            window,
+        };
+        Ok(self.backend.decode(cache, &[seq], q, attn)?)
+    }
+}

