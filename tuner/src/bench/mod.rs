@@ -161,6 +161,16 @@ pub struct Machine {
     pub isa: &'static str,
     /// Sum of a 1 GiB buffer over 2 threads, best of 3, GB/s (1e9 bytes).
     pub read_gb_per_s: f64,
+    /// `/proc/loadavg` at the start and the end of the run: on a shared
+    /// machine, the other work that ran alongside.
+    pub load_start: String,
+    pub load_end: String,
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".into())
 }
 
 /// Bytes of the last-level cache (sysfs), or 32 MiB when unknown.
@@ -418,6 +428,7 @@ pub fn run(
     if cfg.reps == 0 {
         return Err("--reps must be at least 1".into());
     }
+    let load_start = loadavg();
     progress("measuring streaming-read bandwidth (1 GiB over 2 threads)");
     let bandwidth = read_bandwidth(1 << 30);
     let threads = if cfg.params.threads > 0 {
@@ -430,6 +441,8 @@ pub fn run(
         threads,
         isa: cfg.params.isa(128).name(),
         read_gb_per_s: bandwidth,
+        load_start,
+        load_end: String::new(),
     };
     let mut decode = Vec::new();
     let mut shapes = Vec::new();
@@ -485,6 +498,8 @@ pub fn run(
             "warm KV (--warm): caches that fit the last-level cache are read from it, GB/s can exceed DRAM bandwidth".into()
         },
     ];
+    let mut machine = machine;
+    machine.load_end = loadavg();
     Ok(Report {
         command,
         machine,
@@ -504,13 +519,15 @@ pub fn render(r: &Report) -> String {
     let _ = writeln!(s, "# {}", r.command);
     let _ = writeln!(
         s,
-        "machine: {} | {} threads | kernel {} ({}) | stream read {:.1} GB/s | KV {}",
+        "machine: {} | {} threads | kernel {} ({}) | stream read {:.1} GB/s | KV {} | load {} -> {}",
         r.machine.cpu,
         r.machine.threads,
         r.params,
         r.machine.isa,
         r.machine.read_gb_per_s,
-        if r.cold { "cold" } else { "warm" }
+        if r.cold { "cold" } else { "warm" },
+        r.machine.load_start,
+        r.machine.load_end
     );
     let _ = writeln!(
         s,
@@ -577,8 +594,17 @@ pub fn render(r: &Report) -> String {
                     .join(", ");
                 let _ = writeln!(
                     s,
-                    "  {:<10} {:<3} {:<13} ctx {:>6} B {:>2}: median {:>8.3}ms (p20 {:.3}, p80 {:.3}) | ours faster by: {}",
-                    p.peer, p.dtype, p.layout, p.context, p.batch, p.median_ms, p.p20_ms, p.p80_ms, ours
+                    "  {:<10} {:<3} {:<13} ctx {:>6} B {:>2}: median {:>8.3}ms (p20 {:.3}, p80 {:.3}) | ours faster by: {}{}",
+                    p.peer,
+                    p.dtype,
+                    p.layout,
+                    p.context,
+                    p.batch,
+                    p.median_ms,
+                    p.p20_ms,
+                    p.p80_ms,
+                    ours,
+                    p.note.as_deref().map_or(String::new(), |n| format!(" | {n}"))
                 );
             }
         }

@@ -48,6 +48,9 @@ pub struct PeerResult {
     pub kv_bytes: usize,
     #[serde(default)]
     pub error: Option<String>,
+    /// How it ran (e.g. the BLAS thread count that won).
+    #[serde(default)]
+    pub note: Option<String>,
 }
 
 /// What the peers gave: which were available (version or reason) and their times.
@@ -138,6 +141,10 @@ pub fn ensure_venv(venv: &Path, want: &[String], log: &mut dyn FnMut(&str)) -> R
     if !has("numpy") {
         log("pip install numpy");
         pip(&["numpy"])?;
+    }
+    if !has("threadpoolctl") {
+        // Lets the numpy peer try 1 and N BLAS threads; optional.
+        let _ = pip(&["threadpoolctl"]);
     }
     // One attempt per venv: a marker remembers a failed optional install.
     let marker = venv.join(".kivi-jax-tried");

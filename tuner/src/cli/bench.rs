@@ -149,7 +149,8 @@ pub fn run(a: Args) -> super::Result {
                 },
             )
         },
-        reps: cfg.reps,
+        // Peers are slow at long contexts: at most 5 timed reps each.
+        reps: cfg.reps.min(5),
         threads: if a.threads > 0 {
             a.threads
         } else {
