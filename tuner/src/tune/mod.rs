@@ -256,9 +256,13 @@ pub fn run(
     let mut spent_total = 0.0;
     for (k, &i) in todo.iter().enumerate() {
         let b = buckets[i];
-        // An even share of what is left, so an early bucket that finishes
-        // under its share leaves more for the later ones.
-        let share = ((plan.budget_s - spent_total) / (todo.len() - k) as f64).max(0.0);
+        // A share of what is left, weighted by sqrt(batch x context): a
+        // bigger bucket costs more per call and more to prepare, but the
+        // small ones still get enough to measure every candidate. What an
+        // early bucket leaves unspent goes to the later ones.
+        let weight = |b: &Bucket| ((b.batch as f64) * (b.context as f64)).sqrt();
+        let rest: f64 = todo[k..].iter().map(|&j| weight(&buckets[j])).sum();
+        let share = ((plan.budget_s - spent_total) * weight(&b) / rest.max(1e-9)).max(0.0);
         let prev = file.entries.get(&entry_key(shash, &b)).filter(|_| !plan.force);
         let result = tune_bucket(target, scheme, b, prev, share, plan.pin.as_deref(), progress);
         let outcome = match result {
