@@ -1,5 +1,26 @@
 //! Tuning and the decision cache.
 //!
+//! Run-time selection is one call. The decision cache lives in
+//! `$KIVI_CACHE_DIR`, else `$XDG_CACHE_HOME/kivi`, else `~/.cache/kivi`;
+//! `KIVI_TUNE=off|cached|tune` says what a miss does (default `cached`: the
+//! documented heuristic default, no benchmarking in the serving path);
+//! `KIVI_TUNE_BUDGET` bounds a tune-on-miss in seconds.
+//!
+//! ```no_run
+//! use kivi_runtime::Backend;
+//! use kivi_tuner::{select_cpu, Bucket, SelectOptions};
+//! let scheme = kivi_spec::presets::kivi2().with_shape(kivi_spec::Heads::Gqa { q: 32, kv: 8 }, 128).unwrap();
+//! // The bucket of the real inputs: batch, longest context, GQA ratio.
+//! let bucket = Bucket::of(4, 3000, 4);
+//! let (backend, sel) = select_cpu(&scheme, bucket, &SelectOptions::from_env().unwrap()).unwrap();
+//! for w in &sel.warnings {
+//!     eprintln!("warning: {w}"); // e.g. a corrupt decision file, ignored
+//! }
+//! println!("{} via {} ({:?}: {})", bucket, sel.variant, sel.source, sel.reason);
+//! // backend.decode(&cache, &seqs, &q, attn) ...
+//! # let _ = backend.name();
+//! ```
+//!
 //! - [`tune`] — the backend-independent tuning loop and its methodology
 //!   ([`tune::Target`], [`tune::Workload`]): reuse, prune, verify, time,
 //!   eliminate, choose.
@@ -10,8 +31,10 @@
 //!   corrupt/stale/foreign files reported and ignored, bundles).
 //! - [`fingerprint`] — device and toolchain identity.
 //! - [`bucket`] — shape buckets.
-//! - [`select`] — run-time selection: [`select_or_tune`], `KIVI_TUNE`.
+//! - [`select`] — run-time selection: [`select_or_tune`], [`select_cpu`],
+//!   [`select_cuda`], `KIVI_TUNE`.
 //! - [`plot`] — SVG chart of time per variant per context length.
+//! - [`progress`] — the hand-drawn progress bar of `kivi tune`.
 
 pub mod bucket;
 pub mod cpu;
