@@ -450,4 +450,27 @@ mod tests {
         let unbound = kivi_spec::presets::kivi2();
         assert!(static_ranking(&unbound, &b, Arch::SM90, 132, None).is_err());
     }
+
+    #[test]
+    #[ignore = "compiles every decode variant with NVRTC (about a minute on 2 cores when the artifact cache is cold)"]
+    fn static_ranking_with_nvrtc_reads_ptxas_resources() {
+        // Only where NVRTC is provisioned (.cache/nvidia or KIVI_CUDA_HOME).
+        let Ok(compiler) = Compiler::new() else {
+            eprintln!("skipped: no NVRTC on this machine");
+            return;
+        };
+        let s = kivi_spec::presets::kivi2()
+            .with_shape(kivi_spec::Heads::Gqa { q: 8, kv: 2 }, 64)
+            .unwrap();
+        let rows = static_ranking(&s, &Bucket::of(2, 1024, 4), Arch::SM90, 132, Some(&compiler)).unwrap();
+        let compiled: Vec<&Resources> = rows
+            .iter()
+            .filter_map(|r| r.compiled.as_ref().ok().and_then(|x| x.as_ref()))
+            .collect();
+        assert_eq!(compiled.len(), rows.len(), "every variant compiles");
+        assert!(compiled.iter().all(|r| r.registers > 0));
+        // Pruned rows come last and say why.
+        let first_pruned = rows.iter().position(|r| r.pruned.is_some()).unwrap_or(rows.len());
+        assert!(rows[first_pruned..].iter().all(|r| r.pruned.is_some()));
+    }
 }
