@@ -252,12 +252,13 @@ impl CudaTarget {
             limits,
             gens,
             method: Method {
-                // Each sample is one launch timed by CUDA events with L2
-                // flushed before it; event resolution (~0.5 us) is far below
-                // a decode launch.
+                // Every launch is timed by CUDA events with L2 flushed
+                // before it; a sample is the median of enough launches to
+                // span 0.5 ms (at most 20), which amortises the flush
+                // buffer's set-up and keeps one slow launch from counting.
                 warmup_s: 0.01,
-                min_sample_s: 0.0,
-                max_iters: 1,
+                min_sample_s: 0.0005,
+                max_iters: 20,
                 first_round: 5,
                 max_samples: 25,
                 ..Method::default()
@@ -391,6 +392,7 @@ impl Workload for CudaWorkload<'_> {
             .dc
             .prepare_decode(&m, &self.q, self.attn)
             .map_err(|e| e.to_string())?;
+        // The median of `iters` flushed, event-timed launches.
         let t = run.time(0, iters.max(1) as usize).map_err(|e| e.to_string())?;
         Ok(t.median_ms / 1e3)
     }
