@@ -476,7 +476,9 @@ impl DeviceCache {
             unsafe { b.launch(cfg) }.map_err(driver_err(&format!("launching `{}`", g.name)))?;
             let lens: Vec<i32> = old.iter().zip(&cnt).map(|(a, c)| a + c).collect();
             dev.stream.memcpy_htod(&lens, &mut self.seq_lens).map_err(&up)?;
-            dev.stream.clone_dtoh(&status_d).map_err(driver_err("downloading"))
+            let status = dev.stream.clone_dtoh(&status_d).map_err(driver_err("downloading"))?;
+            dev.sync()?;
+            Ok(status)
         });
         let status = match status {
             Ok(s) => s,
@@ -626,11 +628,15 @@ impl DecodeRun<'_> {
 
     /// Waits for the kernels and downloads `[batch, Hq, D]`.
     pub fn output(&self) -> Result<Vec<f32>> {
-        self.cache
+        let out = self
+            .cache
             .dev
             .stream
             .clone_dtoh(&self.out)
-            .map_err(driver_err("downloading the output"))
+            .map_err(driver_err("downloading the output"))?;
+        // Surfaces a kernel fault here, named, rather than at some later call.
+        self.cache.dev.sync()?;
+        Ok(out)
     }
 
     /// Times [`DecodeRun::launch`] with CUDA events (L2 flushed between runs).
