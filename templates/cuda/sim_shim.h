@@ -27,19 +27,16 @@
 #pragma once
 #define KIVI_SIM 1
 
-#include <atomic>
-#include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
+// C headers only: a library holds dozens of variants and the C++ standard
+// headers would cost more to parse than the kernels.
 #include <math.h>
-#include <mutex>
-#include <string>
-#include <thread>
-#include <type_traits>
-#include <utility>
-#include <vector>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
 // ---- qualifiers ----
 #define __global__
@@ -61,17 +58,17 @@ struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
 
 // ---- bit casts and IEEE-rounded arithmetic ----
-inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
-inline float __uint_as_float(unsigned x) { float f; std::memcpy(&f, &x, 4); return f; }
-inline int __float_as_int(float f) { int x; std::memcpy(&x, &f, 4); return x; }
-inline unsigned __float_as_uint(float f) { unsigned x; std::memcpy(&x, &f, 4); return x; }
+inline float __int_as_float(int x) { float f; memcpy(&f, &x, 4); return f; }
+inline float __uint_as_float(unsigned x) { float f; memcpy(&f, &x, 4); return f; }
+inline int __float_as_int(float f) { int x; memcpy(&x, &f, 4); return x; }
+inline unsigned __float_as_uint(float f) { unsigned x; memcpy(&x, &f, 4); return x; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fdividef(float a, float b) { return a / b; }
-inline float __expf(float x) { return std::exp(x); }
-inline float __exp2f(float x) { return std::exp2(x); }
+inline float __expf(float x) { return expf(x); }
+inline float __exp2f(float x) { return exp2f(x); }
 inline float __frcp_rn(float x) { return 1.0f / x; }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
@@ -100,7 +97,8 @@ inline __half __float2half_rn(float f) {
   const unsigned x = __float_as_uint(f);
   const unsigned sign = (x >> 16) & 0x8000u;
   const unsigned a = x & 0x7fffffffu;
-  if (a >= 0x7f800000u) return __half{(unsigned short)(sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u))};
+  if (a > 0x7f800000u) return __half{(unsigned short)(sign | 0x7e00u | ((a >> 13) & 0x3ffu))};  // NaN, quiet
+  if (a == 0x7f800000u) return __half{(unsigned short)(sign | 0x7c00u)};
   if (a >= 0x477ff000u) return __half{(unsigned short)(sign | 0x7c00u)};  // >= 65520 rounds to inf
   if (a < 0x38800000u) {  // below 2^-14: a subnormal f16 (units of 2^-24)
     const int e = (int)(a >> 23);
@@ -150,15 +148,18 @@ constexpr uint64_t CANARY = 0x6b6976695f73696dull;
 
 struct Worker {
   void* sched_sp = nullptr;
-  std::vector<Fiber> fibers;
-  std::vector<uint64_t> exch;  // [warp][2][32] shuffle slots
+  Fiber* fibers = nullptr;
+  unsigned nfibers = 0;
+  uint64_t* exch = nullptr;  // [warp][2][32] shuffle slots
   dim3 block_dim{1, 1, 1}, grid_dim{1, 1, 1};
   uint3 block{0, 0, 0};
   void (*body)(void*) = nullptr;
   void* ctx = nullptr;
-  std::string error;
+  char error[256] = {0};
   ~Worker() {
-    for (auto& f : fibers) std::free(f.stack);
+    for (unsigned i = 0; i < nfibers; ++i) free(fibers[i].stack);
+    free(fibers);
+    free(exch);
   }
 };
 
@@ -214,7 +215,7 @@ inline void fiber_main(Fiber* f) {
   worker->body(worker->ctx);
   f->state = DONE;
   switch_from(f);
-  std::abort();  // a finished fiber is never resumed
+  abort();  // a finished fiber is never resumed
 }
 
 // A fresh frame that kivi_sim_swap "returns" into kivi_sim_boot, which
@@ -239,7 +240,7 @@ inline void fiber_reset(Fiber& f) {
 // fiber of this round, or back to the scheduler when there is none.
 inline void switch_from(Fiber* f) {
   Worker& w = *worker;
-  Fiber* end = w.fibers.data() + w.fibers.size();
+  Fiber* end = w.fibers + w.nfibers;
   for (Fiber* g = f + 1; g < end; ++g) {
     if (g->state == READY) {
       current = g;
@@ -258,14 +259,15 @@ inline void yield_to_scheduler(State s) {
 
 // Runs one block to completion; false (and worker->error) if it cannot.
 inline bool run_block(Worker& w) {
-  const unsigned n = (unsigned)w.fibers.size();
-  for (auto& f : w.fibers) fiber_reset(f);
+  const unsigned n = w.nfibers;
+  Fiber* fs = w.fibers;
+  for (unsigned i = 0; i < n; ++i) fiber_reset(fs[i]);
   const unsigned warps = (n + 31) / 32;
   for (;;) {
-    for (auto& f : w.fibers) {
-      if (f.state == READY) {  // runs this fiber and every ready one after it
-        current = &f;
-        kivi_sim_swap(&w.sched_sp, f.sp);
+    for (unsigned i = 0; i < n; ++i) {
+      if (fs[i].state == READY) {  // runs this fiber and every ready one after it
+        current = &fs[i];
+        kivi_sim_swap(&w.sched_sp, fs[i].sp);
       }
     }
     current = nullptr;
@@ -274,38 +276,38 @@ inline bool run_block(Worker& w) {
     for (unsigned wp = 0; wp < warps; ++wp) {
       const unsigned lo = wp * 32, hi = lo + 32 < n ? lo + 32 : n;
       unsigned at = 0;
-      for (unsigned i = lo; i < hi; ++i) at += w.fibers[i].state == AT_WARP;
+      for (unsigned i = lo; i < hi; ++i) at += fs[i].state == AT_WARP;
       if (at == 0) continue;
       if (at != hi - lo) {
-        w.error = "a warp shuffle or __syncwarp was reached by " + std::to_string(at) + " of the " +
-                  std::to_string(hi - lo) + " lanes of warp " + std::to_string(wp) +
-                  " (the others exited or wait at __syncthreads)";
+        snprintf(w.error, sizeof w.error,
+                 "a warp shuffle or __syncwarp was reached by %u of the %u lanes of warp %u "
+                 "(the others exited or wait at __syncthreads)",
+                 at, hi - lo, wp);
         return false;
       }
-      for (unsigned i = lo; i < hi; ++i) w.fibers[i].state = READY;
+      for (unsigned i = lo; i < hi; ++i) fs[i].state = READY;
       released = true;
     }
     if (released) continue;
     unsigned at = 0, done = 0;
-    for (auto& f : w.fibers) {
-      at += f.state == AT_BLOCK;
-      done += f.state == DONE;
+    for (unsigned i = 0; i < n; ++i) {
+      at += fs[i].state == AT_BLOCK;
+      done += fs[i].state == DONE;
     }
     if (done == n) {
-      for (auto& f : w.fibers) {
-        if (std::memcmp(f.stack, &CANARY, sizeof CANARY) != 0) {
-          w.error = "a thread overflowed its 256 KiB simulated stack";
+      for (unsigned i = 0; i < n; ++i) {
+        if (memcmp(fs[i].stack, &CANARY, sizeof CANARY) != 0) {
+          snprintf(w.error, sizeof w.error, "thread %u overflowed its 256 KiB simulated stack", i);
           return false;
         }
       }
       return true;
     }
     if (at == n) {
-      for (auto& f : w.fibers) f.state = READY;
+      for (unsigned i = 0; i < n; ++i) fs[i].state = READY;
       continue;
     }
-    w.error = "__syncthreads() was reached by " + std::to_string(at) + " of " + std::to_string(n) +
-              " threads; the others exited";
+    snprintf(w.error, sizeof w.error, "__syncthreads() was reached by %u of %u threads; the others exited", at, n);
     return false;
   }
 }
@@ -313,97 +315,132 @@ inline bool run_block(Worker& w) {
 template <class T> inline T shuffle(unsigned mask, T v, unsigned src, const char* what) {
   static_assert(sizeof(T) <= 8, "sim_shim: shuffles of more than 8 bytes are not implemented");
   if (mask != 0xffffffffu) {
-    std::fprintf(stderr, "sim_shim: %s with mask %#x: only full-warp masks are implemented\n", what, mask);
-    std::abort();
+    fprintf(stderr, "sim_shim: %s with mask %#x: only full-warp masks are implemented\n", what, mask);
+    abort();
   }
   Fiber* f = current;
   uint64_t* slots = &worker->exch[(f->warp * 2 + f->phase) * 32];
   f->phase ^= 1;  // double buffering: one barrier per shuffle is enough
-  std::memcpy(&slots[f->lane], &v, sizeof(T));
+  memcpy(&slots[f->lane], &v, sizeof(T));
   yield_to_scheduler(AT_WARP);
   T r;
-  std::memcpy(&r, &slots[src & 31], sizeof(T));
+  memcpy(&r, &slots[src & 31], sizeof(T));
   return r;
 }
 
+template <size_t... I> struct Seq {};
+template <size_t N, size_t... I> struct MakeSeq : MakeSeq<N - 1, N - 1, I...> {};
+template <size_t... I> struct MakeSeq<0, I...> { typedef Seq<I...> type; };
+template <class T> struct Bare { typedef T type; };
+template <class T> struct Bare<const T> { typedef T type; };
+template <class T> struct Bare<T&> { typedef T type; };
+
 // Calls the kernel with the arguments pointed to by `args` (cuLaunchKernel style).
 template <class... A, size_t... I>
-inline void call(void (*k)(A...), void** args, std::index_sequence<I...>) {
-  k(*static_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(args[I])...);
+inline void call(void (*k)(A...), void** args, Seq<I...>) {
+  k(*static_cast<typename Bare<A>::type*>(args[I])...);
 }
 
 template <class... A> struct Launch {
   void (*kernel)(A...);
   void** args;
   static void run(void* self) {
-    auto* l = static_cast<Launch*>(self);
-    call(l->kernel, l->args, std::index_sequence_for<A...>{});
+    Launch* l = static_cast<Launch*>(self);
+    call(l->kernel, l->args, typename MakeSeq<sizeof...(A)>::type{});
   }
 };
 
 inline unsigned workers_wanted(unsigned long long blocks) {
-  unsigned n = std::thread::hardware_concurrency();
-  if (const char* e = std::getenv("KIVI_SIM_THREADS")) n = (unsigned)std::atoi(e);
-  if (n == 0) n = 1;
-  if (n > blocks) n = (unsigned)blocks;
-  return n ? n : 1;
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  if (const char* e = getenv("KIVI_SIM_THREADS")) n = atol(e);
+  if (n < 1) n = 1;
+  if ((unsigned long long)n > blocks) n = (long)blocks;
+  return n < 1 ? 1u : (unsigned)n;
+}
+
+// One launch: the blocks left to run and the first error.
+struct Job {
+  void (*body)(void*);
+  void* ctx;
+  dim3 grid, block;
+  unsigned long long blocks;
+  unsigned long long next;  // atomically incremented
+  int stop;
+  pthread_mutex_t lock;
+  char error[320];
+};
+
+inline void* work(void* arg) {
+  Job& job = *static_cast<Job*>(arg);
+  const unsigned threads = job.block.x * job.block.y * job.block.z;
+  Worker w;
+  w.block_dim = job.block;
+  w.grid_dim = job.grid;
+  w.body = job.body;
+  w.ctx = job.ctx;
+  w.nfibers = threads;
+  w.fibers = static_cast<Fiber*>(calloc(threads, sizeof(Fiber)));
+  w.exch = static_cast<uint64_t*>(calloc(((threads + 31) / 32) * 64, sizeof(uint64_t)));
+  for (unsigned i = 0; i < threads; ++i) {
+    Fiber& f = w.fibers[i];
+    f.stack = static_cast<char*>(malloc(STACK));
+    memcpy(f.stack, &CANARY, sizeof CANARY);
+    f.tid = uint3{i % job.block.x, (i / job.block.x) % job.block.y, i / (job.block.x * job.block.y)};
+    f.warp = i / 32;
+    f.lane = i % 32;
+  }
+  worker = &w;
+  for (;;) {
+    const unsigned long long bi = __atomic_fetch_add(&job.next, 1ull, __ATOMIC_RELAXED);
+    if (bi >= job.blocks || __atomic_load_n(&job.stop, __ATOMIC_RELAXED)) break;
+    w.block = uint3{(unsigned)(bi % job.grid.x), (unsigned)((bi / job.grid.x) % job.grid.y),
+                    (unsigned)(bi / ((unsigned long long)job.grid.x * job.grid.y))};
+    if (!run_block(w)) {
+      pthread_mutex_lock(&job.lock);
+      if (job.error[0] == 0)
+        snprintf(job.error, sizeof job.error, "block (%u, %u, %u): %s", w.block.x, w.block.y, w.block.z, w.error);
+      pthread_mutex_unlock(&job.lock);
+      __atomic_store_n(&job.stop, 1, __ATOMIC_RELAXED);
+      break;
+    }
+  }
+  worker = nullptr;
+  return nullptr;
 }
 
 // dims = {grid x, y, z, block x, y, z}. Returns 0, or 1 with a message in err.
 template <class... A>
 inline int launch(void (*kernel)(A...), const unsigned* dims, void** args, char* err, int errlen) {
   Launch<A...> l{kernel, args};
-  const dim3 grid{dims[0], dims[1], dims[2]}, block{dims[3], dims[4], dims[5]};
-  const unsigned long long threads = (unsigned long long)block.x * block.y * block.z;
-  const unsigned long long blocks = (unsigned long long)grid.x * grid.y * grid.z;
-  auto fail = [&](const std::string& m) {
-    std::snprintf(err, (size_t)errlen, "%s", m.c_str());
+  Job job;
+  job.body = &Launch<A...>::run;
+  job.ctx = &l;
+  job.grid = dim3{dims[0], dims[1], dims[2]};
+  job.block = dim3{dims[3], dims[4], dims[5]};
+  job.blocks = (unsigned long long)dims[0] * dims[1] * dims[2];
+  job.next = 0;
+  job.stop = 0;
+  job.error[0] = 0;
+  pthread_mutex_init(&job.lock, nullptr);
+  const unsigned long long threads = (unsigned long long)dims[3] * dims[4] * dims[5];
+  if (threads == 0 || threads > 1024) {
+    snprintf(err, (size_t)errlen, "a block of %llu threads; expected 1 to 1024", threads);
     return 1;
-  };
-  if (threads == 0 || threads > 1024) return fail("a block of " + std::to_string(threads) + " threads; expected 1 to 1024");
-  if (blocks == 0) return 0;
-  std::atomic<unsigned long long> next{0};
-  std::atomic<bool> stop{false};
-  std::mutex m;
-  std::string first_error;
-  auto work = [&]() {
-    Worker w;
-    w.block_dim = block;
-    w.grid_dim = grid;
-    w.body = &Launch<A...>::run;
-    w.ctx = &l;
-    w.fibers.resize(threads);
-    w.exch.assign(((threads + 31) / 32) * 64, 0);
-    for (unsigned i = 0; i < threads; ++i) {
-      Fiber& f = w.fibers[i];
-      f.stack = static_cast<char*>(std::malloc(STACK));
-      std::memcpy(f.stack, &CANARY, sizeof CANARY);
-      f.tid = uint3{i % block.x, (i / block.x) % block.y, i / (block.x * block.y)};
-      f.warp = i / 32;
-      f.lane = i % 32;
-    }
-    worker = &w;
-    for (;;) {
-      const unsigned long long bi = next.fetch_add(1);
-      if (bi >= blocks || stop.load()) break;
-      w.block = uint3{(unsigned)(bi % grid.x), (unsigned)((bi / grid.x) % grid.y), (unsigned)(bi / ((unsigned long long)grid.x * grid.y))};
-      if (!run_block(w)) {
-        std::lock_guard<std::mutex> g(m);
-        if (first_error.empty())
-          first_error = "block (" + std::to_string(w.block.x) + ", " + std::to_string(w.block.y) + ", " +
-                        std::to_string(w.block.z) + "): " + w.error;
-        stop = true;
-        break;
-      }
-    }
-    worker = nullptr;
-  };
-  const unsigned nw = workers_wanted(blocks);
-  std::vector<std::thread> pool;
-  for (unsigned i = 1; i < nw; ++i) pool.emplace_back(work);
-  work();
-  for (auto& t : pool) t.join();
-  if (!first_error.empty()) return fail(first_error);
+  }
+  if (job.blocks == 0) return 0;
+  const unsigned nw = workers_wanted(job.blocks);
+  pthread_t pool[64];
+  unsigned started = 0;
+  for (unsigned i = 1; i < nw && i < 64; ++i) {
+    if (pthread_create(&pool[started], nullptr, &work, &job) == 0) ++started;
+  }
+  work(&job);
+  for (unsigned i = 0; i < started; ++i) pthread_join(pool[i], nullptr);
+  pthread_mutex_destroy(&job.lock);
+  if (job.error[0] != 0) {
+    snprintf(err, (size_t)errlen, "%s", job.error);
+    return 1;
+  }
   return 0;
 }
 
@@ -412,8 +449,8 @@ inline int launch(void (*kernel)(A...), const unsigned* dims, void** args, char*
 inline void __syncthreads() { kivi_sim::yield_to_scheduler(kivi_sim::AT_BLOCK); }
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
   if (mask != 0xffffffffu) {
-    std::fprintf(stderr, "sim_shim: __syncwarp with a partial mask is not implemented\n");
-    std::abort();
+    fprintf(stderr, "sim_shim: __syncwarp with a partial mask is not implemented\n");
+    abort();
   }
   kivi_sim::yield_to_scheduler(kivi_sim::AT_WARP);
 }

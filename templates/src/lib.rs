@@ -57,7 +57,7 @@
 mod generate;
 mod variant;
 
-pub use variant::Variant;
+pub use variant::{Variant, MAX_REGISTER_FLOATS};
 
 use kivi_spec::layout::{default_block_tokens, BlockLayout};
 use kivi_spec::Scheme;
@@ -274,7 +274,7 @@ pub fn variants_with(scheme: &Scheme, kernel: Kernel, opts: GenOptions) -> Vec<V
         return Vec::new();
     };
     let mut out: Vec<Variant> = Vec::new();
-    for v in variant::space(&layout.shape, kernel) {
+    for v in variant::space(&layout, kernel) {
         if v.check(kernel, &layout).is_ok() && !out.contains(&v) {
             out.push(v);
         }
@@ -283,18 +283,13 @@ pub fn variants_with(scheme: &Scheme, kernel: Kernel, opts: GenOptions) -> Vec<V
 }
 
 /// The canonical variant: the first of [`variants`]. For a scheme without
-/// a shape, the first point of the space for a one-head MHA layout.
+/// a shape (or one no variant fits), a plain 128-thread variant, which
+/// [`generate`] then refuses with the reason.
 pub fn default_variant(scheme: &Scheme, kernel: Kernel) -> Variant {
-    variants(scheme, kernel).into_iter().next().unwrap_or_else(|| {
-        variant::space(
-            &kivi_spec::Shape {
-                q_heads: 1,
-                kv_heads: 1,
-                head_dim: 64,
-            },
-            kernel,
-        )[0]
-    })
+    variants(scheme, kernel)
+        .into_iter()
+        .next()
+        .unwrap_or_else(|| variant::space_fallback(kernel))
 }
 
 /// Generates the source of `kernel` for `scheme` (which must have a shape)

@@ -148,16 +148,13 @@ impl Variant {
             return invalid(format!("unroll {} is out of range; expected 1 to 8", self.unroll));
         }
         // Registers per thread: each lane holds its channels of the query and
-        // of the accumulator for every head of the block. Past this the
-        // variant only spills; do not offer it.
-        let lanes_k = crate::generate::team_of(layout.key.words_per_token, w)
-            .channels(layout.key.words_per_token, cpw(layout, true));
-        let lanes_v = crate::generate::team_of(layout.value.words_per_token, w)
-            .channels(layout.value.words_per_token, cpw(layout, false));
-        let regs = self.heads_per_block as usize * (lanes_k + lanes_v);
-        if regs > 512 {
+        // of the accumulator for every head of the block. Past this budget
+        // ptxas spills (measured: 128 floats compile to ~170 registers, 512
+        // to 255 registers and 1.8 KB of spills); do not offer such variants.
+        let regs = self.register_floats(layout);
+        if regs > MAX_REGISTER_FLOATS {
             return invalid(format!(
-                "{regs} floats of query and accumulator per thread is too many registers"
+                "{regs} floats of query and accumulator per thread is over the {MAX_REGISTER_FLOATS}-float register budget"
             ));
         }
         let shared = crate::generate::decode_shared_bytes(self, shape.head_dim);
@@ -167,6 +164,22 @@ impl Variant {
             ));
         }
         Ok(())
+    }
+}
+
+/// Floats of query slice and accumulators one decode thread keeps in registers.
+pub const MAX_REGISTER_FLOATS: usize = 128;
+
+impl Variant {
+    /// Floats of query slice and accumulators per decode thread: heads per
+    /// block times the channels a lane owns in a key row and a value row.
+    pub fn register_floats(&self, layout: &BlockLayout) -> usize {
+        let w = self.load_width.max(1) as usize;
+        let k = crate::generate::team_of(layout.key.words_per_token, w)
+            .channels(layout.key.words_per_token, cpw(layout, true));
+        let v = crate::generate::team_of(layout.value.words_per_token, w)
+            .channels(layout.value.words_per_token, cpw(layout, false));
+        self.heads_per_block as usize * (k + v)
     }
 }
 
@@ -185,20 +198,46 @@ impl fmt::Display for Variant {
     }
 }
 
-/// Query heads per block to try: the whole group (one pass over KV serves
-/// every head), then smaller divisors, largest first, up to 8.
+/// Query heads per block to try: the largest divisor of the GQA group up to
+/// 8 (one pass over the KV bytes serves them all), half of it, and 1.
 fn head_choices(shape: &Shape) -> Vec<u32> {
     let g = shape.group_size() as u32;
     let best = (1..=g.min(8)).rev().find(|h| g.is_multiple_of(*h)).unwrap_or(1);
     let mut v = vec![best];
-    if best > 1 {
-        v.push(1);
+    for h in [best / 2, 1] {
+        if h >= 1 && g.is_multiple_of(h) && !v.contains(&h) {
+            v.push(h);
+        }
     }
     v
 }
 
+/// (heads per block, load width) pairs: for each head count, the widest load
+/// that keeps the thread within the register budget, and single words.
+fn head_width_pairs(layout: &BlockLayout) -> Vec<(u32, u32)> {
+    let mut out = Vec::new();
+    for h in head_choices(&layout.shape) {
+        let fits = |w: u32| {
+            let v = Variant {
+                threads: 128,
+                tile_tokens: 32,
+                splits: 8,
+                heads_per_block: h,
+                load_width: w,
+                unroll: 1,
+            };
+            v.check(Kernel::Decode, layout).is_ok()
+        };
+        if let Some(w) = [4, 2].into_iter().find(|&w| fits(w)) {
+            out.push((h, w));
+        }
+        out.push((h, 1));
+    }
+    out
+}
+
 /// The candidate list before validity checks, canonical default first.
-pub(crate) fn space(shape: &Shape, kernel: Kernel) -> Vec<Variant> {
+pub(crate) fn space(layout: &BlockLayout, kernel: Kernel) -> Vec<Variant> {
     let base = Variant {
         threads: 128,
         tile_tokens: 32,
@@ -217,39 +256,48 @@ pub(crate) fn space(shape: &Shape, kernel: Kernel) -> Vec<Variant> {
             .map(|splits| Variant { splits, ..base })
             .collect(),
         Kernel::Decode => {
+            let pairs = head_width_pairs(layout);
             let mut out = Vec::new();
             for (threads, tile_tokens) in [(128, 32), (64, 32), (256, 64)] {
                 for splits in [8, 1] {
-                    for &heads_per_block in &head_choices(shape) {
-                        for load_width in [4, 1] {
-                            out.push(Variant {
-                                threads,
-                                tile_tokens,
-                                splits,
-                                heads_per_block,
-                                load_width,
-                                unroll: 1,
-                            });
-                        }
+                    for &(heads_per_block, load_width) in &pairs {
+                        out.push(Variant {
+                            threads,
+                            tile_tokens,
+                            splits,
+                            heads_per_block,
+                            load_width,
+                            unroll: 1,
+                        });
                     }
                 }
             }
-            // A few deeper points: long contexts want more splits, and an
-            // unrolled token loop.
-            let h = head_choices(shape)[0];
+            // Long contexts want more splits; and an unrolled token loop.
+            let (h, w) = pairs[0];
             for (splits, unroll) in [(32, 1), (16, 2)] {
-                for load_width in [4, 1] {
-                    out.push(Variant {
-                        threads: 128,
-                        tile_tokens: 32,
-                        splits,
-                        heads_per_block: h,
-                        load_width,
-                        unroll,
-                    });
-                }
+                out.push(Variant {
+                    threads: 128,
+                    tile_tokens: 32,
+                    splits,
+                    heads_per_block: h,
+                    load_width: w,
+                    unroll,
+                });
             }
             out
         }
+    }
+}
+
+/// The first point of the space for a scheme without a shape (generation
+/// then fails with `Unbound`, which names the real problem).
+pub(crate) fn space_fallback(_kernel: Kernel) -> Variant {
+    Variant {
+        threads: 128,
+        tile_tokens: 32,
+        splits: 8,
+        heads_per_block: 1,
+        load_width: 1,
+        unroll: 1,
     }
 }

@@ -202,7 +202,10 @@ pub fn compile(gens: &[&Generated]) -> Result<Arc<SimLibrary>> {
         build(&cxx, &dir, key, &units, &uniq, &so)?;
     }
     let lib = Arc::new(load(&so, &uniq)?);
-    loaded().lock().unwrap_or_else(|e| e.into_inner()).insert(key, lib.clone());
+    loaded()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(key, lib.clone());
     Ok(lib)
 }
 
@@ -244,7 +247,13 @@ fn build(cxx: &str, dir: &Path, key: u64, units: &[String], gens: &[&Generated],
                     write_atomic(&cpp, unit.as_bytes())?;
                     let obj = dir.join(format!("{key:016x}-{i}.o.tmp{pid}"));
                     let mut cmd = Command::new(cxx);
-                    cmd.args(FLAGS).arg("-c").arg("-I").arg(inc).arg("-o").arg(&obj).arg(&cpp);
+                    cmd.args(FLAGS)
+                        .arg("-c")
+                        .arg("-I")
+                        .arg(inc)
+                        .arg("-o")
+                        .arg(&obj)
+                        .arg(&cpp);
                     if i > 0 {
                         cmd.arg("-DKIVI_SIM_SWAP_ELSEWHERE");
                     }
