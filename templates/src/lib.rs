@@ -138,7 +138,7 @@ impl fmt::Display for GenError {
             GenError::InvalidVariant { variant, why } => write!(f, "variant `{variant}` is not valid here: {why}"),
             GenError::BadVariantName(n) => write!(
                 f,
-                "`{n}` is not a variant name; expected e.g. `t128.tile32.s8.h4.w4.u1`"
+                "`{n}` is not a variant name; expected e.g. `t128.tile32.s8.h4.w1.u1`"
             ),
             GenError::BadKernel(k) => write!(f, "unknown kernel `{k}`; expected prefill, append, decode or combine"),
             GenError::BlockTokens(m) => write!(f, "{m}"),
@@ -233,7 +233,7 @@ impl LaunchInfo {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Generated {
     /// `scheme/shape/kernel/variant`, e.g.
-    /// `kivi2-k.c.g32.b2-v.t.g32.b2-r128/gqa32x8.d128/decode/t128.tile32.s8.h4.w4.u1`.
+    /// `kivi2-k.c.g32.b2-v.t.g32.b2-r128/gqa32x8.d128/decode/t128.tile32.s8.h4.w1.u1`.
     pub name: String,
     /// Complete CUDA source; needs only `cuda_fp16.h`.
     pub source: String,

@@ -34,7 +34,7 @@ pub struct Variant {
 }
 
 impl Variant {
-    /// The readable name, e.g. `t128.tile32.s8.h4.w4.u1`.
+    /// The readable name, e.g. `t128.tile32.s8.h4.w1.u1`.
     ///
     /// ```
     /// let v = kivi_templates::Variant { threads: 128, tile_tokens: 32, splits: 8,

@@ -20,7 +20,7 @@ pub struct Args {
     /// Kernel: decode (with its combine step), append, prefill or combine
     #[arg(long, default_value = "decode")]
     pub kernel: String,
-    /// Variant name, e.g. t128.tile32.s8.h4.w4.u1 (default: the canonical one; see --list)
+    /// Variant name, e.g. t128.tile32.s8.h4.w1.u1 (default: the canonical one; see --list)
     #[arg(long)]
     pub variant: Option<String>,
     /// List the valid variants (canonical first) with their names and source hashes
