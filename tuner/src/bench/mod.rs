@@ -116,8 +116,13 @@ pub struct DecodeRow {
     pub gb_per_s: f64,
     /// Attention FLOPs (2 per multiply-add, scores and values) / median.
     pub gflop_per_s: f64,
+    /// CPU time of the process (all threads) per decode, median, ms. On a
+    /// shared machine this counts the work done, not the time waited for a core.
+    pub cpu_ms: f64,
     /// f16 median / this median (higher is faster).
     pub speedup_vs_f16: Option<f64>,
+    /// f16 `cpu_ms` / this `cpu_ms`.
+    pub cpu_speedup_vs_f16: Option<f64>,
     /// numpy f32 peer median / this median.
     pub speedup_vs_numpy: Option<f64>,
     /// Median time if the read ran at the measured stream bandwidth.
@@ -265,6 +270,18 @@ fn sum_words(c: &[u64]) -> u64 {
         .fold(a.iter().fold(0, |x, y| x.wrapping_add(*y)), |x, y| x.wrapping_add(*y))
 }
 
+/// CPU time of all threads of this process, ns (`/proc/self/task/*/schedstat`);
+/// 0 where that is not available.
+pub fn process_cpu_ns() -> u64 {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    dir.filter_map(|e| e.ok())
+        .filter_map(|e| std::fs::read_to_string(e.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next().and_then(|x| x.parse::<u64>().ok()))
+        .sum()
+}
+
 struct Rng(u64);
 impl Rng {
     fn next(&mut self) -> f32 {
@@ -337,26 +354,29 @@ fn decode_point(
         // Warm-up (and a check that it runs at all).
         cpu.decode(&cache, &ids, &q, attn).map_err(|e| format!("{name}: {e}"))?;
         let bytes = Footprint::for_tokens(&s, context).total() * batch;
-        cases.push((name.clone(), cache, ids, attn, bytes, Vec::new()));
+        cases.push((name.clone(), cache, ids, attn, bytes, Vec::new(), Vec::new()));
     }
     progress(&format!("{} context {context} batch {batch}: timing", l.name));
     let evict = cfg.cold.then(Evictor::new);
     for _ in 0..cfg.reps {
-        for (_, cache, ids, attn, _, times) in cases.iter_mut() {
+        for (_, cache, ids, attn, _, times, cpu_times) in cases.iter_mut() {
             if let Some(e) = &evict {
                 e.run();
             }
+            let c0 = process_cpu_ns();
             let t0 = Instant::now();
             let out = cpu.decode(cache, ids, &q, *attn).map_err(|e| e.to_string())?;
             times.push(t0.elapsed().as_secs_f64() * 1e3);
+            cpu_times.push(process_cpu_ns().saturating_sub(c0) as f64 / 1e6);
             std::hint::black_box(out);
         }
     }
     let flops = attention_flops(l, context, batch);
     let rows: Vec<DecodeRow> = cases
         .into_iter()
-        .map(|(scheme, _, _, _, bytes, times)| {
+        .map(|(scheme, _, _, _, bytes, times, cpu_times)| {
             let stats = Stats::of(&times);
+            let cpu_ms = Stats::of(&cpu_times).median_ms;
             DecodeRow {
                 layout: l.name,
                 context,
@@ -365,7 +385,9 @@ fn decode_point(
                 kv_bytes: bytes,
                 gb_per_s: bytes as f64 / stats.median_ms / 1e6,
                 gflop_per_s: flops / stats.median_ms / 1e6,
+                cpu_ms,
                 speedup_vs_f16: None,
+                cpu_speedup_vs_f16: None,
                 speedup_vs_numpy: None,
                 byte_floor_ms: bytes as f64 / bandwidth / 1e6,
                 stats,
@@ -451,9 +473,14 @@ pub fn run(
             for &batch in &cfg.batches {
                 progress(&format!("{} context {context} batch {batch}: filling caches", l.name));
                 let mut rows = decode_point(cfg, l, context, batch, bandwidth, progress)?;
-                if let Some(f) = rows.iter().find(|r| r.scheme == "f16").map(|r| r.stats.median_ms) {
+                if let Some(f) = rows
+                    .iter()
+                    .find(|r| r.scheme == "f16")
+                    .map(|r| (r.stats.median_ms, r.cpu_ms))
+                {
                     for r in &mut rows {
-                        r.speedup_vs_f16 = Some(f / r.stats.median_ms);
+                        r.speedup_vs_f16 = Some(f.0 / r.stats.median_ms);
+                        r.cpu_speedup_vs_f16 = (r.cpu_ms > 0.0).then(|| f.1 / r.cpu_ms);
                     }
                 }
                 decode.extend(rows);
@@ -487,6 +514,7 @@ pub fn run(
             "times are wall-clock per decode call (all sequences of the batch, one query token each), {} reps after a warm-up, schemes interleaved rep by rep",
             cfg.reps
         ),
+        "cpu: CPU time of all threads per decode (median); on a shared machine wall time also counts waiting for a core".into(),
         "kv_bytes: exact payload from the layout (codes + scales + zero points + f16 windows); byte_floor_ms = kv_bytes / read bandwidth".into(),
         if cfg.cold {
             format!(
@@ -551,7 +579,7 @@ pub fn render(r: &Report) -> String {
         let f = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.2}x"));
         let _ = writeln!(
             s,
-            "{:<13} {:>6} {:>3} {:<6} {:>7.3}ms {:>7.3}ms {:>7.3}ms {:>7.3}ms {:>9.2} {:>7.1} {:>7.1} {:>7} {:>7} {:>6.2}ms",
+            "{:<13} {:>6} {:>3} {:<6} {:>7.3}ms {:>7.3}ms {:>7.3}ms {:>7.3}ms {:>9.2} {:>7.1} {:>7.1} {:>7} {:>7} {:>6.2}ms {:>7.2}ms {:>7}",
             d.layout,
             d.context,
             d.batch,
@@ -565,7 +593,9 @@ pub fn render(r: &Report) -> String {
             d.gflop_per_s,
             f(d.speedup_vs_f16),
             f(d.speedup_vs_numpy),
-            d.byte_floor_ms
+            d.byte_floor_ms,
+            d.cpu_ms,
+            f(d.cpu_speedup_vs_f16)
         );
     }
     let _ = writeln!(s, "\npeers:");
