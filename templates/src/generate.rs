@@ -122,42 +122,60 @@ fn tensor_cfg(o: &mut String, name: &str, t: Tensor, s: &Scheme, l: &BlockLayout
     };
     let _ = writeln!(o, "// {what}");
     let _ = writeln!(o, "struct {name} {{");
-    let _ = writeln!(o, "  static constexpr bool QUANT = {quant};");
-    let _ = writeln!(o, "  static constexpr int BITS = {bits};");
-    let _ = writeln!(o, "  static constexpr bool TOKEN_AXIS = {token_axis};");
-    let _ = writeln!(o, "  static constexpr int GROUP = {group};");
-    let _ = writeln!(o, "  static constexpr bool SCALE_F32 = {scale_f32};");
-    let _ = writeln!(
-        o,
-        "  static constexpr int WPT = {};      // words per token row",
-        tl.words_per_token
-    );
-    let _ = writeln!(o, "  static constexpr int CPW = {cpw};      // values per word");
-    let _ = writeln!(
-        o,
-        "  static constexpr int PART = {part};     // word offset in a KV head's part of a block"
-    );
-    let _ = writeln!(
-        o,
-        "  static constexpr int SCALES = {};  // word offset of the scales within the tensor",
-        tl.scales_offset
-    );
-    let _ = writeln!(
-        o,
-        "  static constexpr int ZEROS = {};   // word offset of the zero points",
-        tl.zeros_offset
-    );
-    let _ = writeln!(o, "  static constexpr int RING = {ring};     // window ring slots");
-    let _ = writeln!(
-        o,
-        "  static constexpr int TEAM = {};     // lanes per row (decode)",
-        team.size
-    );
-    let _ = writeln!(
-        o,
-        "  static constexpr int STEPS = {};    // loads per lane per row (decode)",
-        team.steps
-    );
+    let rows: [(&str, &str, String, &str); 13] = [
+        (
+            "bool",
+            "QUANT",
+            quant.to_string(),
+            "false: rows stored raw in the activation dtype",
+        ),
+        ("int", "BITS", bits.to_string(), "code width"),
+        (
+            "bool",
+            "TOKEN_AXIS",
+            token_axis.to_string(),
+            "groups of G channels (else G tokens of a channel)",
+        ),
+        ("int", "GROUP", group.to_string(), "G"),
+        (
+            "bool",
+            "SCALE_F32",
+            scale_f32.to_string(),
+            "scales and zero points in f32 (else f16 pairs)",
+        ),
+        ("int", "WPT", tl.words_per_token.to_string(), "words per token row"),
+        ("int", "CPW", cpw.to_string(), "values per word"),
+        (
+            "int",
+            "PART",
+            part.to_string(),
+            "word offset of this tensor in a KV head's part of a block",
+        ),
+        (
+            "int",
+            "SCALES",
+            tl.scales_offset.to_string(),
+            "word offset of the scales in the tensor's part",
+        ),
+        (
+            "int",
+            "ZEROS",
+            tl.zeros_offset.to_string(),
+            "word offset of the zero points",
+        ),
+        ("int", "RING", ring.to_string(), "slots of the window ring"),
+        ("int", "TEAM", team.size.to_string(), "lanes per row (decode)"),
+        (
+            "int",
+            "STEPS",
+            team.steps.to_string(),
+            "loads per lane per row (decode)",
+        ),
+    ];
+    for (ty, field, value, what) in rows {
+        let decl = format!("static constexpr {ty} {field} = {value};");
+        let _ = writeln!(o, "  {decl:<44} // {what}");
+    }
     let _ = writeln!(o, "}};");
 }
 
