@@ -21,15 +21,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 def markdown(r):
     """The decode rows as a markdown table (for docs/performance.md)."""
     out = [
-        "| layout | context | batch | scheme | median ms | p20–p80 ms | KV MB | GB/s | GFLOP/s | vs f16 | vs numpy f32 |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| layout | context | batch | scheme | median ms | p20–p80 ms | KV MB | GB/s | GFLOP/s | vs f16 | vs numpy f32 | CPU ms | CPU vs f16 |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for d in r["decode"]:
         f = lambda x: "–" if x is None else "%.2fx" % x  # noqa: E731
         out.append(
-            "| %s | %d | %d | %s | %.3f | %.3f–%.3f | %.2f | %.1f | %.1f | %s | %s |"
+            "| %s | %d | %d | %s | %.3f | %.3f–%.3f | %.2f | %.1f | %.1f | %s | %s | %.2f | %s |"
             % (d["layout"], d["context"], d["batch"], d["scheme"], d["median_ms"], d["p20_ms"], d["p80_ms"],
-               d["kv_bytes"] / 1e6, d["gb_per_s"], d["gflop_per_s"], f(d.get("speedup_vs_f16")), f(d.get("speedup_vs_numpy")))
+               d["kv_bytes"] / 1e6, d["gb_per_s"], d["gflop_per_s"], f(d.get("speedup_vs_f16")), f(d.get("speedup_vs_numpy")),
+               d.get("cpu_ms", 0.0), f(d.get("cpu_speedup_vs_f16")))
         )
     out.append("")
     out.append("| peer | dtype | layout | context | batch | median ms | p20–p80 ms |")
@@ -51,7 +52,7 @@ def markdown(r):
 def main():
     if sys.argv[1] == "--markdown":
         with open(sys.argv[2]) as f:
-            print(markdown(json.load(f)))
+            sys.stdout.write(markdown(json.load(f)) + "\n")
         return
     src, dst = sys.argv[1], sys.argv[2]
     with open(src) as f:
@@ -89,20 +90,21 @@ def main():
 
     ax = axes[1]
     ctx = max(d["context"] for d in rows)
-    width = 0.8 / (2 * len(batches))
+    keys = ["speedup_vs_f16", "cpu_speedup_vs_f16", "speedup_vs_numpy"]
+    names = {"speedup_vs_f16": "vs our f16 (wall)", "cpu_speedup_vs_f16": "vs our f16 (CPU time)", "speedup_vs_numpy": "vs numpy f32 (wall)"}
+    width = 0.8 / (len(keys) * len(batches))
     f16_bytes = {d["batch"]: d["kv_bytes"] for d in rows if d["scheme"] == "f16" and d["context"] == ctx}
     for j, b in enumerate(batches):
-        for k, key in enumerate(["speedup_vs_f16", "speedup_vs_numpy"]):
+        for k, key in enumerate(keys):
             xs, ys = [], []
             for i, s in enumerate(schemes):
                 d = next((d for d in rows if d["scheme"] == s and d["batch"] == b and d["context"] == ctx), None)
                 if d and d.get(key):
-                    xs.append(i + (2 * j + k - len(batches) + 0.5) * width)
+                    xs.append(i + (len(keys) * j + k - (len(keys) * len(batches) - 1) / 2) * width)
                     ys.append(d[key])
-            label = f'vs {"our f16" if key.endswith("f16") else "numpy f32"}, B={b}'
-            bars = ax.bar(xs, ys, width, label=label, alpha=0.85)
+            ax.bar(xs, ys, width, label=f"{names[key]}, B={b}", alpha=0.85)
             for x, y in zip(xs, ys):
-                ax.text(x, y, f"{y:.1f}", ha="center", va="bottom", fontsize=7)
+                ax.text(x, y, f"{y:.1f}", ha="center", va="bottom", fontsize=6)
         for i, s in enumerate(schemes):
             d = next((d for d in rows if d["scheme"] == s and d["batch"] == b and d["context"] == ctx), None)
             if d and b in f16_bytes:
@@ -110,12 +112,14 @@ def main():
     ax.set_xticks(range(len(schemes)))
     ax.set_xticklabels(schemes)
     ax.set_ylabel("speed-up (x), higher is better")
-    ax.set_title(f"{layout}, context {ctx}: speed-up (dotted: f16 bytes / scheme bytes)")
+    ax.set_title(f"{layout}, context {ctx}: speed-up (log)\ndotted: byte ratio f16 / scheme (the bandwidth-bound ceiling vs f16)", fontsize=9)
+    ax.set_yscale("log")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=7)
     m = r["machine"]
     fig.suptitle(
-        f'kivi CPU decode attention | {m["cpu"]}, {m["threads"]} threads, {m["isa"]}, stream read {m["read_gb_per_s"]:.1f} GB/s | KV {"cold" if r.get("cold") else "warm"}',
+        f'kivi CPU decode attention | {m["cpu"]}, {m["threads"]} threads, {m["isa"]}, stream read {m["read_gb_per_s"]:.1f} GB/s | '
+        f'KV {"cold" if r.get("cold") else "warm"} | load avg {m.get("load_start", "?")} -> {m.get("load_end", "?")}',
         fontsize=10,
     )
     fig.tight_layout()
