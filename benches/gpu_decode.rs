@@ -101,9 +101,10 @@ fn precompile(arch: &str) -> Result<(), Error> {
         c.compile(&g.name, &g.source, &opts)?;
     }
     println!(
-        "PRECOMPILED gpu_decode: {} kernels for {arch} in {:.1} s into {}",
+        "PRECOMPILED gpu_decode: {} kernels for {arch} in {:.1} s {} {}",
         gens.len(),
         t.elapsed().as_secs_f64(),
+        if c.is_offline() { "verified present in" } else { "into" },
         c.cache().map_or("(no cache)".into(), |x| x.dir().display().to_string())
     );
     Ok(())

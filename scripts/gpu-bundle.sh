@@ -69,11 +69,16 @@ fi
 echo "gpu-bundle: compiling kernels for $arch (seeded with $(ls "$bundle/cache/artifacts" | wc -l) cached)" >&2
 export KIVI_CACHE_DIR="$bundle/cache"
 export KIVI_CUDA_PRECOMPILE="$arch"
-for t in cuda_decode cuda_extend; do
-    "$bundle/bin/$t" --test-threads=1 2>&1 | grep -E 'PRECOMPILED|panicked|FAILED' >&2 || true
-done
-"$bundle/bin/gpu_decode" --precompile "$arch" >&2
-unset KIVI_CUDA_PRECOMPILE
+precompile_all() {
+    for t in cuda_decode cuda_extend; do
+        "$bundle/bin/$t" --test-threads=1 --nocapture >"$bundle/precompile-$t.log" 2>&1 \
+            || { cat "$bundle/precompile-$t.log" >&2; echo "gpu-bundle: $t failed" >&2; exit 1; }
+        grep -E 'PRECOMPILED' "$bundle/precompile-$t.log" >&2 || true
+        rm "$bundle/precompile-$t.log"
+    done
+    "$bundle/bin/gpu_decode" --precompile "$arch" >&2
+}
+precompile_all
 
 # The NVRTC version the artifacts were keyed with (offline mode needs it).
 version="$(python3 - "$KIVI_CUDA_HOME" <<'EOF'
@@ -85,6 +90,16 @@ print(f"{a.value}.{b.value}")
 EOF
 )"
 echo "$version" >"$bundle/nvrtc-version"
+
+# Verify as the GPU machine will run: no NVRTC anywhere (offline mode), only
+# the bundle's cache. A missing kernel fails here, not there.
+echo "gpu-bundle: verifying the bundle offline (no NVRTC)" >&2
+(
+    export KIVI_CUDA_HOME=/nonexistent KIVI_NVRTC_VERSION="$version"
+    unset LD_LIBRARY_PATH KIVI_PTXAS
+    cd /tmp && precompile_all
+)
+unset KIVI_CUDA_PRECOMPILE
 
 n="$(ls "$bundle/cache/artifacts" | wc -l)"
 tar -C "$bundle/cache" -cf - artifacts | xz -T0 -3 >"$bundle/artifacts.tar.xz"
