@@ -134,10 +134,10 @@ fn sim_prefill_equals_paged_cache_bit_for_bit() {
         let runner = SimExtend::with_library(s, g.clone(), lib.clone()).unwrap();
         check_prefill(s, &runner, &[1, 31, 33, 127, 300], 11 + i as u64);
     }
-    println!(
+    report(&format!(
         "sim: prefill kernels of {} scheme/shape pairs wrote PagedCache's words bit for bit",
         ks.len()
-    );
+    ));
     assert!(ks.len() >= 35);
 }
 
@@ -150,9 +150,9 @@ fn sim_append_equals_paged_cache_bit_for_bit() {
         // and chunked windows at least once.
         check_append(s, &runner, &[0, 1, 150], 140, 7 + i as u64);
     }
-    println!(
+    report(&format!(
         "sim: append kernels of {} scheme/shape pairs wrote PagedCache's words bit for bit at every step",
         ks.len()
-    );
+    ));
     assert!(ks.len() >= 20);
 }

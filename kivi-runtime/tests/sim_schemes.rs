@@ -42,10 +42,10 @@ fn run_layout(heads: Heads, d: u32) -> usize {
             n += 1;
         }
     }
-    println!(
+    report(&format!(
         "sim: {n} decode variants of {} non-preset schemes at {heads} d{d} agreed with the reference",
         schemes.len()
-    );
+    ));
     n
 }
 

@@ -33,13 +33,13 @@ fn sweep(s: &Scheme, lens: &[usize], seed: u64) -> (usize, f32) {
         );
         worst = worst.max(e);
     }
-    eprintln!(
+    report(&format!(
         "  {}: {} variants, compile {:.1?}, run {:.1?}, worst rel err {worst:.2e}",
         kivi_templates::scheme_tag(s),
         vs.len(),
         compiled,
         t.elapsed()
-    );
+    ));
     (vs.len(), worst)
 }
 
@@ -52,10 +52,10 @@ fn layout_test(heads: Heads, d: u32, lens: &[usize]) {
         total += n;
         worst = worst.max(e);
     }
-    println!(
+    report(&format!(
         "sim: executed {total} decode variants ({} presets, {heads} d{d}, lengths {lens:?}); all agreed with the reference (worst relative error {worst:.2e} <= 1e-4)",
         presets::all().len()
-    );
+    ));
 }
 
 #[test]

@@ -140,3 +140,11 @@ pub fn extra_schemes() -> Vec<Scheme> {
     ];
     texts.iter().map(|t| kivi_spec::parse_scheme(t).unwrap()).collect()
 }
+
+/// Prints a summary line even when the test harness captures output (it
+/// captures `print!`, not writes to the stderr handle), so CI logs show how
+/// many variants sim executed.
+pub fn report(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "{line}");
+}
