@@ -283,7 +283,7 @@ fn every_variant_compiles_for_sm80_and_sm90() {
     );
     println!("  resource reports cross-checked against standalone ptxas: {crosschecked}");
     for (arch, (ok, failed, fresh, spill)) in &per_arch {
-        println!("  {arch}: {ok} compiled ok, {failed} failed, {fresh} compiled now, {spill} spill registers");
+        println!("  {arch}: {ok} compiled ok, {failed} failed, {fresh} compiled now, {spill} with register spills");
     }
     let worst = rows
         .iter()
