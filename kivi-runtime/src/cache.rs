@@ -326,7 +326,7 @@ impl PagedCache {
     /// Gives the same cache, bit for bit, as `n` calls to [`Self::append`].
     pub fn extend(&mut self, id: SeqId, k: &[f32], v: &[f32]) -> Result<()> {
         let (h, d) = (self.shape.kv_heads, self.shape.head_dim);
-        if k.len() != v.len() || k.len() % (h * d) != 0 {
+        if k.len() != v.len() || !k.len().is_multiple_of(h * d) {
             return Err(Error::Shape {
                 what: "key/value input",
                 expected: format!("equal lengths, multiples of {} (kv_heads x head_dim)", h * d),
@@ -394,7 +394,8 @@ impl PagedCache {
                     }
                 }
             };
-            if let Err(e) = quantize_range(
+            // On error nothing visible changed; `fresh` is still free.
+            quantize_range(
                 &self.scheme,
                 &self.layout,
                 t,
@@ -403,9 +404,7 @@ impl PagedCache {
                 seq_ref.quantized[i]..target[i],
                 sinks,
                 &src,
-            ) {
-                return Err(e); // nothing visible changed; `fresh` is still free
-            }
+            )?;
         }
         // Commit: nothing below can fail.
         self.free.truncate(split);

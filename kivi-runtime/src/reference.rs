@@ -61,7 +61,7 @@ pub fn round_inputs(s: &Scheme, tensor: &'static str, x: &[f32], heads: usize, d
 pub fn cache_view(s: &Scheme, t: Tensor, x: &[f32]) -> Result<Vec<f32>> {
     let shape = shape_of(s)?;
     let (h, d) = (shape.kv_heads, shape.head_dim);
-    if x.len() % (h * d) != 0 {
+    if !x.len().is_multiple_of(h * d) {
         return Err(Error::Shape {
             what: "tensor length",
             expected: format!("a multiple of {} (heads x head_dim)", h * d),
@@ -144,7 +144,7 @@ pub fn decode_attention(s: &Scheme, q: &[f32], k: &[f32], v: &[f32], params: Att
             got: q.len().to_string(),
         });
     }
-    if k.len() != v.len() || k.len() % (hkv * d) != 0 {
+    if k.len() != v.len() || !k.len().is_multiple_of(hkv * d) {
         return Err(Error::Shape {
             what: "key/value length",
             expected: format!("equal multiples of {}", hkv * d),
