@@ -75,7 +75,8 @@ provision_cuda() {
 }
 
 cargo_tests() {
-    cargo test --workspace
+    # --no-fail-fast: report every failing test binary, not just the first
+    cargo test --workspace --no-fail-fast
 }
 
 numpy_check() {
@@ -92,7 +93,7 @@ step "python env (numpy in .cache/py)" python_env
 if [ -f scripts/provision-cuda.sh ]; then
     step "provision CUDA (scripts/provision-cuda.sh)" provision_cuda
 fi
-step "cargo test --workspace" cargo_tests
+step "cargo test --workspace --no-fail-fast" cargo_tests
 step "kivi attend vs numpy (tests/python/check_attend.py)" numpy_check
 step "main job smoke test (600 tokens)" main_job_smoke
 

@@ -95,3 +95,8 @@ pub use kivi_spec::{
     canonical, parse_scheme, parse_schemes, presets, scheme_hash, Axis, Codec, Dtype, Flush, Heads, ParseError, Quant,
     ScaleDtype, Scheme, Shape, Tensor,
 };
+
+/// The README's Rust examples run as doc tests, so they cannot go stale.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
