@@ -28,7 +28,7 @@ pub struct Q8Matrix {
 impl Q8Matrix {
     /// From candle's Q8_0 block bytes (`f16 scale, 32 x i8` per block).
     pub fn from_blocks(bytes: &[u8], vocab: usize, hidden: usize) -> Option<Q8Matrix> {
-        if hidden % QK != 0 || bytes.len() != vocab * hidden / QK * (2 + QK) {
+        if !hidden.is_multiple_of(QK) || bytes.len() != vocab * hidden / QK * (2 + QK) {
             return None;
         }
         let mut codes = Vec::with_capacity(vocab * hidden);
@@ -67,7 +67,10 @@ fn half_to_f32(h: u16) -> f32 {
 /// `x` is `[b, hidden]`; returns `[b, vocab]` = `x W^T`.
 pub fn logits(w: &Q8Matrix, x: &[f32], b: usize) -> Vec<f32> {
     let hidden = w.hidden;
-    assert!(hidden > 0 && hidden % QK == 0 && x.len() == b * hidden, "head shapes");
+    assert!(
+        hidden > 0 && hidden.is_multiple_of(QK) && x.len() == b * hidden,
+        "head shapes"
+    );
     let vocab = w.vocab();
     let blocks = hidden / QK;
     // [vocab, b] first: each task owns a contiguous slice.

@@ -241,7 +241,7 @@ impl Gemma3 {
             softmax_scale: 1.0 / (head_dim as f32).sqrt(),
             max_positions,
         };
-        if cfg.q_heads % cfg.kv_heads.max(1) != 0 || cfg.kv_heads == 0 || cfg.head_dim % 2 != 0 {
+        if cfg.kv_heads == 0 || !cfg.q_heads.is_multiple_of(cfg.kv_heads) || !cfg.head_dim.is_multiple_of(2) {
             return Err(Error::Config(format!(
                 "unsupported head layout: {} query heads, {} kv heads, head_dim {}",
                 cfg.q_heads, cfg.kv_heads, cfg.head_dim
