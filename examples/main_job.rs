@@ -9,12 +9,21 @@
 //!
 //! Steps (one function each, in order):
 //! 1. declare KIVI-2 for a GQA 32:8, head_dim 128 model with `kivi::scheme!`;
-//! 2. make synthetic K/V/Q shaped like a real LLM layer's: keys with a few
+//!    the macro validates it and generates the CUDA source of its kernels;
+//! 2. compile the generated decode kernel with NVRTC for sm_90 (when NVRTC is
+//!    present: `scripts/provision-cuda.sh` fetches it; no GPU is needed), and
+//!    report its registers and spills;
+//! 3. select the decode variant for this shape from the per-machine decision
+//!    cache, tuning it now on a miss (`KIVI_TUNE=off|cached|tune`, default
+//!    `tune` here; `KIVI_TUNE_BUDGET` seconds, default 8). On a machine
+//!    without a GPU the CPU backend's own parameters are what is tuned;
+//! 4. make synthetic K/V/Q shaped like a real LLM layer's: keys with a few
 //!    large-magnitude outlier channels, values without, queries that focus
 //!    on a handful of past tokens;
-//! 3. fill a KIVI-2 paged cache and an f16 cache token by token;
-//! 4. decode attention on the CPU backend, checked against the reference;
-//! 5. report memory (exact bytes from the caches), error against f16 and
+//! 5. fill a KIVI-2 paged cache and an f16 cache token by token;
+//! 6. decode attention with the selected CPU variant, checked against the
+//!    reference;
+//! 7. report memory (exact bytes from the caches), error against f16 and
 //!    against exact f32 attention, and timings.
 
 use kivi::runtime::reference;
@@ -22,8 +31,8 @@ use kivi::{AttnParams, Backend, CacheConfig, CpuBackend, PagedCache, ReferenceBa
 use std::time::{Duration, Instant};
 
 kivi::scheme! {
-    // KIVI (ICML 2024) at 2 bits: keys per channel, values per token, the
-    // most recent 128 tokens kept in f16.
+    /// KIVI (ICML 2024) at 2 bits: keys per channel, values per token, the
+    /// most recent 128 tokens kept in f16.
     pub Kivi2 {
         key: quant(bits = 2, axis = channel, group = 32),
         value: quant(bits = 2, axis = token, group = 32),
@@ -199,6 +208,82 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
+/// Step 1's second half: the kernels `kivi::scheme!` generated at compile time.
+fn show_generated() {
+    println!(
+        "generated at compile time by kivi::scheme! ({} kernels):",
+        Kivi2::KERNELS.len()
+    );
+    for (name, source) in Kivi2::KERNELS {
+        println!(
+            "  {name}  ({} lines, source hash {:016x})",
+            source.lines().count(),
+            kivi::spec::fnv1a64(source.as_bytes())
+        );
+    }
+}
+
+/// Step 2: NVRTC compiles the generated decode kernel for sm_90 (through the
+/// artifact cache). Without NVRTC this says why and the job goes on.
+fn compile_decode() {
+    use kivi::runtime::cuda::{Arch, Compiler, NvrtcOptions, Origin};
+    let Some((name, source)) = Kivi2::KERNELS.iter().find(|(n, _)| n.contains("/decode/")) else {
+        println!("compile: no decode kernel was generated");
+        return;
+    };
+    let compiler = match Compiler::new() {
+        Ok(c) => c,
+        Err(e) => {
+            println!("compile: skipped, {e} (scripts/provision-cuda.sh provides NVRTC)");
+            return;
+        }
+    };
+    match compiler.compile(name, source, &NvrtcOptions::for_arch(Arch(90))) {
+        Ok(c) => {
+            let how = match &c.origin {
+                Origin::Compiled { seconds } => format!("compiled in {seconds:.2} s"),
+                Origin::Cached => "from the artifact cache".to_string(),
+                Origin::Recompiled { seconds, reason } => format!("recompiled in {seconds:.2} s ({reason})"),
+            };
+            println!("compile: NVRTC {} -> sm_90, {how}", compiler.version());
+            for r in c.resources() {
+                println!(
+                    "  {}: {} registers, {} B spilled, {} B shared",
+                    r.function, r.registers, r.spill_stores, r.shared
+                );
+            }
+        }
+        Err(e) => println!("compile: failed: {e}"),
+    }
+}
+
+/// Step 3: the decode variant for this shape bucket, from the decision cache
+/// or tuned now.
+fn select_backend(scheme: &Scheme, tokens: usize) -> Result<CpuBackend, String> {
+    let mut opts = kivi_tuner::SelectOptions::from_env()?;
+    if std::env::var_os("KIVI_TUNE").is_none() {
+        opts.mode = kivi_tuner::Mode::Tune;
+    }
+    if std::env::var_os("KIVI_TUNE_BUDGET").is_none() {
+        opts.budget_s = 8.0;
+    }
+    let shape = scheme.shape().ok_or("a bound scheme")?;
+    let bucket = kivi_tuner::Bucket::of(1, tokens, shape.group_size());
+    let start = Instant::now();
+    let (backend, sel) = kivi_tuner::select_cpu(scheme, bucket, &opts)?;
+    for w in &sel.warnings {
+        println!("  warning: {w}");
+    }
+    println!(
+        "select: {} for {bucket} ({:?}, {:.1} s): {}",
+        sel.variant,
+        sel.source,
+        start.elapsed().as_secs_f64(),
+        sel.reason
+    );
+    Ok(backend)
+}
+
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     // 1. The scheme, declared and validated at compile time.
     let scheme = Kivi2::spec();
@@ -211,19 +296,27 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         shape.head_dim
     );
     println!("scheme hash {:016x}\n{}", Kivi2::HASH, Kivi2::CANONICAL);
+    show_generated();
 
-    // 2. A realistic decode workload.
+    // 2. NVRTC (no GPU needed).
+    compile_decode();
+
+    // 3. Tune on a miss, then select.
+    let selected = select_backend(&scheme, tokens)?;
+
+    // 4. A realistic decode workload.
     let w = synthetic_workload(shape, tokens, 0x6b69_7669);
 
-    // 3. The KIVI-2 cache and the f16 baseline, filled the same way.
+    // 5. The KIVI-2 cache and the f16 baseline, filled the same way.
     let f16 = kivi::presets::f16().with_shape(scheme.heads.ok_or("heads")?, shape.head_dim as u32)?;
     let (kv2, seq2, fill2) = fill_cache(&scheme, &w)?;
     let (kvf, seqf, fillf) = fill_cache(&f16, &w)?;
 
-    // 4. Decode attention on the CPU backend; the oracle checks it.
+    // 6. Decode attention with the selected variant; the oracle checks it.
     let attn = AttnParams::of(&scheme, shape);
     let cpu = CpuBackend::default();
-    let (out2, t2) = timed_decode(&cpu, &kv2, seq2, &w.q, attn)?;
+    let (out2, t2) = timed_decode(&selected, &kv2, seq2, &w.q, attn)?;
+    let (_, t2_default) = timed_decode(&cpu, &kv2, seq2, &w.q, attn)?;
     let (outf, tf) = timed_decode(&cpu, &kvf, seqf, &w.q, attn)?;
     let (oracle2, tref) = timed_decode(&ReferenceBackend, &kv2, seq2, &w.q, attn)?;
     let (cpu_vs_oracle, _) = errors(&out2, &oracle2);
@@ -232,7 +325,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     let exact = exact_attention(shape, &w, attn)?;
 
-    // 5. The report.
+    // 7. The report.
     let (m2, mf) = (kv2.memory(), kvf.memory());
     let (bytes, per) = kivi::spec::layout::bytes_per_token_per_head(&scheme);
     println!("memory (exact bytes held by each paged cache):");
@@ -269,9 +362,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         ms(fillf)
     );
     println!(
-        "  decode, cpu backend:       {} {:.3} ms, f16 {:.3} ms (reference backend {:.1} ms)",
+        "  decode, cpu backend:       {} {:.3} ms selected ({}), {:.3} ms default; f16 {:.3} ms (reference backend {:.1} ms)",
         scheme.name,
         ms(t2),
+        selected.params.name(),
+        ms(t2_default),
         ms(tf),
         ms(tref)
     );

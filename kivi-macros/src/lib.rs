@@ -3,7 +3,7 @@
 //! maps them onto compiler diagnostics and emits code.
 
 use proc_macro::TokenStream;
-use quote::{format_ident, quote};
+use quote::quote;
 
 /// Declares one or more schemes. Each becomes a unit struct with a
 /// `spec()` constructor, its canonical text and its stable hash.
@@ -15,6 +15,7 @@ pub fn scheme(input: TokenStream) -> TokenStream {
     let mut out = proc_macro2::TokenStream::new();
     for decl in list.0 {
         let vis = &decl.vis;
+        let docs = &decl.docs;
         let ident = &decl.ident;
         let expr = kivi_spec::tokens::scheme_expr(&decl.scheme);
         let canonical = kivi_spec::canonical(&decl.scheme);
@@ -30,8 +31,8 @@ pub fn scheme(input: TokenStream) -> TokenStream {
             }
         };
         let (kernel_names, kernel_sources): (Vec<String>, Vec<String>) = kernels.into_iter().unzip();
-        let _ = format_ident!("{}", ident);
         out.extend(quote! {
+            #(#docs)*
             #[doc = #doc]
             #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
             #vis struct #ident;

@@ -288,6 +288,10 @@ impl Footprint {
     /// window) but not block rounding, tables or unused window capacity —
     /// the paged cache reports those separately.
     ///
+    /// # Panics
+    ///
+    /// If the scheme has no shape; bind one first with [`Scheme::with_shape`].
+    ///
     /// ```
     /// use kivi_spec::{presets, Heads, layout::Footprint};
     /// let s = presets::kivi2().with_shape(Heads::Gqa { q: 32, kv: 8 }, 128).unwrap();
@@ -329,6 +333,10 @@ impl Footprint {
 /// Bytes per quantized token per KV head (keys plus values, codes plus
 /// parameters), as a fraction `(bytes, tokens)` so it stays exact even when
 /// a channel group's parameters do not divide evenly.
+///
+/// # Panics
+///
+/// If the scheme has no shape; bind one first with [`Scheme::with_shape`].
 ///
 /// ```
 /// use kivi_spec::{presets, Heads, layout::bytes_per_token_per_head};

@@ -27,6 +27,8 @@ use syn::{braced, parenthesized, Ident, LitInt, Token};
 /// One parsed declaration: visibility, name, the validated scheme, and the
 /// span of every field (for error reporting by later passes).
 pub struct SchemeDecl {
+    /// Doc comments (`///`) written above the declaration.
+    pub docs: Vec<syn::Attribute>,
     pub vis: syn::Visibility,
     pub ident: Ident,
     pub scheme: Scheme,
@@ -251,6 +253,13 @@ fn parse_number(input: ParseStream) -> syn::Result<(f32, Span)> {
 
 impl Parse for SchemeDecl {
     fn parse(input: ParseStream) -> syn::Result<Self> {
+        let docs = input.call(syn::Attribute::parse_outer)?;
+        if let Some(a) = docs.iter().find(|a| !a.path().is_ident("doc")) {
+            return Err(syn::Error::new_spanned(
+                a,
+                "only doc comments may precede a scheme; attributes are not supported",
+            ));
+        }
         let vis: syn::Visibility = input.parse()?;
         let ident: Ident = input
             .parse()
@@ -370,6 +379,7 @@ impl Parse for SchemeDecl {
             return Err(syn::Error::new(span, e.message));
         }
         Ok(SchemeDecl {
+            docs,
             vis,
             ident,
             scheme,

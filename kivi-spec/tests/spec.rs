@@ -197,3 +197,12 @@ fn footprint_and_windows_follow_design() {
     );
     assert_eq!(t3.words_per_token, 13);
 }
+
+#[test]
+fn doc_comments_are_allowed_and_other_attributes_are_not() {
+    let s = parse_scheme("/// KIVI at 2 bits.\n/// Second line.\npub A { key: full, value: full }").unwrap();
+    assert_eq!(s.name, "A");
+    let e = parse_scheme("#[derive(Debug)]\npub A { key: full, value: full }").unwrap_err();
+    assert!(e.message.contains("only doc comments"), "{e}");
+    assert_eq!((e.line, e.column), (1, 1));
+}
