@@ -80,14 +80,24 @@ fn main() {
         let (mut td, mut tl) = (f64::MAX, f64::MAX);
         for _ in 0..5 {
             let t0 = Instant::now();
-            for _ in 0..reps { unsafe { direct(&codes, &q, g, &mut o1) }; std::hint::black_box(&o1); }
+            for _ in 0..reps {
+                unsafe { direct(&codes, &q, g, &mut o1) };
+                std::hint::black_box(&o1);
+            }
             td = td.min(t0.elapsed().as_secs_f64());
             let t0 = Instant::now();
-            for _ in 0..reps { unsafe { lut(&codes, &q, g, &mut o2, &mut tab) }; std::hint::black_box(&o2); }
+            for _ in 0..reps {
+                unsafe { lut(&codes, &q, g, &mut o2, &mut tab) };
+                std::hint::black_box(&o2);
+            }
             tl = tl.min(t0.elapsed().as_secs_f64());
         }
         let err = o1.iter().zip(&o2).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         let per = |t: f64| t / (reps * g) as f64 * 1e9;
-        println!("group {g:5}: direct FMA {:.1} ns/token (4 heads), LUT {:.1} ns/token (build+lookup), max diff {err:e}", per(td), per(tl));
+        println!(
+            "group {g:5}: direct FMA {:.1} ns/token (4 heads), LUT {:.1} ns/token (build+lookup), max diff {err:e}",
+            per(td),
+            per(tl)
+        );
     }
 }

@@ -40,7 +40,11 @@ pub enum Error {
     #[error("invalid configuration: {0}")]
     Config(String),
     #[error("{backend}: compiling `{kernel}` failed:\n{log}")]
-    Compile { backend: &'static str, kernel: String, log: String },
+    Compile {
+        backend: &'static str,
+        kernel: String,
+        log: String,
+    },
     #[error("the {backend} backend is unavailable: {reason}")]
     Unavailable { backend: &'static str, reason: String },
 }
