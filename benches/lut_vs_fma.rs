@@ -45,8 +45,8 @@ unsafe fn lut(codes: &[u32], q: &[f32], g: usize, out: &mut [f32], tab: &mut [f3
                 hi[b] = qq[2] * (b & 3) as f32 + qq[3] * (b >> 2) as f32;
             }
             let lov = _mm512_loadu_ps(lo.as_ptr());
-            for b in 0..16 {
-                _mm512_storeu_ps(base.as_mut_ptr().add(16 * b), _mm512_add_ps(lov, _mm512_set1_ps(hi[b])));
+            for (b, h) in hi.iter().enumerate() {
+                _mm512_storeu_ps(base.as_mut_ptr().add(16 * b), _mm512_add_ps(lov, _mm512_set1_ps(*h)));
             }
         }
     }

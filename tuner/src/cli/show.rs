@@ -28,10 +28,15 @@ pub struct Args {
     pub json: bool,
 }
 
-/// `gqa:32:8`, `mha:8`, `mqa:4`.
+/// `gqa:32:8`, `mha:8`, `mqa:4`. Shared by `show`, `codegen` and `tune`;
+/// only the syntax is checked here — the counts are validated with the
+/// scheme (`Scheme::with_shape`), which gives the one-line message.
 pub fn parse_heads(s: &str) -> Result<Heads, String> {
-    let parts: Vec<&str> = s.split(':').collect();
-    let num = |p: &str| -> Result<u32, String> { p.parse().map_err(|_| format!("`{p}` is not a head count")) };
+    let parts: Vec<&str> = s.split(':').map(str::trim).collect();
+    let num = |p: &str| -> Result<u32, String> {
+        p.parse::<u32>()
+            .map_err(|_| format!("`{p}` in --heads {s} is not a head count"))
+    };
     let h = match parts.as_slice() {
         ["gqa", q, kv] => Heads::Gqa {
             q: num(q)?,

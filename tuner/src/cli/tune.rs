@@ -73,39 +73,10 @@ pub fn load_scheme(s: &str) -> super::Result<Scheme> {
     Err(format!("unknown scheme `{s}`: not a preset ({}) nor a file", names.join(", ")).into())
 }
 
-/// `gqa:32:8`, `mha:8`, `mqa:4`.
-pub fn parse_heads(s: &str) -> super::Result<Heads> {
-    let parts: Vec<&str> = s.split(':').map(str::trim).collect();
-    let num = |x: &str| -> super::Result<u32> {
-        x.parse::<u32>()
-            .ok()
-            .filter(|n| *n > 0)
-            .ok_or_else(|| format!("`{x}` in --heads {s} is not a positive head count").into())
-    };
-    let h = match parts.as_slice() {
-        ["gqa", q, kv] => Heads::Gqa {
-            q: num(q)?,
-            kv: num(kv)?,
-        },
-        ["mha", n] => Heads::Mha(num(n)?),
-        ["mqa", q] => Heads::Mqa(num(q)?),
-        _ => return Err(format!("--heads `{s}` is not gqa:Q:KV, mha:N or mqa:Q").into()),
-    };
-    if h.q_heads() % h.kv_heads() != 0 {
-        return Err(format!(
-            "--heads `{s}`: {} query heads do not divide into {} KV heads",
-            h.q_heads(),
-            h.kv_heads()
-        )
-        .into());
-    }
-    Ok(h)
-}
-
 /// Binds the shape from the flags or the scheme's own.
 pub fn bind(scheme: &Scheme, heads: Option<&str>, head_dim: Option<u32>) -> super::Result<Scheme> {
     let h = match heads {
-        Some(t) => parse_heads(t)?,
+        Some(t) => super::show::parse_heads(t)?,
         None => scheme.heads.unwrap_or(Heads::Gqa { q: 32, kv: 8 }),
     };
     let d = head_dim.or(scheme.head_dim).unwrap_or(128);
