@@ -454,7 +454,6 @@ mod tests {
     }
 
     #[test]
-    #[ignore = "compiles every decode variant with NVRTC (about a minute on 2 cores when the artifact cache is cold)"]
     fn static_ranking_with_nvrtc_reads_ptxas_resources() {
         // Only where NVRTC is provisioned (.cache/nvidia or KIVI_CUDA_HOME).
         let Ok(compiler) = Compiler::new() else {
