@@ -29,6 +29,15 @@ const LAYOUTS: [(Heads, u32); 3] = [
 const ARCHS: [Arch; 2] = [Arch::SM80, Arch::SM90];
 
 /// `KIVI_NVRTC_ARCHS=sm_90` narrows a local run to some archs; CI runs both.
+/// Writes a summary line to the stderr handle, which the test harness does
+/// not capture (it captures `print!`), so CI logs show the counts.
+macro_rules! report {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr().lock(), $($t)*);
+    }};
+}
+
 fn archs() -> Vec<Arch> {
     match std::env::var("KIVI_NVRTC_ARCHS") {
         Ok(v) if !v.trim().is_empty() => v
@@ -274,23 +283,23 @@ fn every_variant_compiles_for_sm80_and_sm90() {
     std::fs::write(&path, json).expect("write the report");
 
     let compiled: usize = per_arch.values().map(|v| v.2).sum();
-    println!(
+    report!(
         "nvrtc {}: {} kernel builds ({} compiled now, the rest from the artifact cache) in {wall:.1} s; report {}",
         compiler.version(),
         rows.len(),
         compiled,
         path.display()
     );
-    println!("  resource reports cross-checked against standalone ptxas: {crosschecked}");
+    report!("  resource reports cross-checked against standalone ptxas: {crosschecked}");
     for (arch, (ok, failed, fresh, spill)) in &per_arch {
-        println!("  {arch}: {ok} compiled ok, {failed} failed, {fresh} compiled now, {spill} with register spills");
+        report!("  {arch}: {ok} compiled ok, {failed} failed, {fresh} compiled now, {spill} with register spills");
     }
     let worst = rows
         .iter()
         .flat_map(|r| r.resources.iter().map(move |x| (x.registers, &r.name, r.arch)))
         .max();
     if let Some((regs, name, arch)) = worst {
-        println!("  most registers: {regs} ({name}, {arch})");
+        report!("  most registers: {regs} ({name}, {arch})");
     }
     let failures: Vec<&Row> = rows.iter().filter(|r| r.error.is_some()).collect();
     for f in failures.iter().take(10) {
