@@ -8,8 +8,9 @@
 //! has the query's shape, float32.
 
 use super::schemes::{hash_hex, load_scheme};
+use super::show::memory_json;
 use crate::npy::{self, Array};
-use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, MemoryReport, PagedCache, ReferenceBackend};
+use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, PagedCache, ReferenceBackend};
 use kivi_spec::{layout, Heads, Scheme, Shape, Tensor};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -152,18 +153,6 @@ fn load(args: &Args) -> super::Result<Problem> {
         q,
         k,
         v,
-    })
-}
-
-fn memory_json(m: &MemoryReport) -> serde_json::Value {
-    serde_json::json!({
-        "codes": m.codes,
-        "scales": m.scales,
-        "zeros": m.zeros,
-        "windows": m.windows,
-        "tables": m.tables,
-        "blocks_in_use": m.blocks_in_use,
-        "total": m.total,
     })
 }
 

@@ -30,14 +30,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> super::Result {
     let scheme = load_scheme(&args.scheme)?;
-    let heads = args.heads.or(scheme.heads).unwrap_or(Heads::Gqa { q: 32, kv: 8 });
-    let head_dim = args.head_dim.or(scheme.head_dim).unwrap_or(128);
-    let bound = scheme.with_shape(heads, head_dim).map_err(|e| {
-        format!(
-            "scheme `{}` does not fit heads {heads}, head_dim {head_dim}: {e}",
-            scheme.name
-        )
-    })?;
+    let bound = super::show::bind_or_default(&scheme, args.heads, args.head_dim)?;
     let kernel = Kernel::parse(&args.kernel)?;
     let all = variants(&bound, kernel);
     if args.list {

@@ -153,7 +153,8 @@ pub fn fill_paged(s: &Scheme, tokens: usize) -> super::Result<(MemoryReport, usi
     Ok((cache.memory(), bt))
 }
 
-fn memory_json(m: &MemoryReport) -> serde_json::Value {
+/// A memory report as JSON (shared with `attend`).
+pub fn memory_json(m: &MemoryReport) -> serde_json::Value {
     serde_json::json!({
         "codes": m.codes,
         "scales": m.scales,
@@ -165,16 +166,26 @@ fn memory_json(m: &MemoryReport) -> serde_json::Value {
     })
 }
 
-pub fn run(args: Args) -> super::Result {
-    let scheme = load_scheme(&args.scheme)?;
-    let heads = args.heads.or(scheme.heads).unwrap_or(Heads::Gqa { q: 32, kv: 8 });
-    let head_dim = args.head_dim.or(scheme.head_dim).unwrap_or(128);
-    let bound = scheme.with_shape(heads, head_dim).map_err(|e| {
+/// Binds the shape from the flags, else the scheme's own, else GQA 32:8
+/// with head_dim 128 (shared with `codegen`).
+pub fn bind_or_default(scheme: &Scheme, heads: Option<Heads>, head_dim: Option<u32>) -> super::Result<Scheme> {
+    let heads = heads.or(scheme.heads).unwrap_or(Heads::Gqa { q: 32, kv: 8 });
+    let head_dim = head_dim.or(scheme.head_dim).unwrap_or(128);
+    Ok(scheme.with_shape(heads, head_dim).map_err(|e| {
         format!(
-            "scheme `{}` does not fit {heads}, head_dim {head_dim}: {e}",
+            "scheme `{}` does not fit heads {heads}, head_dim {head_dim}: {e}",
             scheme.name
         )
-    })?;
+    })?)
+}
+
+pub fn run(args: Args) -> super::Result {
+    let scheme = load_scheme(&args.scheme)?;
+    let bound = bind_or_default(&scheme, args.heads, args.head_dim)?;
+    let (heads, head_dim) = (
+        bound.heads.ok_or("scheme has no heads")?,
+        bound.head_dim.ok_or("no head_dim")?,
+    );
     let shape = bound.shape().ok_or("scheme has no shape")?;
     if args.context == 0 || args.context > MAX_CONTEXT {
         return Err(format!(
