@@ -350,3 +350,75 @@ fn bad_parameters_and_inputs_are_errors() {
     };
     assert!(public_field.decode(&cache, &[id], &[0.0; 64], attn).is_err());
 }
+
+/// The AVX-512 fused path (channel-axis 2/4-bit keys, token-axis values):
+/// every code width pair, key and value groups, head dims that take the
+/// gather (d64 at 2 bits) and the transpose (the rest) layouts, GQA groups
+/// of 4 and 8 heads, MQA, tiles that are and are not multiples of 16, split
+/// starts off the tile grid, sinks. Each case must take the fused path where
+/// the CPU has AVX-512 (asserted), and agree with the reference anyway.
+#[test]
+fn fused_path_shapes() {
+    let cpu_has_it = std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512dq");
+    if !cpu_has_it {
+        eprintln!("fused_path_shapes: no AVX-512 here; checking the generic loops on the same cases");
+    }
+    let quant = |bits, axis, group| {
+        Codec::Quant(Quant {
+            bits,
+            axis,
+            group,
+            scale: ScaleDtype::F16,
+        })
+    };
+    let mut cases = 0;
+    for (kbits, vbits, kgroup, vgroup) in [
+        (2, 2, 32, 32),
+        (4, 4, 32, 32),
+        (2, 4, 64, 16),
+        (4, 8, 16, 64),
+        (2, 8, 128, 128),
+    ] {
+        for (heads, d) in [
+            (Heads::Gqa { q: 8, kv: 2 }, 128u32),
+            (Heads::Gqa { q: 16, kv: 2 }, 64),
+            (Heads::Mqa(4), 256),
+            (Heads::Gqa { q: 8, kv: 2 }, 64),
+        ] {
+            let mut s = presets::kivi2();
+            s.name = format!("k{kbits}g{kgroup}_v{vbits}g{vgroup}");
+            s.key = quant(kbits, Axis::Channel, kgroup);
+            s.value = quant(vbits, Axis::Token, vgroup);
+            if kbits == 4 && vbits == 8 {
+                s.sinks = 4;
+            }
+            if !d.is_multiple_of(vgroup) {
+                continue;
+            }
+            let params: Vec<CpuParams> = [16, 32, 48, 64]
+                .iter()
+                .map(|&tile_tokens| CpuParams {
+                    tile_tokens,
+                    splits: if tile_tokens == 48 { 3 } else { 0 },
+                    ..CpuParams::default()
+                })
+                .collect();
+            let bound = s.with_shape(heads, d).unwrap();
+            let cache = PagedCache::new(bound, CacheConfig::for_tokens(64)).unwrap();
+            for p in &params {
+                let path = CpuBackend::new(*p).unwrap().kernel_path(&cache);
+                if cpu_has_it {
+                    let want = if p.tile_tokens.is_multiple_of(16) {
+                        "avx512-fused"
+                    } else {
+                        "avx512"
+                    };
+                    assert_eq!(path, want, "{} {heads} d{d} tile {}", s.name, p.tile_tokens);
+                }
+            }
+            check(&s, heads, d, &[1, 33, 127, 1000, 2077], &params, 900 + cases);
+            cases += 1;
+        }
+    }
+    assert!(cases >= 15, "{cases} cases");
+}

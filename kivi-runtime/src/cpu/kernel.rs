@@ -14,6 +14,7 @@
 //! registers (`c * s + z` with the reference's two roundings, f16/bf16
 //! widening) and consumed at once.
 
+use super::fused::{self, Fast, Tile, ROWS};
 use super::simd::{self, Bf16Rows, ChanRows, CodeRows, F16Rows, F32Rows, Isa, TokRows};
 use super::Partial;
 use crate::cache::{Loc, PagedCache, RawRows, SeqView};
@@ -48,6 +49,8 @@ pub(crate) struct Plan {
     kinds: [Kind; 2],
     layouts: [TensorLayout; 2],
     scale: [ScaleDtype; 2],
+    /// The AVX-512 fast path's parameters, where the scheme has its shape.
+    fast: Option<Fast>,
 }
 
 fn kind_of(codec: &Codec, t: Tensor, isa: Isa) -> Kind {
@@ -77,6 +80,35 @@ impl Plan {
         let s = cache.scheme();
         let shape = cache.shape();
         let l = cache.layout();
+        let kinds = [kind_of(&s.key, Tensor::Key, isa), kind_of(&s.value, Tensor::Value, isa)];
+        let scale = [
+            s.key.quant().map_or(ScaleDtype::F16, |q| q.scale),
+            s.value.quant().map_or(ScaleDtype::F16, |q| q.scale),
+        ];
+        let fast = match kinds {
+            [Kind::ChanFold {
+                bits: kbits,
+                group: kgroup,
+            }, Kind::Tok { bits: vbits, gshift }]
+                if isa == Isa::Avx512
+                    && matches!(kbits, 2 | 4)
+                    && kgroup.is_multiple_of(ROWS)
+                    && gshift >= 4
+                    && scale == [ScaleDtype::F16; 2]
+                    && shape.group_size().is_multiple_of(4)
+                    && tile.is_multiple_of(ROWS)
+                    && l.block_tokens.is_multiple_of(ROWS) =>
+            {
+                Some(Fast {
+                    kbits,
+                    kgroup,
+                    vbits,
+                    gshift,
+                    bw: simd::avx512bw_available(),
+                })
+            }
+            _ => None,
+        };
         Plan {
             isa,
             tile,
@@ -86,12 +118,21 @@ impl Plan {
             group: shape.group_size(),
             block_tokens: l.block_tokens,
             dtype: s.dtype,
-            kinds: [kind_of(&s.key, Tensor::Key, isa), kind_of(&s.value, Tensor::Value, isa)],
+            kinds,
             layouts: [l.key, l.value],
-            scale: [
-                s.key.quant().map_or(ScaleDtype::F16, |q| q.scale),
-                s.value.quant().map_or(ScaleDtype::F16, |q| q.scale),
-            ],
+            scale,
+            fast,
+        }
+    }
+}
+
+impl Plan {
+    /// `avx512-fused` where the fast path applies, else the ISA's name.
+    pub fn path_name(&self) -> &'static str {
+        if self.fast.is_some() {
+            "avx512-fused"
+        } else {
+            self.isa.name()
         }
     }
 }
@@ -224,7 +265,7 @@ fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: us
             Loc::Window(w) => raw_rows(plan, view.ring_raw(t), w, h, len, &mut sub),
             Loc::Block(b, off) => {
                 if t == Tensor::Key && off == 0 {
-                    prefetch_next_block(plan, view, h, p);
+                    prefetch_next_block(plan, view, h, p, 0, plan.block_tokens);
                 }
                 let part = view.block_part(b, h, t);
                 let tl = &plan.layouts[i];
@@ -422,16 +463,20 @@ fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: us
     });
 }
 
-/// Asks for the next block's K and V bytes of head `h` while this block is
-/// computed: a head's parts of consecutive blocks are a block apart in the
-/// pool, a stride the hardware prefetchers do not follow across pages.
-fn prefetch_next_block(plan: &Plan, view: &SeqView, h: usize, p: usize) {
+/// Asks for the share of the next block's K and V bytes of head `h` that
+/// matches rows `off..off + n` of this one, while this block is computed: a
+/// head's parts of consecutive blocks are a block apart in the pool, a
+/// stride the hardware prefetchers do not follow. Spreading the requests
+/// over the tiles keeps them from queueing behind each other.
+fn prefetch_next_block(plan: &Plan, view: &SeqView, h: usize, p: usize, off: usize, n: usize) {
     let next = (p - plan.sinks) / plan.block_tokens + 1;
     let Some(&b) = view.table().get(next) else {
         return;
     };
+    let bt = plan.block_tokens;
     for t in [Tensor::Key, Tensor::Value] {
         let part = view.block_part(b, h, t);
+        let part = &part[part.len() * off / bt..part.len() * (off + n).min(bt) / bt];
         #[cfg(target_arch = "x86_64")]
         for line in part.chunks(16) {
             // SAFETY: a prefetch is a hint; the address is inside `part`.
@@ -473,9 +518,25 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
     let tile = plan.tile.max(1);
     let mut scores = vec![0f32; tile * g];
     let mut sc = Scratch::new(plan);
+    let mut fs = plan.fast.map(|f| fused::State::new(f, g, d, tile, q));
     let mut t0 = a;
     while t0 < z {
-        let n = tile.min(z - t0);
+        // Tiles after the sinks start at multiples of `tile` (counted from
+        // the first quantized token), so that they line up with blocks and
+        // key groups whatever the split's first token.
+        let end = if t0 < plan.sinks {
+            plan.sinks.min(t0 + tile)
+        } else {
+            plan.sinks + ((t0 - plan.sinks) / tile + 1) * tile
+        };
+        let n = end.min(z) - t0;
+        if let (Some(f), Some(st)) = (plan.fast, fs.as_mut()) {
+            if let Some(t) = fast_tile(plan, view, h, t0, n) {
+                fused::tile(f, st, &t, &mut m, &mut l, &mut acc);
+                t0 += n;
+                continue;
+            }
+        }
         let s = &mut scores[..n * g];
         run_tensor(plan, view, Tensor::Key, h, t0, n, &mut Op::Score { q, out: s }, &mut sc);
         // Tile maxima, one pass over the rows (scores are finite: the inputs are).
@@ -503,6 +564,9 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
                 for x in &mut acc[hh * d..(hh + 1) * d] {
                     *x *= corr;
                 }
+                if let Some(st) = fs.as_mut() {
+                    st.rescale(hh, corr);
+                }
             }
             m[hh] = new_m;
         }
@@ -529,5 +593,37 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
         );
         t0 += n;
     }
+    if let Some(st) = fs.as_mut() {
+        st.flush(&mut l);
+    }
     Partial { m, l, acc }
+}
+
+/// The tile `t0..t0 + n` as the fast path takes it, if it can: whole
+/// sixteens of rows of one block, quantized in both tensors.
+fn fast_tile<'v>(plan: &Plan, view: &SeqView<'v>, h: usize, t0: usize, n: usize) -> Option<Tile<'v>> {
+    if !n.is_multiple_of(ROWS) || n == 0 || t0 < plan.sinks {
+        return None;
+    }
+    let j = t0 - plan.sinks;
+    if j + n > view.quantized(Tensor::Key) || j + n > view.quantized(Tensor::Value) {
+        return None;
+    }
+    let (Loc::Block(b, off), Loc::Block(b2, off2)) = (view.locate(Tensor::Key, t0), view.locate(Tensor::Value, t0))
+    else {
+        return None;
+    };
+    if b != b2 || off != off2 || !off.is_multiple_of(ROWS) || off + n > plan.block_tokens {
+        return None;
+    }
+    prefetch_next_block(plan, view, h, t0, off, n);
+    Some(Tile {
+        kpart: view.block_part(b, h, Tensor::Key),
+        vpart: view.block_part(b, h, Tensor::Value),
+        block: b,
+        off,
+        n,
+        klayout: plan.layouts[0],
+        vlayout: plan.layouts[1],
+    })
 }

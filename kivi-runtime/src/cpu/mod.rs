@@ -21,6 +21,7 @@
 //! version that is always compiled and tested. [`CpuParams::scalar`] or the environment variable
 //! `KIVI_CPU_SCALAR=1` (read once) force the scalar one.
 
+mod fused;
 mod kernel;
 mod simd;
 
@@ -161,6 +162,24 @@ impl CpuBackend {
     pub fn new(params: CpuParams) -> Result<Self> {
         check_params(&params)?;
         Ok(CpuBackend { params })
+    }
+
+    /// Which inner loops decoding `cache` runs on this machine: `avx512-fused`
+    /// (the KIVI fast path: channel-axis 2/4-bit keys with
+    /// token-axis values, GQA groups of a multiple of four heads), or
+    /// `avx512`, `avx2`, `scalar` (the generic loops).
+    ///
+    /// ```
+    /// use kivi_runtime::{CacheConfig, CpuBackend, CpuParams, PagedCache};
+    /// use kivi_spec::{presets, Heads};
+    /// let s = presets::kivi2().with_shape(Heads::Gqa { q: 8, kv: 2 }, 128).unwrap();
+    /// let cache = PagedCache::new(s, CacheConfig::for_tokens(64)).unwrap();
+    /// let scalar = CpuBackend::new(CpuParams { scalar: true, ..CpuParams::default() }).unwrap();
+    /// assert_eq!(scalar.kernel_path(&cache), "scalar");
+    /// ```
+    pub fn kernel_path(&self, cache: &PagedCache) -> &'static str {
+        let plan = kernel::Plan::new(cache, self.params.isa(cache.shape().head_dim), self.params.tile_tokens);
+        plan.path_name()
     }
 
     fn run(&self, cache: &PagedCache, seqs: &[SeqId], q: &[f32], attn: AttnParams) -> Result<Vec<f32>> {

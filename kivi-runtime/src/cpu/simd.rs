@@ -68,6 +68,17 @@ fn avx512_available() -> bool {
     avx2_available() && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq")
 }
 
+/// AVX-512BW (16-bit lane permutes), an extra the fused path can use.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn avx512bw_available() -> bool {
+    avx512_available() && is_x86_feature_detected!("avx512bw")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) fn avx512bw_available() -> bool {
+    false
+}
+
 #[cfg(not(target_arch = "x86_64"))]
 fn avx2_available() -> bool {
     false

@@ -127,6 +127,8 @@ pub struct DecodeRow {
     pub speedup_vs_numpy: Option<f64>,
     /// Median time if the read ran at the measured stream bandwidth.
     pub byte_floor_ms: f64,
+    /// The CPU kernel's inner loops for this scheme (`avx512-fused`, `avx512`, ...).
+    pub path: &'static str,
 }
 
 /// Prefill and append throughput of one scheme, and its memory.
@@ -354,12 +356,13 @@ fn decode_point(
         // Warm-up (and a check that it runs at all).
         cpu.decode(&cache, &ids, &q, attn).map_err(|e| format!("{name}: {e}"))?;
         let bytes = Footprint::for_tokens(&s, context).total() * batch;
-        cases.push((name.clone(), cache, ids, attn, bytes, Vec::new(), Vec::new()));
+        let path = cpu.kernel_path(&cache);
+        cases.push((name.clone(), cache, ids, attn, bytes, path, Vec::new(), Vec::new()));
     }
     progress(&format!("{} context {context} batch {batch}: timing", l.name));
     let evict = cfg.cold.then(Evictor::new);
     for _ in 0..cfg.reps {
-        for (_, cache, ids, attn, _, times, cpu_times) in cases.iter_mut() {
+        for (_, cache, ids, attn, _, _, times, cpu_times) in cases.iter_mut() {
             if let Some(e) = &evict {
                 e.run();
             }
@@ -374,7 +377,7 @@ fn decode_point(
     let flops = attention_flops(l, context, batch);
     let rows: Vec<DecodeRow> = cases
         .into_iter()
-        .map(|(scheme, _, _, _, bytes, times, cpu_times)| {
+        .map(|(scheme, _, _, _, bytes, path, times, cpu_times)| {
             let stats = Stats::of(&times);
             let cpu_ms = Stats::of(&cpu_times).median_ms;
             DecodeRow {
@@ -390,6 +393,7 @@ fn decode_point(
                 cpu_speedup_vs_f16: None,
                 speedup_vs_numpy: None,
                 byte_floor_ms: bytes as f64 / bandwidth / 1e6,
+                path,
                 stats,
             }
         })
@@ -559,7 +563,7 @@ pub fn render(r: &Report) -> String {
     );
     let _ = writeln!(
         s,
-        "\n{:<13} {:>6} {:>3} {:<6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>7} {:>8}",
+        "\n{:<13} {:>6} {:>3} {:<6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>7} {:>8} {:>9} {:>7}  {}",
         "layout",
         "ctx",
         "B",
@@ -573,13 +577,16 @@ pub fn render(r: &Report) -> String {
         "GFLOP/s",
         "vs f16",
         "vs np",
-        "floor"
+        "floor",
+        "cpu",
+        "cpu x",
+        "path"
     );
     for d in &r.decode {
         let f = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.2}x"));
         let _ = writeln!(
             s,
-            "{:<13} {:>6} {:>3} {:<6} {:>7.3}ms {:>7.3}ms {:>7.3}ms {:>7.3}ms {:>9.2} {:>7.1} {:>7.1} {:>7} {:>7} {:>6.2}ms {:>7.2}ms {:>7}",
+            "{:<13} {:>6} {:>3} {:<6} {:>7.3}ms {:>7.3}ms {:>7.3}ms {:>7.3}ms {:>9.2} {:>7.1} {:>7.1} {:>7} {:>7} {:>6.2}ms {:>7.2}ms {:>7}  {}",
             d.layout,
             d.context,
             d.batch,
@@ -595,7 +602,8 @@ pub fn render(r: &Report) -> String {
             f(d.speedup_vs_numpy),
             d.byte_floor_ms,
             d.cpu_ms,
-            f(d.cpu_speedup_vs_f16)
+            f(d.cpu_speedup_vs_f16),
+            d.path
         );
     }
     let _ = writeln!(s, "\npeers:");

@@ -1,0 +1,61 @@
+//! A tight decode loop for profiling the CPU kernel (`perf record`):
+//! `cargo bench -p kivi-runtime --bench cpu_decode -- [scheme] [context] [reps] [threads]`.
+//! Prints the median wall time per decode. `kivi bench` is the measured,
+//! peer-compared benchmark; this one exists to look inside the kernel.
+
+use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, CpuParams, PagedCache};
+use kivi_spec::{presets, Heads};
+use std::time::Instant;
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
+    let scheme = args.first().map_or("kivi2", |s| s.as_str());
+    let context: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(32768);
+    let reps: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(50);
+    let threads: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let (hq, hkv, d) = (32usize, 8usize, 128usize);
+    let s = presets::by_name(scheme)
+        .expect("a preset name")
+        .with_shape(
+            Heads::Gqa {
+                q: hq as u32,
+                kv: hkv as u32,
+            },
+            d as u32,
+        )
+        .expect("shape");
+    let shape = s.shape().expect("bound");
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut rnd = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    };
+    let k: Vec<f32> = (0..context * hkv * d)
+        .map(|i| (i % d % 5) as f32 * 0.5 - 1.0 + rnd())
+        .collect();
+    let v: Vec<f32> = (0..context * hkv * d).map(|_| rnd()).collect();
+    let q: Vec<f32> = (0..hq * d).map(|_| rnd()).collect();
+    let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(context + 64)).expect("cache");
+    let id = cache.add_sequence();
+    cache.extend(id, &k, &v).expect("extend");
+    let cpu = CpuBackend::new(CpuParams {
+        threads,
+        ..CpuParams::default()
+    })
+    .expect("cpu backend");
+    let attn = AttnParams::of(&s, shape);
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        std::hint::black_box(cpu.decode(&cache, &[id], &q, attn).expect("decode"));
+        times.push(t0.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    println!(
+        "{scheme} gqa32:8 d128 context {context}: median {:.3} ms, min {:.3} ms over {reps} warm reps",
+        times[reps / 2],
+        times[0]
+    );
+}
