@@ -21,16 +21,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 def markdown(r):
     """The decode rows as a markdown table (for docs/performance.md)."""
     out = [
-        "| layout | context | batch | scheme | median ms | p20–p80 ms | KV MB | GB/s | GFLOP/s | vs f16 | vs numpy f32 | CPU ms | CPU vs f16 |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| layout | context | batch | scheme | median ms | p20–p80 ms | KV MB | GB/s | GFLOP/s | vs f16 | vs numpy f32 | CPU ms | CPU vs f16 | byte floor ms | compute floor ms | path |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for d in r["decode"]:
         f = lambda x: "–" if x is None else "%.2fx" % x  # noqa: E731
         out.append(
-            "| %s | %d | %d | %s | %.3f | %.3f–%.3f | %.2f | %.1f | %.1f | %s | %s | %.2f | %s |"
+            "| %s | %d | %d | %s | %.3f | %.3f–%.3f | %.2f | %.1f | %.1f | %s | %s | %.2f | %s | %.2f | %s | %s |"
             % (d["layout"], d["context"], d["batch"], d["scheme"], d["median_ms"], d["p20_ms"], d["p80_ms"],
                d["kv_bytes"] / 1e6, d["gb_per_s"], d["gflop_per_s"], f(d.get("speedup_vs_f16")), f(d.get("speedup_vs_numpy")),
-               d.get("cpu_ms", 0.0), f(d.get("cpu_speedup_vs_f16")))
+               d.get("cpu_ms", 0.0), f(d.get("cpu_speedup_vs_f16")), d["byte_floor_ms"],
+               "–" if d.get("compute_floor_ms") is None else "%.2f" % d["compute_floor_ms"], d.get("path", "–"))
         )
     out.append("")
     out.append("| peer | dtype | layout | context | batch | median ms | p20–p80 ms |")

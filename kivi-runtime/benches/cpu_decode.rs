@@ -1,5 +1,5 @@
 //! A tight decode loop for profiling the CPU kernel (`perf record`):
-//! `cargo bench -p kivi-runtime --bench cpu_decode -- [scheme] [context] [reps] [threads]`.
+//! `cargo bench -p kivi-runtime --bench cpu_decode -- [scheme] [context] [reps] [threads] [tile]`.
 //! Prints the median wall time per decode. `kivi bench` is the measured,
 //! peer-compared benchmark; this one exists to look inside the kernel.
 
@@ -13,6 +13,7 @@ fn main() {
     let context: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(32768);
     let reps: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(50);
     let threads: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let tile_tokens: usize = args.get(4).and_then(|s| s.parse().ok()).unwrap_or(32);
     let (hq, hkv, d) = (32usize, 8usize, 128usize);
     let s = presets::by_name(scheme)
         .expect("a preset name")

@@ -480,8 +480,10 @@ fn prefetch_next_block(plan: &Plan, view: &SeqView, h: usize, p: usize, off: usi
         #[cfg(target_arch = "x86_64")]
         for line in part.chunks(16) {
             // SAFETY: a prefetch is a hint; the address is inside `part`.
+            // Into L2 (T1): measured at least as fast as T0 here, and it
+            // leaves L1 to the tile being computed.
             unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(line.as_ptr() as *const i8)
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(line.as_ptr() as *const i8)
             };
         }
         #[cfg(not(target_arch = "x86_64"))]

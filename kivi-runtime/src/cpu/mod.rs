@@ -23,6 +23,7 @@
 
 mod fused;
 mod kernel;
+mod probe;
 mod simd;
 
 use crate::backend::{check_batch, Backend};
@@ -34,6 +35,7 @@ use rayon::prelude::*;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
+pub use probe::{compute_ceiling, ComputeCeiling};
 pub use simd::Isa;
 
 /// Tunable parameters of the CPU kernel (the tuner searches these).

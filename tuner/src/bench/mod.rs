@@ -127,6 +127,9 @@ pub struct DecodeRow {
     pub speedup_vs_numpy: Option<f64>,
     /// Median time if the read ran at the measured stream bandwidth.
     pub byte_floor_ms: f64,
+    /// Median time if every thread issued the decode step at the measured
+    /// per-core rate: (multiply-adds / 16) / (decode FMA rate x threads).
+    pub compute_floor_ms: Option<f64>,
     /// The CPU kernel's inner loops for this scheme (`avx512-fused`, `avx512`, ...).
     pub path: &'static str,
 }
@@ -168,6 +171,13 @@ pub struct Machine {
     pub isa: &'static str,
     /// Sum of a 1 GiB buffer over 2 threads, best of 3, GB/s (1e9 bytes).
     pub read_gb_per_s: f64,
+    /// Per-core compute ceiling (AVX-512 machines; see
+    /// `kivi_runtime::cpu::compute_ceiling`), in billions per second: FMA
+    /// peak, FMAs inside the decode step (AND + convert + 4 FMAs per 16
+    /// codes), and VNNI dot-product instructions.
+    pub fma_g_per_s: Option<f64>,
+    pub decode_fma_g_per_s: Option<f64>,
+    pub dpbusd_g_per_s: Option<f64>,
     /// `/proc/loadavg` at the start and the end of the run: on a shared
     /// machine, the other work that ran alongside.
     pub load_start: String,
@@ -393,6 +403,7 @@ fn decode_point(
                 cpu_speedup_vs_f16: None,
                 speedup_vs_numpy: None,
                 byte_floor_ms: bytes as f64 / bandwidth / 1e6,
+                compute_floor_ms: None,
                 path,
                 stats,
             }
@@ -462,11 +473,16 @@ pub fn run(
     } else {
         rayon::current_num_threads()
     };
+    progress("measuring the per-core compute ceiling (FMA, decode step, VNNI)");
+    let ceiling = kivi_runtime::cpu::compute_ceiling(150);
     let machine = Machine {
         cpu: cpu_name(),
         threads,
         isa: cfg.params.isa(128).name(),
         read_gb_per_s: bandwidth,
+        fma_g_per_s: ceiling.map(|c| c.fma_per_s / 1e9),
+        decode_fma_g_per_s: ceiling.map(|c| c.decode_fma_per_s / 1e9),
+        dpbusd_g_per_s: ceiling.and_then(|c| c.dpbusd_per_s).map(|r| r / 1e9),
         load_start,
         load_end: String::new(),
     };
@@ -477,6 +493,12 @@ pub fn run(
             for &batch in &cfg.batches {
                 progress(&format!("{} context {context} batch {batch}: filling caches", l.name));
                 let mut rows = decode_point(cfg, l, context, batch, bandwidth, progress)?;
+                if let Some(c) = ceiling {
+                    let fmas = attention_flops(l, context, batch) / 2.0 / 16.0;
+                    for r in &mut rows {
+                        r.compute_floor_ms = Some(fmas / (c.decode_fma_per_s * threads as f64) * 1e3);
+                    }
+                }
                 if let Some(f) = rows
                     .iter()
                     .find(|r| r.scheme == "f16")
@@ -520,6 +542,7 @@ pub fn run(
         ),
         "cpu: CPU time of all threads per decode (median); on a shared machine wall time also counts waiting for a core".into(),
         "kv_bytes: exact payload from the layout (codes + scales + zero points + f16 windows); byte_floor_ms = kv_bytes / read bandwidth".into(),
+        "compute_floor_ms (cfloor): multiply-adds / 16 lanes / (measured per-core rate of the decode step x threads); the step is AND + convert + 4 FMAs per 16 codes, the fewest instructions exact f32 attention over codes takes here (f16 rows need one convert instead of AND + convert, so their true floor is up to ~15% lower); at best a scheme reaches max(floor, cfloor)".into(),
         if cfg.cold {
             format!(
                 "cold KV: before each timed decode the run reads {} MiB (2x the {} MiB last-level cache) so that KV comes from DRAM",
@@ -561,9 +584,17 @@ pub fn render(r: &Report) -> String {
         r.machine.load_start,
         r.machine.load_end
     );
+    let g = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.2}"));
     let _ = writeln!(
         s,
-        "\n{:<13} {:>6} {:>3} {:<6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>7} {:>8} {:>9} {:>7}  {}",
+        "compute per core: FMA peak {} G/s | decode step {} G FMA/s | VNNI dpbusd {} G/s",
+        g(r.machine.fma_g_per_s),
+        g(r.machine.decode_fma_g_per_s),
+        g(r.machine.dpbusd_g_per_s)
+    );
+    let _ = writeln!(
+        s,
+        "\n{:<13} {:>6} {:>3} {:<6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>7} {:>8} {:>8} {:>9} {:>7}  {}",
         "layout",
         "ctx",
         "B",
@@ -578,6 +609,7 @@ pub fn render(r: &Report) -> String {
         "vs f16",
         "vs np",
         "floor",
+        "cfloor",
         "cpu",
         "cpu x",
         "path"
@@ -586,7 +618,7 @@ pub fn render(r: &Report) -> String {
         let f = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.2}x"));
         let _ = writeln!(
             s,
-            "{:<13} {:>6} {:>3} {:<6} {:>7.3}ms {:>7.3}ms {:>7.3}ms {:>7.3}ms {:>9.2} {:>7.1} {:>7.1} {:>7} {:>7} {:>6.2}ms {:>7.2}ms {:>7}  {}",
+            "{:<13} {:>6} {:>3} {:<6} {:>7.3}ms {:>7.3}ms {:>7.3}ms {:>7.3}ms {:>9.2} {:>7.1} {:>7.1} {:>7} {:>7} {:>6.2}ms {:>8} {:>7.2}ms {:>7}  {}",
             d.layout,
             d.context,
             d.batch,
@@ -601,6 +633,7 @@ pub fn render(r: &Report) -> String {
             f(d.speedup_vs_f16),
             f(d.speedup_vs_numpy),
             d.byte_floor_ms,
+            d.compute_floor_ms.map_or("-".to_string(), |v| format!("{v:.2}ms")),
             d.cpu_ms,
             f(d.cpu_speedup_vs_f16),
             d.path
