@@ -43,6 +43,7 @@ fn main() {
     cache.extend(id, &k, &v).expect("extend");
     let cpu = CpuBackend::new(CpuParams {
         threads,
+        tile_tokens,
         ..CpuParams::default()
     })
     .expect("cpu backend");
