@@ -594,7 +594,7 @@ pub fn render(r: &Report) -> String {
     );
     let _ = writeln!(
         s,
-        "\n{:<13} {:>6} {:>3} {:<6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>7} {:>8} {:>8} {:>9} {:>7}  {}",
+        "\n{:<13} {:>6} {:>3} {:<6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>7} {:>8} {:>8} {:>9} {:>7}  path",
         "layout",
         "ctx",
         "B",
@@ -611,8 +611,7 @@ pub fn render(r: &Report) -> String {
         "floor",
         "cfloor",
         "cpu",
-        "cpu x",
-        "path"
+        "cpu x"
     );
     for d in &r.decode {
         let f = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.2}x"));
