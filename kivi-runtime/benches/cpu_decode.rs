@@ -13,7 +13,13 @@ fn main() {
     let context: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(32768);
     let reps: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(50);
     let threads: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(0);
-    let tile_tokens: usize = args.get(4).and_then(|s| s.parse().ok()).unwrap_or(32);
+    // Several tiles (comma-separated) are timed interleaved, rep by rep.
+    let tiles: Vec<usize> = args
+        .get(4)
+        .map_or("32", |s| s.as_str())
+        .split(',')
+        .map(|t| t.parse().expect("tile_tokens"))
+        .collect();
     let (hq, hkv, d) = (32usize, 8usize, 128usize);
     let s = presets::by_name(scheme)
         .expect("a preset name")
@@ -41,23 +47,33 @@ fn main() {
     let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(context + 64)).expect("cache");
     let id = cache.add_sequence();
     cache.extend(id, &k, &v).expect("extend");
-    let cpu = CpuBackend::new(CpuParams {
-        threads,
-        tile_tokens,
-        ..CpuParams::default()
-    })
-    .expect("cpu backend");
+    let cpus: Vec<CpuBackend> = tiles
+        .iter()
+        .map(|&tile_tokens| {
+            CpuBackend::new(CpuParams {
+                threads,
+                tile_tokens,
+                ..CpuParams::default()
+            })
+            .expect("cpu backend")
+        })
+        .collect();
     let attn = AttnParams::of(&s, shape);
-    let mut times = Vec::with_capacity(reps);
+    let mut times = vec![Vec::with_capacity(reps); cpus.len()];
     for _ in 0..reps {
-        let t0 = Instant::now();
-        std::hint::black_box(cpu.decode(&cache, &[id], &q, attn).expect("decode"));
-        times.push(t0.elapsed().as_secs_f64() * 1e3);
+        for (cpu, times) in cpus.iter().zip(&mut times) {
+            let t0 = Instant::now();
+            std::hint::black_box(cpu.decode(&cache, &[id], &q, attn).expect("decode"));
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
     }
-    times.sort_by(f64::total_cmp);
-    println!(
-        "{scheme} gqa32:8 d128 context {context}: median {:.3} ms, min {:.3} ms over {reps} warm reps",
-        times[reps / 2],
-        times[0]
-    );
+    for (tile, times) in tiles.iter().zip(&mut times) {
+        times.sort_by(f64::total_cmp);
+        println!(
+            "{scheme} gqa32:8 d128 context {context} tile {tile} ({}): median {:.3} ms, min {:.3} ms over {reps} warm reps",
+            cpus[0].kernel_path(&cache),
+            times[reps / 2],
+            times[0]
+        );
+    }
 }

@@ -727,7 +727,12 @@ mod avx512 {
             for cc in 0..NC {
                 let gv = (16 * (c0 + cc)) >> fast.gshift;
                 let z = _mm512_set1_ps(st.zt[(hb + h) * ng + gv]);
-                let v = _mm512_add_ps(_mm512_permutexvar_ps(inv, _mm512_mul_ps(a[h][cc], iw)), z);
+                let mut v = _mm512_mul_ps(a[h][cc], iw);
+                if BITS == 4 {
+                    // Back from the permuted lane order of 4-bit chunks.
+                    v = _mm512_permutexvar_ps(inv, v);
+                }
+                let v = _mm512_add_ps(v, z);
                 let at = acc.as_mut_ptr().add((hb + h) * d + 16 * (c0 + cc));
                 _mm512_storeu_ps(at, _mm512_add_ps(_mm512_loadu_ps(at), v));
             }
