@@ -16,7 +16,7 @@ fn main() {
     // Several tiles (comma-separated) are timed interleaved, rep by rep.
     let tiles: Vec<usize> = args
         .get(4)
-        .map_or("32", |s| s.as_str())
+        .map_or("64", |s| s.as_str())
         .split(',')
         .map(|t| t.parse().expect("tile_tokens"))
         .collect();

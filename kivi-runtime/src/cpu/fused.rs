@@ -137,6 +137,10 @@ pub(crate) struct Tile<'a> {
     /// Key and value parts of KV head `h` in block `block`.
     pub kpart: &'a [u32],
     pub vpart: &'a [u32],
+    /// What to prefetch meanwhile (the same rows of the head's next block,
+    /// K and V), a few lines per word of scoring so that the requests never
+    /// queue up behind each other.
+    pub ahead: [&'a [u32]; 2],
     pub block: u32,
     /// First token's offset in the block, a multiple of [`ROWS`].
     pub off: usize,
@@ -347,6 +351,17 @@ mod avx512 {
         }
     }
 
+    /// Prefetches piece `i` of `of` of the tile's `ahead` lines (into L2).
+    #[inline(always)]
+    unsafe fn prefetch_piece(t: &Tile, i: usize, of: usize) {
+        for part in t.ahead {
+            let lines = part.len().div_ceil(16);
+            for l in lines * i / of..lines * (i + 1) / of {
+                _mm_prefetch::<_MM_HINT_T1>(part.as_ptr().add(16 * l) as *const i8);
+            }
+        }
+    }
+
     /// One word of sixteen rows (`z`, lane = row): its codes times the
     /// folded query `qw[h * d + k]` of four heads, into `a[k % 2][h]`.
     #[inline(always)]
@@ -488,15 +503,22 @@ mod avx512 {
                 // Two sets of four heads (even and odd codes of a word):
                 // eight FMA chains in flight.
                 let mut a = [[_mm512_setzero_ps(); 4]; 2];
+                let pieces = n / ROWS * wpt;
                 if wpt.is_multiple_of(8) {
                     for wb in (0..wpt).step_by(8) {
                         let z = transpose8(rows, wpt, wb);
                         for (w, &z) in z.iter().enumerate() {
+                            if hb == 0 {
+                                prefetch_piece(t, r0 / ROWS * wpt + wb + w, pieces);
+                            }
                             word::<BITS>(z, qf.add((wb + w) * per), d, &masks, &mut a);
                         }
                     }
                 } else {
                     for w in 0..wpt {
+                        if hb == 0 {
+                            prefetch_piece(t, r0 / ROWS * wpt + w, pieces);
+                        }
                         let z =
                             _mm512_i32gather_epi32::<4>(_mm512_add_epi32(lane_rows, _mm512_set1_epi32(w as i32)), rows);
                         word::<BITS>(z, qf.add(w * per), d, &masks, &mut a);

@@ -618,10 +618,19 @@ fn fast_tile<'v>(plan: &Plan, view: &SeqView<'v>, h: usize, t0: usize, n: usize)
     if b != b2 || off != off2 || !off.is_multiple_of(ROWS) || off + n > plan.block_tokens {
         return None;
     }
-    prefetch_next_block(plan, view, h, t0, off, n);
+    // The matching rows of the head's next block, fetched while this tile
+    // computes (see `prefetch_next_block`).
+    let ahead = match view.table().get(j / plan.block_tokens + 1) {
+        Some(&nb) => [Tensor::Key, Tensor::Value].map(|t| {
+            let part = view.block_part(nb, h, t);
+            &part[part.len() * off / plan.block_tokens..part.len() * (off + n) / plan.block_tokens]
+        }),
+        None => [&[][..], &[][..]],
+    };
     Some(Tile {
         kpart: view.block_part(b, h, Tensor::Key),
         vpart: view.block_part(b, h, Tensor::Value),
+        ahead,
         block: b,
         off,
         n,
