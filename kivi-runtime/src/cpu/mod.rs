@@ -5,7 +5,15 @@
 //! of the GQA group from that pass, with an online softmax per tile of
 //! tokens. Splits are merged flash-decoding style.
 //!
-//! Where the arithmetic happens (see [`kernel`] for the details):
+//! The KIVI pairing (channel-axis 2/4-bit keys, token-axis values, GQA
+//! groups of a multiple of four heads) runs on an AVX-512 fast path,
+//! `fused.rs`, one aligned tile of block-resident tokens per call: codes to
+//! floats in two instructions, keys scored sixteen tokens at a time from an
+//! in-register transpose, value scales folded into the softmax weights.
+//! [`CpuBackend::kernel_path`] says which path a cache gets. Everything
+//! else takes the generic loops below.
+//!
+//! Where the arithmetic happens in the generic loops (see `kernel.rs`):
 //! - channel-axis keys: the scale is folded into the query once per group of
 //!   `G` tokens (`q'_d = q_d s_d`) and the zero point into one constant per
 //!   query head (`sum_d q_d z_d`), so the inner loop multiplies the folded
