@@ -63,9 +63,6 @@ pub(crate) struct State {
     /// `sum_d q_d z_d` per head for the current key group.
     cst: Vec<f32>,
     key_group: Option<(u32, usize)>,
-    /// Key parameters of the current group (f32).
-    ks: Vec<f32>,
-    kz: Vec<f32>,
     /// Scores, then softmax weights, `[g][n]`.
     p: Vec<f32>,
     /// Value weights `p * s`, `[g][ng][n]`.
@@ -73,6 +70,8 @@ pub(crate) struct State {
     /// Value parameters transposed to `[ng][n]`.
     vs: Vec<f32>,
     vz: Vec<f32>,
+    /// This tile's score maximum per head.
+    tmax: Vec<f32>,
     /// Sixteen partial sums of `l` per head, `[g][16]`.
     lvec: Vec<f32>,
     /// This tile's `sum_t p_t z_t` per (head, value group), `[g][ng]`.
@@ -104,12 +103,11 @@ impl State {
             qf: vec![0.0; g * d],
             cst: vec![0.0; g],
             key_group: None,
-            ks: vec![0.0; d],
-            kz: vec![0.0; d],
             p: vec![0.0; g * tile],
             w: vec![0.0; g * ng * tile],
             vs: vec![0.0; ng * tile],
             vz: vec![0.0; ng * tile],
+            tmax: vec![0.0; g],
             lvec: vec![0.0; g * 16],
             zt: vec![0.0; g * ng],
         }
@@ -280,17 +278,6 @@ mod avx512 {
         }
     }
 
-    /// f16 bits to f32, `n` a multiple of 16.
-    #[inline(always)]
-    unsafe fn widen(src: *const u16, dst: *mut f32, n: usize) {
-        for i in (0..n).step_by(16) {
-            _mm512_storeu_ps(
-                dst.add(i),
-                _mm512_cvtph_ps(_mm256_loadu_si256(src.add(i) as *const __m256i)),
-            );
-        }
-    }
-
     /// Sixteen horizontal sums at once: lane `4k + m` of the result is the
     /// sum of `v[4m + k]`.
     #[inline(always)]
@@ -333,21 +320,25 @@ mod avx512 {
         let halves = t.kpart.as_ptr() as *const u16;
         let (so, zo) = (2 * t.klayout.scales_offset, 2 * t.klayout.zeros_offset);
         debug_assert!(i0 + d <= 2 * t.klayout.param_words);
-        widen(halves.add(so + i0), st.ks.as_mut_ptr(), d);
-        widen(halves.add(zo + i0), st.kz.as_mut_ptr(), d);
-        for h in 0..g {
-            let mut cz = _mm512_setzero_ps();
+        // Channel chunks outer, heads inner: each chunk's parameters are
+        // widened once, in registers, and four heads' constants accumulate
+        // side by side (their reductions overlap).
+        let (ks, kz) = (halves.add(so + i0), halves.add(zo + i0));
+        for hb in (0..g).step_by(4) {
+            let mut cz = [_mm512_setzero_ps(); 4];
             for c in (0..d).step_by(16) {
-                let at = h * d + c;
-                let f = _mm512_mul_ps(
-                    _mm512_loadu_ps(st.qw.as_ptr().add(at)),
-                    _mm512_loadu_ps(st.ks.as_ptr().add(c)),
-                );
-                _mm512_storeu_ps(st.qf.as_mut_ptr().add(at), f);
-                let z = _mm512_loadu_ps(st.kz.as_ptr().add(c));
-                cz = _mm512_fmadd_ps(_mm512_loadu_ps(st.q.as_ptr().add(at)), z, cz);
+                let sv = _mm512_cvtph_ps(_mm256_loadu_si256(ks.add(c) as *const __m256i));
+                let zv = _mm512_cvtph_ps(_mm256_loadu_si256(kz.add(c) as *const __m256i));
+                for (j, cz) in cz.iter_mut().enumerate() {
+                    let at = (hb + j) * d + c;
+                    let f = _mm512_mul_ps(_mm512_loadu_ps(st.qw.as_ptr().add(at)), sv);
+                    _mm512_storeu_ps(st.qf.as_mut_ptr().add(at), f);
+                    *cz = _mm512_fmadd_ps(_mm512_loadu_ps(st.q.as_ptr().add(at)), zv, *cz);
+                }
             }
-            st.cst[h] = _mm512_reduce_add_ps(cz);
+            for (j, cz) in cz.iter().enumerate() {
+                st.cst[hb + j] = _mm512_reduce_add_ps(*cz);
+            }
         }
     }
 
@@ -555,30 +546,37 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
     pub unsafe fn softmax(st: &mut State, n: usize, m: &mut [f32], l: &mut [f32], acc: &mut [f32]) {
         let (g, d) = (st.g, st.d);
+        // Three sweeps rather than one per head, so that the heads' maxima
+        // reductions and exponentials overlap instead of waiting on each
+        // other's latency chains.
         for h in 0..g {
-            let s = st.p.as_mut_ptr().add(h * n);
-            let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
-            for i in (0..n).step_by(16) {
+            let s = st.p.as_ptr().add(h * n);
+            let mut mx = _mm512_loadu_ps(s);
+            for i in (16..n).step_by(16) {
                 mx = _mm512_max_ps(mx, _mm512_loadu_ps(s.add(i)));
             }
-            let new_m = m[h].max(_mm512_reduce_max_ps(mx));
+            st.tmax[h] = _mm512_reduce_max_ps(mx);
+        }
+        for h in 0..g {
+            let new_m = m[h].max(st.tmax[h]);
             // Most tiles leave the maximum where it was: no exp, no rescale.
-            let corr = if new_m == m[h] {
-                1.0
-            } else if m[h] == f32::NEG_INFINITY {
-                0.0
-            } else {
-                (m[h] - new_m).exp()
-            };
-            if corr != 1.0 {
+            if new_m != m[h] {
+                let corr = if m[h] == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    (m[h] - new_m).exp()
+                };
                 l[h] *= corr;
                 for x in &mut acc[h * d..(h + 1) * d] {
                     *x *= corr;
                 }
                 st.rescale(h, corr);
+                m[h] = new_m;
             }
-            m[h] = new_m;
-            let mv = _mm512_set1_ps(new_m);
+        }
+        for h in 0..g {
+            let s = st.p.as_mut_ptr().add(h * n);
+            let mv = _mm512_set1_ps(m[h]);
             let mut sum = _mm512_loadu_ps(st.lvec.as_ptr().add(16 * h));
             for i in (0..n).step_by(16) {
                 let p = exp16(_mm512_sub_ps(_mm512_loadu_ps(s.add(i)), mv));
