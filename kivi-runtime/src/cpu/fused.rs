@@ -342,12 +342,13 @@ mod avx512 {
         }
     }
 
-    /// Prefetches piece `i` of `of` of the tile's `ahead` lines (into L2).
+    /// Prefetches piece `i` of the tile's `ahead` lines (into L2), `step[k]`
+    /// lines of part `k` a piece (no division in the loop).
     #[inline(always)]
-    unsafe fn prefetch_piece(t: &Tile, i: usize, of: usize) {
-        for part in t.ahead {
+    unsafe fn prefetch_piece(t: &Tile, i: usize, step: [usize; 2]) {
+        for (part, step) in t.ahead.iter().zip(step) {
             let lines = part.len().div_ceil(16);
-            for l in lines * i / of..lines * (i + 1) / of {
+            for l in (i * step).min(lines)..((i + 1) * step).min(lines) {
                 _mm_prefetch::<_MM_HINT_T1>(part.as_ptr().add(16 * l) as *const i8);
             }
         }
@@ -477,6 +478,9 @@ mod avx512 {
             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
             _mm512_set1_epi32(wpt as i32),
         );
+        // The next block's lines, spread over the tile's (16 rows, word) pieces.
+        let pieces = n / ROWS * wpt;
+        let step = t.ahead.map(|p| p.len().div_ceil(16).div_ceil(pieces));
         let mut masks = [_mm512_setzero_si512(); 16];
         for (k, m) in masks.iter_mut().enumerate().take(per) {
             *m = _mm512_set1_epi32((((1u64 << BITS) - 1) << (BITS as usize * k)) as u32 as i32);
@@ -494,13 +498,12 @@ mod avx512 {
                 // Two sets of four heads (even and odd codes of a word):
                 // eight FMA chains in flight.
                 let mut a = [[_mm512_setzero_ps(); 4]; 2];
-                let pieces = n / ROWS * wpt;
                 if wpt.is_multiple_of(8) {
                     for wb in (0..wpt).step_by(8) {
                         let z = transpose8(rows, wpt, wb);
                         for (w, &z) in z.iter().enumerate() {
                             if hb == 0 {
-                                prefetch_piece(t, r0 / ROWS * wpt + wb + w, pieces);
+                                prefetch_piece(t, r0 / ROWS * wpt + wb + w, step);
                             }
                             word::<BITS>(z, qf.add((wb + w) * per), d, &masks, &mut a);
                         }
@@ -508,7 +511,7 @@ mod avx512 {
                 } else {
                     for w in 0..wpt {
                         if hb == 0 {
-                            prefetch_piece(t, r0 / ROWS * wpt + w, pieces);
+                            prefetch_piece(t, r0 / ROWS * wpt + w, step);
                         }
                         let z =
                             _mm512_i32gather_epi32::<4>(_mm512_add_epi32(lane_rows, _mm512_set1_epi32(w as i32)), rows);
