@@ -474,7 +474,11 @@ pub fn run(
         rayon::current_num_threads()
     };
     progress("measuring the per-core compute ceiling (FMA, decode step, VNNI)");
-    let ceiling = kivi_runtime::cpu::compute_ceiling(150);
+    // The probe's loops are AVX-512: a run capped below it (`--no-avx512`,
+    // `--scalar`) gets no compute floor rather than a wrong one.
+    let ceiling = (cfg.params.isa(128) == kivi_runtime::cpu::Isa::Avx512)
+        .then(|| kivi_runtime::cpu::compute_ceiling(150))
+        .flatten();
     let machine = Machine {
         cpu: cpu_name(),
         threads,
