@@ -351,8 +351,8 @@ fn bad_parameters_and_inputs_are_errors() {
     assert!(public_field.decode(&cache, &[id], &[0.0; 64], attn).is_err());
 }
 
-/// The AVX-512 fused path (channel-axis 2/4-bit keys, token-axis values):
-/// every code width pair, key and value groups, head dims that take the
+/// The AVX-512 fused path (channel-axis 2/4-bit or token-axis 2/4/8-bit
+/// keys, token-axis values): code widths, key and value groups, head dims that take the
 /// gather (d64 at 2 bits) and the transpose (the rest) layouts, GQA groups
 /// of 4 and 8 heads, MQA, tiles that are and are not multiples of 16, split
 /// starts off the tile grid, sinks. Each case must take the fused path where
@@ -372,13 +372,18 @@ fn fused_path_shapes() {
         })
     };
     let mut cases = 0;
-    for (kbits, vbits, kgroup, vgroup) in [
-        (2, 2, 32, 32),
-        (4, 4, 32, 32),
-        (2, 4, 64, 16),
-        (4, 8, 16, 64),
-        (2, 8, 128, 128),
-    ] {
+    let key_value_cases = [
+        (2, Axis::Channel, 32, 2, 32),
+        (4, Axis::Channel, 32, 4, 32),
+        (2, Axis::Channel, 64, 4, 16),
+        (4, Axis::Channel, 16, 8, 64),
+        (2, Axis::Channel, 128, 8, 128),
+        // Token-axis keys (int8-like): groups of whole words.
+        (8, Axis::Token, 32, 8, 32),
+        (4, Axis::Token, 16, 4, 64),
+        (2, Axis::Token, 64, 2, 16),
+    ];
+    for (kbits, kaxis, kgroup, vbits, vgroup) in key_value_cases {
         for (heads, d) in [
             (Heads::Gqa { q: 8, kv: 2 }, 128u32),
             (Heads::Gqa { q: 16, kv: 2 }, 64),
@@ -386,8 +391,8 @@ fn fused_path_shapes() {
             (Heads::Gqa { q: 8, kv: 2 }, 64),
         ] {
             let mut s = presets::kivi2();
-            s.name = format!("k{kbits}g{kgroup}_v{vbits}g{vgroup}");
-            s.key = quant(kbits, Axis::Channel, kgroup);
+            s.name = format!("k{kbits}{kaxis:?}{kgroup}_v{vbits}g{vgroup}");
+            s.key = quant(kbits, kaxis, kgroup);
             s.value = quant(vbits, Axis::Token, vgroup);
             if kbits == 4 && vbits == 8 {
                 s.sinks = 4;
@@ -420,5 +425,5 @@ fn fused_path_shapes() {
             cases += 1;
         }
     }
-    assert!(cases >= 15, "{cases} cases");
+    assert!(cases >= 25, "{cases} cases");
 }

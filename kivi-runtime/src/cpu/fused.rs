@@ -34,11 +34,20 @@
 //! `1e-27` of the largest weight, and keeping them would make `p * s`
 //! subnormal, which costs a microcode assist per FMA on Intel cores.
 
-/// The (key bits, key group, value bits, value group) this path was built for.
+/// How the keys are grouped: KIVI's channel axis (scales per channel per
+/// `group` tokens, folded into the query) or the token axis (scales per
+/// token per `2^gshift` channels, applied to partial scores).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Keys {
+    Channel { group: usize },
+    Token { gshift: u32 },
+}
+
+/// The key and value codings this path was built for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Fast {
     pub kbits: u32,
-    pub kgroup: usize,
+    pub keys: Keys,
     pub vbits: u32,
     /// log2 of the value group (channels per token group, at least 16).
     pub gshift: u32,
@@ -60,8 +69,14 @@ pub(crate) struct State {
     qw: Vec<f32>,
     /// Folded key query `[g][d]`: `qw` times the current group's scales.
     qf: Vec<f32>,
-    /// `sum_d q_d z_d` per head for the current key group.
+    /// `sum_d q_d z_d` per head for the current key group (channel axis).
     cst: Vec<f32>,
+    /// Token-axis keys: groups per token, `sum_{d in group} q_d` per
+    /// (head, group), and the tile's key parameters as `[kng][n]`.
+    kng: usize,
+    qsum: Vec<f32>,
+    ks: Vec<f32>,
+    kz: Vec<f32>,
     key_group: Option<(u32, usize)>,
     /// Scores, then softmax weights, `[g][n]`.
     p: Vec<f32>,
@@ -94,10 +109,25 @@ impl State {
             .enumerate()
             .map(|(i, &x)| x / (1u64 << (fast.kbits as usize * (i % d % per))) as f32)
             .collect();
+        let kng = match fast.keys {
+            Keys::Token { gshift } => d >> gshift,
+            Keys::Channel { .. } => 0,
+        };
+        let qsum = (0..g * kng)
+            .map(|i| {
+                let (h, gk) = (i / kng, i % kng);
+                let gs = d / kng;
+                q[h * d + gk * gs..h * d + (gk + 1) * gs].iter().sum()
+            })
+            .collect();
         State {
             g,
             d,
             ng,
+            kng,
+            qsum,
+            ks: vec![0.0; kng * tile],
+            kz: vec![0.0; kng * tile],
             q,
             qw,
             qf: vec![0.0; g * d],
@@ -167,7 +197,8 @@ pub(crate) fn tile(fast: Fast, st: &mut State, t: &Tile, m: &mut [f32], l: &mut 
     unsafe {
         match fast.kbits {
             2 => avx512::scores::<2>(fast, st, t),
-            _ => avx512::scores::<4>(fast, st, t),
+            4 => avx512::scores::<4>(fast, st, t),
+            _ => avx512::scores::<8>(fast, st, t),
         }
         avx512::softmax(st, t.n, m, l, acc);
         match fast.vbits {
@@ -186,7 +217,7 @@ pub(crate) fn tile(_: Fast, _: &mut State, _: &Tile, _: &mut [f32], _: &mut [f32
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)] // indexes walk arrays of registers in step
 mod avx512 {
-    use super::{Fast, State, Tile, ROWS};
+    use super::{Fast, Keys, State, Tile, ROWS};
     use std::arch::x86_64::*;
 
     /// Lane `j`'s channel within a chunk of 16, and its code's weight
@@ -485,16 +516,43 @@ mod avx512 {
         for (k, m) in masks.iter_mut().enumerate().take(per) {
             *m = _mm512_set1_epi32((((1u64 << BITS) - 1) << (BITS as usize * k)) as u32 as i32);
         }
+        // Token-axis keys: every `wpg` words close a group, whose partial
+        // scores are scaled per row and joined by the zero-point term.
+        let (kng, wpg) = match fast.keys {
+            Keys::Token { gshift } => {
+                token_params(fast, t.kpart, &t.klayout, t.off, n, st.kng, &mut st.ks, &mut st.kz);
+                (st.kng, (((1usize << gshift) * BITS as usize) / 32).max(1))
+            }
+            Keys::Channel { .. } => (0, usize::MAX),
+        };
         for r0 in (0..n).step_by(ROWS) {
             let off = t.off + r0;
-            let key = (t.block, off / fast.kgroup);
-            if st.key_group != Some(key) {
-                fold(st, &Tile { off, ..*t });
-                st.key_group = Some(key);
+            if let Keys::Channel { group } = fast.keys {
+                let key = (t.block, off / group);
+                if st.key_group != Some(key) {
+                    fold(st, &Tile { off, ..*t });
+                    st.key_group = Some(key);
+                }
             }
             let rows = t.kpart.as_ptr().add(off * wpt) as *const i32;
             for hb in (0..g).step_by(4) {
-                let qf = st.qf.as_ptr().add(hb * d);
+                // Channel axis: the folded query; token axis: the query itself.
+                let qf = if kng == 0 { st.qf.as_ptr() } else { st.qw.as_ptr() }.add(hb * d);
+                let mut sc = [_mm512_setzero_ps(); 4];
+                let mut close = |a: &mut [[__m512; 4]; 2], w: usize| {
+                    if kng > 0 && (w + 1).is_multiple_of(wpg) {
+                        let gk = w / wpg;
+                        let sv = _mm512_loadu_ps(st.ks.as_ptr().add(gk * n + r0));
+                        let zv = _mm512_loadu_ps(st.kz.as_ptr().add(gk * n + r0));
+                        for h in 0..4 {
+                            let part = _mm512_add_ps(a[0][h], a[1][h]);
+                            sc[h] = _mm512_fmadd_ps(sv, part, sc[h]);
+                            sc[h] = _mm512_fmadd_ps(zv, _mm512_set1_ps(st.qsum[(hb + h) * kng + gk]), sc[h]);
+                            a[0][h] = _mm512_setzero_ps();
+                            a[1][h] = _mm512_setzero_ps();
+                        }
+                    }
+                };
                 // Two sets of four heads (even and odd codes of a word):
                 // eight FMA chains in flight.
                 let mut a = [[_mm512_setzero_ps(); 4]; 2];
@@ -506,6 +564,7 @@ mod avx512 {
                                 prefetch_piece(t, r0 / ROWS * wpt + wb + w, step);
                             }
                             word::<BITS>(z, qf.add((wb + w) * per), d, &masks, &mut a);
+                            close(&mut a, wb + w);
                         }
                     }
                 } else {
@@ -516,11 +575,15 @@ mod avx512 {
                         let z =
                             _mm512_i32gather_epi32::<4>(_mm512_add_epi32(lane_rows, _mm512_set1_epi32(w as i32)), rows);
                         word::<BITS>(z, qf.add(w * per), d, &masks, &mut a);
+                        close(&mut a, w);
                     }
                 }
-                let (a0, a1) = (a[0], a[1]);
                 for h in 0..4 {
-                    let v = _mm512_add_ps(_mm512_add_ps(a0[h], a1[h]), _mm512_set1_ps(st.cst[hb + h]));
+                    let v = if kng > 0 {
+                        sc[h]
+                    } else {
+                        _mm512_add_ps(_mm512_add_ps(a[0][h], a[1][h]), _mm512_set1_ps(st.cst[hb + h]))
+                    };
                     _mm512_storeu_ps(st.p.as_mut_ptr().add((hb + h) * n + r0), v);
                 }
             }
@@ -590,25 +653,32 @@ mod avx512 {
         }
     }
 
-    /// `acc += sum_t p_t v_t` over the tile's value rows.
+    /// Token-axis parameters of rows `off..off + n` of `part`, `[n][ng]` f16
+    /// -> `[ng][n]` f32 in `vs` (scales) and `vz` (zero points). A gather
+    /// reads 32 bits at half `j - 1` and keeps the high half (half `j`): it
+    /// never reads past the section, and the half before the first
+    /// parameter is still inside the part (the codes come first).
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
-    pub unsafe fn values<const BITS: u32>(fast: Fast, st: &mut State, t: &Tile, acc: &mut [f32]) {
-        let (g, d, n, ng) = (st.g, st.d, t.n, st.ng);
-        // Parameters of rows off..off + n, [n][ng] -> [ng][n] as f32. A
-        // gather reads 32 bits at half `j - 1` and keeps the high half
-        // (half `j`): it never reads past the section, and the half before
-        // the first parameter is still inside the part (the codes come first).
-        let i0 = t.vlayout.param_index(t.off, 0);
-        debug_assert!(i0 + n * ng <= 2 * t.vlayout.param_words && t.vlayout.scales_offset > 0);
-        let halves = t.vpart.as_ptr() as *const u16;
+    unsafe fn token_params(
+        fast: Fast,
+        part: &[u32],
+        layout: &kivi_spec::layout::TensorLayout,
+        off: usize,
+        n: usize,
+        ng: usize,
+        vs: &mut [f32],
+        vz: &mut [f32],
+    ) {
+        let i0 = layout.param_index(off, 0);
+        debug_assert!(i0 + n * ng <= 2 * layout.param_words && layout.scales_offset > 0);
+        debug_assert!(vs.len() >= ng * n && vz.len() >= ng * n);
+        let halves = part.as_ptr() as *const u16;
         let lane_idx = _mm512_mullo_epi32(
             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
             _mm512_set1_epi32(ng as i32),
         );
-        for (dst, at) in [
-            (&mut st.vs, t.vlayout.scales_offset),
-            (&mut st.vz, t.vlayout.zeros_offset),
-        ] {
+        for (dst, at) in [(vs, layout.scales_offset), (vz, layout.zeros_offset)] {
             if ng == 4 && fast.bw {
                 transpose_params4(halves.add(2 * at + i0), dst.as_mut_ptr(), n);
                 continue;
@@ -623,6 +693,13 @@ mod avx512 {
                 }
             }
         }
+    }
+
+    /// `acc += sum_t p_t v_t` over the tile's value rows.
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
+    pub unsafe fn values<const BITS: u32>(fast: Fast, st: &mut State, t: &Tile, acc: &mut [f32]) {
+        let (g, d, n, ng) = (st.g, st.d, t.n, st.ng);
+        token_params(fast, t.vpart, &t.vlayout, t.off, n, ng, &mut st.vs, &mut st.vz);
         // w = p s per (head, group, token); zero points summed per (head,
         // group) into `st.zt`, added once per tile (sixteen sums at a time
         // through the transpose tree where they come in sixteens).

@@ -85,14 +85,24 @@ impl Plan {
             s.key.quant().map_or(ScaleDtype::F16, |q| q.scale),
             s.value.quant().map_or(ScaleDtype::F16, |q| q.scale),
         ];
-        let fast = match kinds {
-            [Kind::ChanFold {
-                bits: kbits,
-                group: kgroup,
-            }, Kind::Tok { bits: vbits, gshift }]
+        // The fused path: 2/4-bit channel-axis keys (KIVI) or 2/4/8-bit
+        // token-axis keys covering whole words per group, with token-axis
+        // values of at least 16 channels a group, f16 parameters, GQA groups
+        // of a multiple of four heads, tiles and blocks of whole sixteens.
+        let keys = match kinds[0] {
+            Kind::ChanFold { bits: 2 | 4, group } if group.is_multiple_of(ROWS) => Some(fused::Keys::Channel { group }),
+            Kind::Tok { bits, gshift } if gshift >= 4 && ((1usize << gshift) * bits as usize).is_multiple_of(32) => {
+                Some(fused::Keys::Token { gshift })
+            }
+            _ => None,
+        };
+        let kbits = match kinds[0] {
+            Kind::ChanFold { bits, .. } | Kind::Tok { bits, .. } => bits,
+            _ => 0,
+        };
+        let fast = match (keys, kinds[1]) {
+            (Some(keys), Kind::Tok { bits: vbits, gshift })
                 if isa == Isa::Avx512
-                    && matches!(kbits, 2 | 4)
-                    && kgroup.is_multiple_of(ROWS)
                     && gshift >= 4
                     && scale == [ScaleDtype::F16; 2]
                     && shape.group_size().is_multiple_of(4)
@@ -101,7 +111,7 @@ impl Plan {
             {
                 Some(Fast {
                     kbits,
-                    kgroup,
+                    keys,
                     vbits,
                     gshift,
                     bw: simd::avx512bw_available(),
