@@ -1,6 +1,6 @@
-//! The AVX-512 fast path for the KIVI pairing: channel-axis 2/4-bit keys,
-//! token-axis 2/4/8-bit values, f16 parameters, GQA groups of a multiple of
-//! four query heads. One call runs one aligned tile of block-resident tokens
+//! The AVX-512 fast path for quantized caches: channel-axis 2/4-bit keys
+//! (KIVI) or token-axis 2/4/8-bit keys (int8-style), token-axis 2/4/8-bit
+//! values, f16 parameters, GQA groups of a multiple of four query heads. One call runs one aligned tile of block-resident tokens
 //! end to end: scores, online softmax, weighted value sum. Everything else
 //! (sinks, the full-precision window, other schemes, AVX2 machines) takes
 //! the generic loops in [`super::simd`], which stay the readable version.
@@ -17,8 +17,11 @@
 //!   changes the instruction count, not the rounding. For 4-bit codes the
 //!   lanes of a chunk also visit its 16 channels in a fixed permuted order
 //!   (two words broadcast as one 64-bit value), undone the same way.
-//! - **Scales folded out of the inner loops.** Keys: `q . k_t = sum_d (q_d
-//!   s_d) c_td + sum_d q_d z_d` with one folded query per key group. Values:
+//! - **Scales folded out of the inner loops.** Channel-axis keys: `q . k_t
+//!   = sum_d (q_d s_d) c_td + sum_d q_d z_d` with one folded query per key
+//!   group. Token-axis keys: per key group `g`, `s_tg (q_g . c_tg) + z_tg
+//!   sum_g q`, the partial dot products of sixteen rows scaled by a vector of
+//!   their scales. Values:
 //!   `sum_t p_t (s_t c_td + z_t) = sum_t (p_t s_t) c_td + sum_t p_t z_t`, so a
 //!   value costs one FMA per head, and the zero points one FMA per (head,
 //!   group) per 16 tokens.

@@ -5,8 +5,9 @@
 //! of the GQA group from that pass, with an online softmax per tile of
 //! tokens. Splits are merged flash-decoding style.
 //!
-//! The KIVI pairing (channel-axis 2/4-bit keys, token-axis values, GQA
-//! groups of a multiple of four heads) runs on an AVX-512 fast path,
+//! Quantized caches with channel-axis 2/4-bit keys (KIVI) or token-axis
+//! 2/4/8-bit keys, token-axis values, f16 parameters and GQA groups of a
+//! multiple of four heads run on an AVX-512 fast path,
 //! `fused.rs`, one aligned tile of block-resident tokens per call: codes to
 //! floats in two instructions, keys scored sixteen tokens at a time from an
 //! in-register transpose, value scales folded into the softmax weights.
@@ -179,7 +180,7 @@ impl CpuBackend {
     }
 
     /// Which inner loops decoding `cache` runs on this machine: `avx512-fused`
-    /// (the KIVI fast path: channel-axis 2/4-bit keys with
+    /// (the fast path: channel-axis 2/4-bit or token-axis 2/4/8-bit keys with
     /// token-axis values, GQA groups of a multiple of four heads), or
     /// `avx512`, `avx2`, `scalar` (the generic loops).
     ///
