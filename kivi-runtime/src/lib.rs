@@ -1,7 +1,7 @@
 //! kivi runtime: the reference oracle, the paged quantized KV cache and the
 //! backends that run decode attention over it.
 //!
-//! - [`reference`] — DESIGN.md §3, plainly; the oracle for everything else.
+//! - [`reference`](mod@reference) — DESIGN.md §3, plainly; the oracle for everything else.
 //! - [`quant`] — the quantization math (one copy on the host).
 //! - [`cache`] — the paged cache with exact memory accounting.
 //! - [`cpu`] — fused dequantize + decode attention on the CPU.

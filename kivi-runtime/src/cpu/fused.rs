@@ -1,35 +1,43 @@
 //! The AVX-512 fast path for quantized caches: channel-axis 2/4-bit keys
 //! (KIVI) or token-axis 2/4/8-bit keys (int8-style), token-axis 2/4/8-bit
-//! values, f16 parameters, GQA groups of a multiple of four query heads. One call runs one aligned tile of block-resident tokens
-//! end to end: scores, online softmax, weighted value sum. Everything else
-//! (sinks, the full-precision window, other schemes, AVX2 machines) takes
-//! the generic loops in [`super::simd`], which stay the readable version.
+//! values, f16 parameters, GQA groups of a multiple of four query heads.
+//! One call runs one aligned tile of block-resident tokens end to end:
+//! scores, online softmax, weighted value sum. Everything else (sinks, the
+//! full-precision window, other schemes, AVX2 machines) takes the generic
+//! loops in [`super::simd`], which stay the readable version.
 //!
 //! Where the time goes, and what this path does about it (per token and KV
 //! head the arithmetic is `2 x heads x head_dim` multiply-adds, 16 per
 //! instruction; everything else is overhead to minimise):
-//! - **Codes to floats in two instructions.** The code word is broadcast
-//!   from memory into an AND with a per-lane mask, then converted unsigned:
-//!   lane `j` holds `c * 2^(bits * k_j)` rather than `c` (`k_j` = the code's
-//!   slot in its word). The keys divide the folded query by that power of two
-//!   once per key group; the values multiply their accumulators by it when a
-//!   tile starts and divide when it ends. Powers of two are exact, so this
-//!   changes the instruction count, not the rounding. For 4-bit codes the
-//!   lanes of a chunk also visit its 16 channels in a fixed permuted order
-//!   (two words broadcast as one 64-bit value), undone the same way.
+//! - **Codes to floats in two instructions.** A code word is ANDed with a
+//!   per-lane mask, then converted unsigned: a lane holds `c * 2^(bits *
+//!   slot)` rather than `c` (`slot` = the code's place in its word). The
+//!   keys divide the query by that power of two once per split (`qw`); the
+//!   values divide their per-tile sums by it when the tile ends. Powers of
+//!   two are exact, so this changes the instruction count, not the
+//!   rounding. For 4-bit values the lanes of a chunk visit its 16 channels
+//!   in a fixed permuted order (two words broadcast as one 64-bit value),
+//!   undone the same way.
+//! - **Keys scored sixteen rows at a time, transposed.** Three levels of
+//!   two-source permutes (a gather where a row is not a multiple of eight
+//!   words) turn word `w` of sixteen rows into one vector, lane = row; each
+//!   code slot then feeds four FMAs (the query broadcast from L1), and the
+//!   scores come out as one 16-row vector per head: no horizontal sums, and
+//!   the softmax is vector code too.
 //! - **Scales folded out of the inner loops.** Channel-axis keys: `q . k_t
-//!   = sum_d (q_d s_d) c_td + sum_d q_d z_d` with one folded query per key
-//!   group. Token-axis keys: per key group `g`, `s_tg (q_g . c_tg) + z_tg
-//!   sum_g q`, the partial dot products of sixteen rows scaled by a vector of
-//!   their scales. Values:
-//!   `sum_t p_t (s_t c_td + z_t) = sum_t (p_t s_t) c_td + sum_t p_t z_t`, so a
-//!   value costs one FMA per head, and the zero points one FMA per (head,
-//!   group) per 16 tokens.
-//! - **Scores of 4 rows x 4 heads reduced by one transpose tree** (45
-//!   shuffles and adds) instead of sixteen horizontal sums, landing as
-//!   16-token vectors per head, so the softmax is vector code too.
-//! - **16 independent accumulators** in both loops: an FMA has a latency of
-//!   four cycles and two ports, so fewer than eight chains leave ports idle.
+//!   = sum_d (q_d s_d) c_td + sum_d q_d z_d`, one folded query per key group.
+//!   Token-axis keys: per key group `g`, `s_tg (q_g . c_tg) + z_tg sum_g q`,
+//!   sixteen rows' partial dot products times the vector of their scales.
+//!   Values: `sum_t p_t (s_t c_td + z_t) = sum_t (p_t s_t) c_td + sum_t p_t
+//!   z_t`, so a value costs one FMA per head, the zero points one FMA per
+//!   (head, group) per 16 tokens, summed for the tile by one transpose tree.
+//! - **Eight to sixteen independent accumulators** in both loops: an FMA
+//!   has a latency of four cycles and two ports, so fewer than eight chains
+//!   leave ports idle.
+//! - **The next block prefetched a few lines per word**: a head's parts of
+//!   consecutive blocks are a block apart in the pool, which the hardware
+//!   prefetchers do not follow; a whole block's lines at once stalled on
+//!   fill buffers.
 //!
 //! Rounding differs from the reference only by the order of additions and
 //! the folding above (checked against it in `tests/cpu_vs_reference.rs`).
@@ -67,7 +75,7 @@ pub(crate) struct State {
     d: usize,
     ng: usize,
     /// The query `[g][d]` (subnormal-free), and divided by each channel's
-    /// code weight (see [`lane`](avx512)).
+    /// code weight `2^(bits * slot)` (`slot` = the code's place in its word).
     q: Vec<f32>,
     qw: Vec<f32>,
     /// Folded key query `[g][d]`: `qw` times the current group's scales.
