@@ -292,6 +292,18 @@ pub fn run(
     outcomes.into_iter().flatten().collect()
 }
 
+/// A candidate that failed while being timed (in any round): rejected with
+/// the error, its samples dropped.
+fn fail_timing(rec: &mut Option<CandidateRecord>, samples: &mut Vec<f64>, c: &Candidate, e: impl std::fmt::Display) {
+    *rec = Some(record(
+        c,
+        Status::Rejected,
+        Some(format!("failed while timing: {e}")),
+        None,
+    ));
+    samples.clear();
+}
+
 fn record(c: &Candidate, status: Status, reason: Option<String>, timing: Option<Timing>) -> CandidateRecord {
     CandidateRecord {
         name: c.name.clone(),
@@ -493,13 +505,7 @@ pub fn tune_bucket(
                     }
                     Err(e) => {
                         budget.charge(t.elapsed().as_secs_f64());
-                        records[i] = Some(record(
-                            &cands[i],
-                            Status::Rejected,
-                            Some(format!("failed while timing: {e}")),
-                            None,
-                        ));
-                        timings[i].clear();
+                        fail_timing(&mut records[i], &mut timings[i], &cands[i], e);
                         break;
                     }
                 }
@@ -545,13 +551,7 @@ pub fn tune_bucket(
                                 }
                                 Err(e) => {
                                     budget.charge(t.elapsed().as_secs_f64());
-                                    records[i] = Some(record(
-                                        &cands[i],
-                                        Status::Rejected,
-                                        Some(format!("failed while timing: {e}")),
-                                        None,
-                                    ));
-                                    timings[i].clear();
+                                    fail_timing(&mut records[i], &mut timings[i], &cands[i], e);
                                 }
                             }
                         }
