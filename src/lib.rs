@@ -65,6 +65,10 @@
 //! | `sliding_window` | `W` or `none` | `none` |
 //! | `nonfinite` | `reject` | `reject` |
 //!
+//! A scheme *argument* (a CLI flag, a config value) goes through
+//! [`load_scheme`]: scheme text if it contains `{`, else a preset name, else
+//! a file path (`./kivi2` loads a file named like a preset).
+//!
 //! Each declaration becomes a unit struct with `spec()`, `CANONICAL` (the
 //! canonical text, see [`canonical`]) and `HASH` ([`scheme_hash`]).
 //!
@@ -92,8 +96,8 @@ pub use kivi_runtime::{
     SeqId,
 };
 pub use kivi_spec::{
-    canonical, parse_scheme, parse_schemes, presets, scheme_hash, Axis, Codec, Dtype, Flush, Heads, ParseError, Quant,
-    ScaleDtype, Scheme, Shape, Tensor,
+    canonical, load_scheme, parse_scheme, parse_schemes, presets, scheme_hash, Axis, Codec, Dtype, Flush, Heads,
+    ParseError, Quant, ScaleDtype, Scheme, Shape, Tensor,
 };
 
 /// The README's Rust examples run as doc tests, so they cannot go stale.

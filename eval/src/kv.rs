@@ -18,33 +18,13 @@ pub fn f32_scheme() -> Scheme {
     s
 }
 
-/// A preset by name, or `f32` for [`f32_scheme`].
-pub fn scheme_by_name(name: &str) -> Option<Scheme> {
-    if name == "f32" {
-        Some(f32_scheme())
-    } else {
-        kivi_spec::presets::by_name(name)
-    }
-}
-
-/// A scheme named on the command line: `f32`, a preset name, scheme text
-/// (`name { key: ..., ... }`), or the path of a file holding scheme text.
+/// A scheme named on the command line, by the one rule of
+/// [`kivi_spec::load_scheme`] (scheme text if it contains `{`, else a preset
+/// name, else a file path) with `f32` ([`f32_scheme`]) counted as a preset.
 pub fn resolve_scheme(spec: &str) -> Result<Scheme> {
-    if let Some(s) = scheme_by_name(spec) {
-        return Ok(s);
-    }
-    let text = if spec.contains('{') {
-        spec.to_string()
-    } else if std::path::Path::new(spec).is_file() {
-        std::fs::read_to_string(spec).map_err(|e| Error::io(spec, e))?
-    } else {
-        let known: Vec<String> = kivi_spec::presets::all().into_iter().map(|s| s.name).collect();
-        return Err(Error::Config(format!(
-            "unknown scheme `{spec}`; use f32, a preset ({}), scheme text or a scheme file",
-            known.join(", ")
-        )));
-    };
-    kivi_spec::parse_scheme(&text).map_err(|e| Error::Config(format!("scheme `{spec}`: {e}")))
+    kivi_spec::resolve_scheme(spec, &[f32_scheme()])
+        .map(|r| r.scheme)
+        .map_err(|e| Error::Config(e.to_string()))
 }
 
 /// One sequence's cache for every layer of a model.

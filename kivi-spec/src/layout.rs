@@ -207,11 +207,14 @@ fn lcm(a: usize, b: usize) -> usize {
     a / gcd(a, b) * b
 }
 
+/// The largest block, in tokens.
+pub const MAX_BLOCK_TOKENS: usize = 1 << 16;
+
 /// Why a block size does not fit a scheme.
 pub fn check_block_tokens(s: &Scheme, block_tokens: usize) -> Result<(), String> {
-    if block_tokens == 0 || block_tokens > 1 << 16 {
+    if block_tokens == 0 || block_tokens > MAX_BLOCK_TOKENS {
         return Err(format!(
-            "block size {block_tokens} tokens is out of range; expected 1 to 65536"
+            "block size {block_tokens} tokens is out of range; expected 1 to {MAX_BLOCK_TOKENS}"
         ));
     }
     for t in [Tensor::Key, Tensor::Value] {

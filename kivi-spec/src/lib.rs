@@ -25,6 +25,7 @@
 
 mod canonical;
 pub mod layout;
+mod load;
 mod model;
 mod parse;
 pub mod presets;
@@ -32,6 +33,7 @@ pub mod tokens;
 mod validate;
 
 pub use canonical::{canonical, canonical_body, fnv1a64, scheme_hash};
+pub use load::{load_scheme, resolve_scheme, LoadError, ResolvedScheme, SchemeSource};
 pub use model::*;
 pub use parse::{parse_scheme, parse_schemes, span_for, ParseError, SchemeDecl, SchemeList};
 pub use validate::{validate, Field, Invalid, ALLOWED_BITS};

@@ -102,6 +102,24 @@ pub fn validate(s: &Scheme) -> Result<(), Invalid> {
             }
         }
     }
+    // A block holds a whole number of every channel-axis group, so its size
+    // is a multiple of their lcm: keep that within what a block can be.
+    if let (Some(k), Some(v)) = (s.key.quant(), s.value.quant()) {
+        if k.axis == Axis::Channel && v.axis == Axis::Channel {
+            let lcm = crate::layout::default_block_tokens(s);
+            if lcm > crate::layout::MAX_BLOCK_TOKENS {
+                return Err(Invalid::new(
+                    Field::Group(Tensor::Value),
+                    format!(
+                        "value group = {} with key group = {}: a block must hold a multiple of both ({lcm} tokens), more than {}; use groups where one divides the other",
+                        v.group,
+                        k.group,
+                        crate::layout::MAX_BLOCK_TOKENS
+                    ),
+                ));
+            }
+        }
+    }
     if s.residual > MAX_WINDOW {
         return Err(Invalid::new(
             Field::Residual,

@@ -206,3 +206,24 @@ fn doc_comments_are_allowed_and_other_attributes_are_not() {
     assert!(e.message.contains("only doc comments"), "{e}");
     assert_eq!((e.line, e.column), (1, 1));
 }
+
+/// Found by the scheme fuzzer: two channel-axis groups whose lcm is more
+/// than a block can hold (64 and 3493 -> 223,552 tokens) were accepted, and
+/// then no cache could be made for the scheme.
+#[test]
+fn channel_groups_that_no_block_can_hold_are_refused() {
+    let text =
+        "A1 { key: quant(bits = 4, axis = channel, group = 64), value: quant(bits = 4, axis = channel, group = 3493) }";
+    let e = kivi_spec::parse_scheme(text).unwrap_err();
+    assert!(
+        e.message
+            .contains("a block must hold a multiple of both (223552 tokens)"),
+        "{e}"
+    );
+    assert_eq!((e.line, e.column), (1, 103), "{e}"); // at `3493`
+                                                     // Groups where one divides the other are fine at any size.
+    kivi_spec::parse_scheme(
+        "A2 { key: quant(bits = 4, axis = channel, group = 4096), value: quant(bits = 4, axis = channel, group = 64) }",
+    )
+    .unwrap();
+}

@@ -11,16 +11,25 @@
 //! - A file that does not parse, has another format marker, another schema,
 //!   another toolchain (stale) or another device (foreign) is reported as a
 //!   warning and ignored — never trusted, never a crash. The next write
-//!   replaces it; a corrupt or foreign file is first moved aside as
-//!   `<name>.bad-<unix time>` so that it can be inspected.
-//! - Writes go to a temporary file in the same directory and are renamed
-//!   over the old one (atomic on POSIX), so a reader sees the old or the new
-//!   file, never half of one.
+//!   starts a new file and first moves the old one aside, unchanged, as
+//!   `<name>.bad-<unix time>` (corrupt or foreign) or
+//!   `<name>.stale-<unix time>` (another schema or toolchain: every scheme's
+//!   entries are kept there for `kivi inspect --all`; timings taken by
+//!   another toolchain are not reused). A name already taken gets a `.N`
+//!   suffix, so nothing moved aside is ever overwritten.
+//! - Writes go to a temporary file in the same directory, synced, renamed
+//!   over the old one (atomic on POSIX), and then the directory is synced so
+//!   that the rename itself survives a crash: a reader sees the old or the
+//!   new file, never half of one.
 //! - Writers take `<file>.lock` (created with `create_new`, so only one
-//!   process can hold it), re-read the file under the lock and merge their
-//!   entries into it, so two tuners running at once both keep their
-//!   results. A lock older than [`STALE_LOCK`] is considered abandoned (a
-//!   crashed writer) and broken.
+//!   process can hold it; it holds a token unique to its holder), re-read
+//!   the file under the lock and merge their entries into it, so two tuners
+//!   running at once both keep their results. A lock older than
+//!   [`STALE_LOCK`] is considered abandoned (a crashed writer) and broken —
+//!   by exactly one waiter: breaking the lock with token `T` first takes
+//!   `<file>.lock.break-T` with `create_new`, then removes the lock only if
+//!   it still holds `T`. Two waiters that saw the same stale lock can
+//!   therefore never remove each other's fresh lock.
 
 use crate::bucket::Bucket;
 use crate::fingerprint::{Fingerprint, Toolchain, SCHEMA_VERSION};
@@ -187,8 +196,12 @@ pub enum Distrust {
 }
 
 impl Distrust {
-    fn moved_aside(&self) -> bool {
-        !matches!(self, Distrust::Stale(_))
+    /// The suffix a file of this kind is moved aside with (`.bad-` or `.stale-`).
+    fn aside_tag(&self) -> &'static str {
+        match self {
+            Distrust::Stale(_) => "stale",
+            Distrust::Corrupt(_) | Distrust::Foreign(_) => "bad",
+        }
     }
 }
 
@@ -364,21 +377,16 @@ impl Store {
             Ok(Some(f)) => f,
             Ok(None) => self.empty(),
             Err(d) => {
-                if d.moved_aside() {
-                    let aside = path.with_extension(format!("json.bad-{}", now_unix()));
-                    match fs::rename(&path, &aside) {
-                        Ok(()) => warnings.push(format!(
-                            "replacing decision file {} ({d}); the old one is kept as {}",
-                            path.display(),
-                            aside.display()
-                        )),
-                        Err(e) => warnings.push(format!(
-                            "replacing decision file {} ({d}); could not keep a copy: {e}",
-                            path.display()
-                        )),
-                    }
-                } else {
-                    warnings.push(format!("replacing decision file {} ({d})", path.display()));
+                match move_aside(&path, d.aside_tag()) {
+                    Ok(aside) => warnings.push(format!(
+                        "replacing decision file {} ({d}); the old one is kept as {}",
+                        path.display(),
+                        aside.display()
+                    )),
+                    Err(e) => warnings.push(format!(
+                        "replacing decision file {} ({d}); could not keep a copy: {e}",
+                        path.display()
+                    )),
                 }
                 self.empty()
             }
@@ -389,10 +397,65 @@ impl Store {
     }
 }
 
-fn lock_path(path: &Path) -> PathBuf {
+fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
     let mut s = path.as_os_str().to_os_string();
-    s.push(".lock");
+    s.push(suffix);
     PathBuf::from(s)
+}
+
+fn lock_path(path: &Path) -> PathBuf {
+    with_suffix(path, ".lock")
+}
+
+/// Moves `path` to `<path>.<tag>-<unix time>` (or `...-<unix time>.N` when
+/// that name is taken: a hard link never replaces an existing file, so no
+/// earlier copy is lost) and returns the new name. Called under the lock.
+fn move_aside(path: &Path, tag: &str) -> std::io::Result<PathBuf> {
+    let base = with_suffix(path, &format!(".{tag}-{}", now_unix()));
+    for n in 0..1000 {
+        let aside = if n == 0 {
+            base.clone()
+        } else {
+            with_suffix(&base, &format!(".{n}"))
+        };
+        match fs::hard_link(path, &aside) {
+            Ok(()) => {
+                fs::remove_file(path)?;
+                sync_dir(path)?;
+                return Ok(aside);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            // No hard links on this file system: a rename onto a name that
+            // was free a moment ago (we hold the lock) is as good.
+            Err(_) if !aside.exists() => {
+                fs::rename(path, &aside)?;
+                sync_dir(path)?;
+                return Ok(aside);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(std::io::Error::other(format!(
+        "every name like {} is taken",
+        base.display()
+    )))
+}
+
+/// Syncs the directory holding `path`, so that a rename or removal in it is
+/// on disk (a file's own sync does not cover its directory entry).
+fn sync_dir(path: &Path) -> std::io::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    #[cfg(test)]
+    tests::SYNCED_DIRS.lock().unwrap().push(dir.to_path_buf());
+    // Directories cannot be opened for syncing on every platform (Windows);
+    // there a rename is as durable as the file system makes it.
+    if cfg!(unix) {
+        fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
 }
 
 /// Writes `bytes` to a unique temporary file next to `path`, syncs it and
@@ -419,7 +482,8 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), String> {
         let mut f = fs::File::create(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
-        fs::rename(&tmp, path)
+        fs::rename(&tmp, path)?;
+        sync_dir(path)
     })();
     result.map_err(|e| {
         let _ = fs::remove_file(&tmp);
@@ -427,32 +491,74 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), String> {
     })
 }
 
-/// An exclusive lock file, removed on drop.
+/// An exclusive lock file holding a token unique to its holder, removed on drop.
 struct Lock {
     path: PathBuf,
+}
+
+/// A token no other lock holder has: process, thread, time and a counter.
+fn unique_token() -> String {
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!(
+        "{}-{nanos}-{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    )
+}
+
+/// What identifies one lock file instance: its token, or (for a holder that
+/// died before writing it) its modification time.
+fn lock_identity(path: &Path) -> Option<String> {
+    let text = fs::read_to_string(path).ok()?;
+    let token = text.trim();
+    if token.is_empty() {
+        let m = fs::metadata(path).ok()?.modified().ok()?;
+        let t = m.duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+        Some(format!("empty-{t}"))
+    } else {
+        // Tokens are ours (digits and dashes); anything else is made safe
+        // for a file name rather than trusted.
+        Some(
+            token
+                .chars()
+                .take(64)
+                .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' })
+                .collect(),
+        )
+    }
+}
+
+fn age(path: &Path) -> Option<Duration> {
+    fs::metadata(path)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|m| m.elapsed().ok())
 }
 
 impl Lock {
     fn acquire(path: &Path) -> Result<Lock, String> {
         let start = std::time::Instant::now();
         let mut wait = Duration::from_millis(1);
+        let token = unique_token();
         loop {
             match fs::OpenOptions::new().write(true).create_new(true).open(path) {
                 Ok(mut f) => {
-                    let _ = writeln!(f, "{}", std::process::id());
+                    let _ = writeln!(f, "{token}");
                     return Ok(Lock {
                         path: path.to_path_buf(),
                     });
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                    let age = fs::metadata(path)
-                        .and_then(|m| m.modified())
-                        .ok()
-                        .and_then(|m| m.elapsed().ok());
-                    if age.is_some_and(|a| a > STALE_LOCK) {
+                    if age(path).is_some_and(|a| a > STALE_LOCK) {
                         // The holder died mid-merge; its temp file never
                         // replaced the real one, so breaking the lock is safe.
-                        let _ = fs::remove_file(path);
+                        if let Some(id) = lock_identity(path) {
+                            break_stale(path, &id);
+                        }
                         continue;
                     }
                     if start.elapsed() > STALE_LOCK + Duration::from_secs(5) {
@@ -466,6 +572,32 @@ impl Lock {
                 }
                 Err(e) => return Err(format!("cannot create lock {}: {e}", path.display())),
             }
+        }
+    }
+}
+
+/// Removes the stale lock instance `id` at `path`, if this caller wins the
+/// right to: only the waiter that creates `<lock>.break-<id>` may remove it,
+/// and only while the lock still is that instance and still stale. Once
+/// checked, the instance cannot change under us: its holder is dead and we
+/// are its only breaker. A waiter that comes late finds another token (or
+/// a fresh lock) and leaves it alone.
+fn break_stale(path: &Path, id: &str) {
+    let breaker = with_suffix(path, &format!(".break-{id}"));
+    match fs::OpenOptions::new().write(true).create_new(true).open(&breaker) {
+        Ok(_) => {
+            if lock_identity(path).as_deref() == Some(id) && age(path).is_some_and(|a| a > STALE_LOCK) {
+                let _ = fs::remove_file(path);
+            }
+            let _ = fs::remove_file(&breaker);
+        }
+        Err(_) => {
+            // Another waiter is breaking it (a moment), or died doing so
+            // (its breaker is then as old as a stale lock: clear it).
+            if age(&breaker).is_some_and(|a| a > STALE_LOCK) {
+                let _ = fs::remove_file(&breaker);
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 }
@@ -490,8 +622,9 @@ pub fn scan(dir: &Path) -> Vec<(PathBuf, Result<DecisionFile, Distrust>)> {
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default();
-            // Files moved aside as corrupt are listed too, as ignored.
-            n.starts_with("decisions-") && (n.ends_with(".json") || n.contains(".json.bad-"))
+            // Files moved aside are listed too, as ignored.
+            n.starts_with("decisions-")
+                && (n.ends_with(".json") || n.contains(".json.bad-") || n.contains(".json.stale-"))
         })
         .collect();
     paths.sort();
@@ -529,4 +662,73 @@ pub fn import_bundle(dir: &Path, bundle: &Path, warnings: &mut Vec<String>) -> R
     let n = file.entries.len();
     store.save(&file.entries, warnings)?;
     Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// Directories `sync_dir` synced, in order (all tests of this module).
+    pub(super) static SYNCED_DIRS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+    fn temp_dir(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("kivi-decisions-unit-{}-{tag}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn synced(dir: &Path) -> usize {
+        SYNCED_DIRS
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|d| d.as_path() == dir)
+            .count()
+    }
+
+    #[test]
+    fn an_atomic_write_syncs_its_directory_after_the_rename() {
+        let dir = temp_dir("sync");
+        let path = dir.join("decisions-x.json");
+        write_atomic(&path, b"{}").unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"{}");
+        assert_eq!(synced(&dir), 1, "the directory was not synced after the rename");
+        // Moving a file aside is a rename too.
+        let aside = move_aside(&path, "bad").unwrap();
+        assert!(!path.exists() && aside.exists());
+        assert_eq!(synced(&dir), 2);
+    }
+
+    #[test]
+    fn moving_aside_never_overwrites_an_earlier_copy() {
+        let dir = temp_dir("aside");
+        let path = dir.join("decisions-x.json");
+        let mut kept = Vec::new();
+        for i in 0..3 {
+            fs::write(&path, format!("copy {i}")).unwrap();
+            kept.push(move_aside(&path, "stale").unwrap());
+        }
+        // Same second, three names; each holds its own copy.
+        for (i, p) in kept.iter().enumerate() {
+            assert_eq!(fs::read_to_string(p).unwrap(), format!("copy {i}"), "{}", p.display());
+            assert!(p.to_string_lossy().contains(".json.stale-"), "{}", p.display());
+        }
+    }
+
+    #[test]
+    fn a_fresh_lock_is_never_broken_by_a_late_waiter() {
+        let dir = temp_dir("late");
+        let lock = dir.join("x.lock");
+        // A waiter judged an old instance stale, then a new holder took the
+        // lock before the waiter got to break it: the new lock stays.
+        fs::write(&lock, "new-holder\n").unwrap();
+        break_stale(&lock, "old-holder");
+        assert_eq!(fs::read_to_string(&lock).unwrap(), "new-holder\n");
+        // Even when the waiter read the new token: the lock is fresh.
+        break_stale(&lock, "new-holder");
+        assert!(lock.exists());
+        assert!(!with_suffix(&lock, ".break-new-holder").exists());
+    }
 }

@@ -193,6 +193,176 @@ fn a_lock_left_by_a_dead_writer_is_broken() {
     let _ = fake;
 }
 
+/// Makes `<store file>.lock` look like the lock of a writer that died long ago.
+fn plant_stale_lock(st: &Store) -> std::path::PathBuf {
+    let lock = std::path::PathBuf::from(format!("{}.lock", st.path().display()));
+    std::fs::write(&lock, "dead-writer\n").unwrap();
+    let old = std::time::SystemTime::now() - decisions::STALE_LOCK - std::time::Duration::from_secs(5);
+    std::fs::File::options()
+        .write(true)
+        .open(&lock)
+        .unwrap()
+        .set_modified(old)
+        .unwrap();
+    lock
+}
+
+#[test]
+fn waiters_that_break_a_stale_lock_together_never_both_hold_it() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let (_, st) = tuned_store("stale-race");
+    // Many waiters find the same stale lock at the same moment. Each must
+    // get the lock to itself: a waiter that breaks the lock after another
+    // one already took it again would remove a live lock.
+    for round in 0..12 {
+        let lock = plant_stale_lock(&st);
+        let inside = AtomicUsize::new(0);
+        let most = AtomicUsize::new(0);
+        let barrier = std::sync::Barrier::new(6);
+        std::thread::scope(|s| {
+            for _ in 0..6 {
+                s.spawn(|| {
+                    barrier.wait();
+                    let mut w = Vec::new();
+                    st.update(&mut w, |_| {
+                        let n = inside.fetch_add(1, Ordering::SeqCst) + 1;
+                        most.fetch_max(n, Ordering::SeqCst);
+                        std::thread::sleep(std::time::Duration::from_millis(15));
+                        inside.fetch_sub(1, Ordering::SeqCst);
+                    })
+                    .unwrap();
+                });
+            }
+        });
+        assert_eq!(
+            most.load(Ordering::SeqCst),
+            1,
+            "round {round}: two writers held the lock at once"
+        );
+        assert!(!lock.exists(), "round {round}: lock left behind");
+        let leftovers: Vec<String> = std::fs::read_dir(&st.dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains(".break-") || n.contains(".tmp"))
+            .collect();
+        assert!(leftovers.is_empty(), "round {round}: {leftovers:?}");
+    }
+}
+
+/// Child half of the two-process stale-lock test.
+#[test]
+fn stale_lock_child() {
+    let Ok(dir) = std::env::var("KIVI_TUNER_TEST_STALE_LOCK") else {
+        return;
+    };
+    let fake = Fake::new(vec![]);
+    let st = Store::new(dir.into(), fake.device.clone(), fake.toolchain.clone());
+    // Start together with the other process: wait for the parent's go file.
+    let go = st.dir.join("go");
+    while !go.exists() {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let log = st.dir.join("inside.log");
+    let mut w = Vec::new();
+    st.update(&mut w, |_| {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(&log)
+            .unwrap();
+        writeln!(f, "enter {}", std::process::id()).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(40));
+        writeln!(f, "leave {}", std::process::id()).unwrap();
+    })
+    .unwrap();
+}
+
+#[test]
+fn two_processes_breaking_a_stale_lock_take_turns() {
+    let exe = std::env::current_exe().unwrap();
+    for round in 0..4 {
+        let (_, st) = tuned_store(&format!("stale-procs-{round}"));
+        plant_stale_lock(&st);
+        let children: Vec<_> = (0..3)
+            .map(|_| {
+                std::process::Command::new(&exe)
+                    .args(["--exact", "stale_lock_child", "--test-threads=1"])
+                    .env("KIVI_TUNER_TEST_STALE_LOCK", &st.dir)
+                    .stdout(std::process::Stdio::null())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        std::fs::write(st.dir.join("go"), "").unwrap();
+        for mut c in children {
+            assert!(c.wait().unwrap().success());
+        }
+        // Every critical section closed before the next one opened.
+        let log = std::fs::read_to_string(st.dir.join("inside.log")).unwrap();
+        let lines: Vec<&str> = log.lines().collect();
+        assert_eq!(lines.len(), 6, "{log}");
+        for pair in lines.chunks(2) {
+            let (a, b) = (pair[0], pair[1]);
+            assert!(
+                a.starts_with("enter") && b.starts_with("leave") && a[6..] == b[6..],
+                "round {round}: overlapping writers:\n{log}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_toolchain_change_moves_the_old_file_aside_with_every_scheme() {
+    // Two schemes tuned by one toolchain.
+    let (fake, st) = tuned_store("toolchain");
+    let other = kivi_spec::presets::kivi4()
+        .with_shape(kivi_spec::Heads::Gqa { q: 8, kv: 2 }, 64)
+        .unwrap();
+    let plan = Plan {
+        budget_s: 10.0,
+        ..Plan::default()
+    };
+    let mut w = Vec::new();
+    tune::run(&fake, &st, &other, &[bucket()], &plan, &mut (), &mut w);
+    let old_text = std::fs::read_to_string(st.path()).unwrap();
+    let mut w = Vec::new();
+    assert_eq!(st.load(&mut w).entries.len(), 2);
+    // A new toolchain tunes one of them.
+    let mut newer = Fake::new(fake.cands.clone());
+    newer.toolchain = kivi_tuner::Toolchain::current("fakec 2.0");
+    let st2 = Store::new(st.dir.clone(), newer.device.clone(), newer.toolchain.clone());
+    assert_eq!(st2.path(), st.path(), "same device, same file");
+    let (o, w) = retune(&newer, &st2);
+    assert!(matches!(o.origin, Origin::Tuned { .. }), "{:?}", o.origin);
+    // Reported, with where the old file went ...
+    let note = w
+        .iter()
+        .find(|m| m.contains("stale") && m.contains("kept as"))
+        .unwrap_or_else(|| panic!("no warning names the moved file: {w:?}"));
+    let aside: Vec<std::path::PathBuf> = std::fs::read_dir(&st.dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().contains(".json.stale-"))
+        .collect();
+    assert_eq!(aside.len(), 1, "{aside:?}");
+    assert!(note.contains(&aside[0].display().to_string()), "{note}");
+    // ... unchanged, with both schemes' entries; the new file has the new one.
+    assert_eq!(std::fs::read_to_string(&aside[0]).unwrap(), old_text);
+    let mut w = Vec::new();
+    assert_eq!(st2.load(&mut w).entries.len(), 1);
+    assert!(w.is_empty(), "{w:?}");
+    // `kivi inspect --all` still lists it, as ignored (stale).
+    let listed = decisions::scan(&st.dir);
+    assert!(
+        listed
+            .iter()
+            .any(|(p, r)| p == &aside[0] && matches!(r, Err(decisions::Distrust::Stale(_)) | Ok(_))),
+        "{listed:?}"
+    );
+}
+
 #[test]
 fn bundles_export_and_import() {
     let (fake, st) = tuned_store("bundle-src");

@@ -13,7 +13,7 @@ pub mod peers;
 
 use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, CpuParams, PagedCache};
 use kivi_spec::layout::Footprint;
-use kivi_spec::{presets, Heads, Scheme};
+use kivi_spec::{Heads, Scheme};
 use serde::Serialize;
 use std::time::Instant;
 
@@ -321,10 +321,7 @@ fn kv_data(tokens: usize, l: Layout, seed: u64) -> (Vec<f32>, Vec<f32>) {
 }
 
 fn bind(name: &str, l: Layout) -> Result<Scheme, String> {
-    let s = presets::by_name(name).ok_or_else(|| {
-        let all: Vec<String> = presets::all().into_iter().map(|s| s.name).collect();
-        format!("unknown scheme `{name}`; presets are {}", all.join(", "))
-    })?;
+    let s = kivi_spec::load_scheme(name).map_err(|e| e.to_string())?;
     s.with_shape(l.heads(), l.head_dim)
         .map_err(|e| format!("scheme `{name}` does not fit {}: {e}", l.name))
 }

@@ -25,7 +25,7 @@ pub enum BackendKind {
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// A preset name (see `kivi schemes`) or the path of a scheme file
+    /// Scheme text (contains `{`), else a preset name (`kivi schemes`), else a file path (`./NAME` for a file named like a preset)
     #[arg(long)]
     pub scheme: String,
     /// Query, [Hq, D] (or [B, Hq, D] with batched k/v); float32 or float16

@@ -31,7 +31,7 @@ pub struct Args {
     /// Head layouts: gqa (32:8, d128), mqa (4:1, d256) [default: gqa,mqa]
     #[arg(long, value_delimiter = ',')]
     layouts: Vec<String>,
-    /// Preset schemes; f16 is the baseline [default: f16,int8,kivi4,kivi2]
+    /// Schemes: preset names or scheme files (see `kivi show --help`); f16 is the baseline [default: f16,int8,kivi4,kivi2]
     #[arg(long, value_delimiter = ',')]
     schemes: Vec<String>,
     /// Timed repetitions per point [default: 9, --quick 5]

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Schemes to compare, comma-separated: preset names or `f32` (f32 is always run as the baseline)
+    /// Schemes to compare, comma-separated: `f32`, preset names or scheme files (see `kivi show --help`); f32 is always run as the baseline
     #[arg(
         long,
         value_delimiter = ',',
@@ -20,9 +20,10 @@ pub struct Args {
     /// Tokens prefilled before token-by-token decoding through the cache starts
     #[arg(long, default_value_t = 256)]
     pub prefix: usize,
-    /// The text (default: the GNU GPL v3 that Debian ships)
-    #[arg(long, default_value = "/usr/share/common-licenses/GPL-3")]
-    pub text: PathBuf,
+    /// A text file (default: the bundled US Declaration of Independence; docs/accuracy.md used
+    /// /usr/share/common-licenses/GPL-3)
+    #[arg(long)]
+    pub text: Option<PathBuf>,
     /// A Gemma 3 GGUF file (default: fetch Gemma 3 270M Q4_K_M into $KIVI_CACHE_DIR/models or .cache/models)
     #[arg(long)]
     pub model: Option<PathBuf>,

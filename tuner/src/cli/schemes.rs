@@ -2,7 +2,6 @@
 //! or from a scheme file (shared by `show` and `attend`).
 
 use kivi_spec::{canonical_body, presets, scheme_hash, Scheme};
-use std::path::Path;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -26,26 +25,15 @@ pub fn hash_hex(s: &Scheme) -> String {
     format!("{:016x}", scheme_hash(s))
 }
 
-/// A preset name (`kivi2`, ...) or the path of a file holding one scheme in
-/// the `kivi::scheme!` language. A name that is both wins as a file only
-/// when it exists on disk.
-pub fn load_scheme(name_or_path: &str) -> super::Result<Scheme> {
-    let path = Path::new(name_or_path);
-    if path.is_file() {
-        let text =
-            std::fs::read_to_string(path).map_err(|e| format!("{}: {}", path.display(), crate::npy::io_reason(&e)))?;
-        // `line:column: message`, like a compiler, so editors can jump to it.
-        return kivi_spec::parse_scheme(&text).map_err(|e| format!("{}:{e}", path.display()).into());
+/// A scheme argument, by the one rule of [`kivi_spec::load_scheme`]:
+/// scheme text if it contains `{`, else a preset name, else a file path.
+/// When a preset shadows a file of the same name, says so on stderr.
+pub fn load_scheme(arg: &str) -> super::Result<Scheme> {
+    let r = kivi_spec::resolve_scheme(arg, &[])?;
+    if let Some(note) = r.note {
+        eprintln!("kivi: note: {note}");
     }
-    if let Some(s) = presets::by_name(name_or_path) {
-        return Ok(s);
-    }
-    let names: Vec<String> = presets::all().into_iter().map(|s| s.name).collect();
-    Err(format!(
-        "unknown scheme `{name_or_path}`: not a preset ({}) and no such file",
-        names.join(", ")
-    )
-    .into())
+    Ok(r.scheme)
 }
 
 pub fn run(args: Args) -> super::Result {

@@ -12,7 +12,7 @@ const MAX_CONTEXT: usize = 1 << 20;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// A preset name (see `kivi schemes`) or the path of a scheme file
+    /// Scheme text (contains `{`), else a preset name (`kivi schemes`), else a file path (`./NAME` for a file named like a preset)
     pub scheme: String,
     /// Head layout: gqa:Q:KV, mha:N or mqa:Q (default: the scheme's own, else gqa:32:8)
     #[arg(long, value_parser = parse_heads)]

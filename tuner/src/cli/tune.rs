@@ -1,6 +1,7 @@
 //! `kivi tune`: tune kernel variants for a scheme over shape buckets and
 //! cache the decisions.
 
+use super::schemes::load_scheme;
 use kivi_spec::{Heads, Scheme};
 use kivi_tuner::bucket::{parse_counts, Bucket};
 use kivi_tuner::decisions::{self, Entry, Status, Store};
@@ -12,7 +13,7 @@ use std::time::Instant;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Scheme: a preset name (see `kivi schemes`) or a file holding scheme text
+    /// Scheme text (contains `{`), else a preset name (`kivi schemes`), else a file path (`./NAME` for a file named like a preset)
     #[arg(long)]
     scheme: String,
     /// Backend to tune: auto (cuda when usable, else cpu), cpu or cuda
@@ -57,20 +58,6 @@ pub struct Args {
     /// No progress bar
     #[arg(long)]
     quiet: bool,
-}
-
-/// A preset by name, else a file with scheme text.
-pub fn load_scheme(s: &str) -> super::Result<Scheme> {
-    if let Some(p) = kivi_spec::presets::by_name(s) {
-        return Ok(p);
-    }
-    let path = std::path::Path::new(s);
-    if path.exists() {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {s}: {e}"))?;
-        return kivi_spec::parse_scheme(&text).map_err(|e| format!("{s}: {e}").into());
-    }
-    let names: Vec<String> = kivi_spec::presets::all().into_iter().map(|p| p.name).collect();
-    Err(format!("unknown scheme `{s}`: not a preset ({}) nor a file", names.join(", ")).into())
 }
 
 /// Binds the shape from the flags or the scheme's own.

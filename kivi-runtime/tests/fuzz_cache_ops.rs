@@ -1,0 +1,491 @@
+//! Fuzzing `PagedCache` with random sequences of operations — add a
+//! sequence, append one token, extend by many, free, reuse freed blocks,
+//! unknown ids, wrong lengths, NaN/Inf and overflowing inputs, running out
+//! of blocks — on random schemes (bits, axes, groups, sinks, windows, flush
+//! policies, dtypes, block sizes), checked against a plain model: the list
+//! of rows each sequence was given.
+//!
+//! After every operation: token counts match the model; memory accounting
+//! is exact (blocks, windows, tables, per kind, summed over sequences; used
+//! plus free blocks is the pool; block tables are disjoint). A rejected
+//! operation returns the error the model predicts, with a clear message,
+//! and leaves every observable part of the cache as it was. Now and then:
+//! the cache's dequantized K and V equal the reference's view of the rows
+//! (`reference::cache_view`, one-shot), equal a fresh cache filled by one
+//! `extend` (streaming ≡ prefill, bit for bit, memory included), and decode
+//! attention on the cache equals the reference's.
+
+#[macro_use]
+#[path = "../../tests/fuzz_support/mod.rs"]
+mod fuzz;
+
+use fuzz::{check_message, pick, Rng};
+use kivi_runtime::reference::{self, AttnParams};
+use kivi_runtime::{Backend, CacheConfig, CpuBackend, Error, PagedCache, ReferenceBackend, SeqId};
+use kivi_spec::layout::{self, regions};
+use kivi_spec::{Axis, Codec, Dtype, Flush, Heads, Quant, ScaleDtype, Scheme, Tensor};
+use std::collections::BTreeMap;
+
+/// A random valid scheme with a small shape.
+fn scheme(rng: &mut Rng) -> Scheme {
+    loop {
+        let head_dim = *pick(rng, &[4u32, 8, 16, 32, 64]);
+        let heads = *pick(
+            rng,
+            &[Heads::Mha(1), Heads::Gqa { q: 4, kv: 2 }, Heads::Mqa(3), Heads::Mha(2)],
+        );
+        let codec = |rng: &mut Rng| {
+            if rng.u8(..5) == 0 {
+                Codec::Full
+            } else {
+                Codec::Quant(Quant {
+                    bits: *pick(rng, &[1, 2, 3, 4, 8]),
+                    axis: if rng.bool() { Axis::Channel } else { Axis::Token },
+                    group: *pick(rng, &[1, 2, 4, 8, 16, 32]),
+                    scale: if rng.u8(..3) == 0 {
+                        ScaleDtype::F32
+                    } else {
+                        ScaleDtype::F16
+                    },
+                })
+            }
+        };
+        let mut s = kivi_spec::presets::f16();
+        s.name = "fz".into();
+        s.key = codec(rng);
+        s.value = codec(rng);
+        s.residual = *pick(rng, &[0, 0, 1, 3, 4, 8, 16, 32]);
+        s.sinks = *pick(rng, &[0, 0, 0, 1, 2, 5]);
+        s.flush = if rng.u8(..4) == 0 { Flush::Chunked } else { Flush::Eager };
+        s.dtype = *pick(rng, &[Dtype::F16, Dtype::Bf16, Dtype::F32]);
+        s.sliding_window = if rng.u8(..4) == 0 { Some(rng.u32(1..40)) } else { None };
+        if rng.u8(..4) == 0 {
+            s.softmax_scale = Some(*pick(rng, &[0.0625f32, 1.0, 0.01]));
+        }
+        if let Ok(b) = s.with_shape(heads, head_dim) {
+            return b;
+        }
+    }
+}
+
+/// A block size the scheme accepts (or the default).
+fn config(rng: &mut Rng, s: &Scheme) -> CacheConfig {
+    let block_tokens = if rng.bool() {
+        None
+    } else {
+        // The smallest valid size is the lcm of the channel groups (at most
+        // 32 here): a small multiple of it makes sequences span many blocks.
+        let unit = (1..=64)
+            .find(|u| layout::check_block_tokens(s, *u).is_ok())
+            .expect("channel groups are at most 32");
+        Some(unit * rng.usize(1..4))
+    };
+    CacheConfig {
+        block_tokens,
+        max_blocks: rng.usize(0..24),
+    }
+}
+
+/// Token rows with occasional outliers, non-finite values, or values large
+/// enough to overflow a scale.
+fn rows(rng: &mut Rng, n: usize, width: usize, poison: bool) -> Vec<f32> {
+    let mut v: Vec<f32> = (0..n * width).map(|_| rng.f32() * 4.0 - 2.0).collect();
+    if poison && !v.is_empty() {
+        let i = rng.usize(..v.len());
+        v[i] = *pick(
+            rng,
+            &[
+                f32::NAN,
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                1e30,
+                -1e30,
+                3e38,
+                65504.0,
+                -65504.0,
+                7e4,
+            ],
+        );
+        if rng.bool() {
+            let j = rng.usize(..v.len());
+            v[j] = -v[i];
+        }
+    } else if rng.u8(..8) == 0 && !v.is_empty() {
+        let i = rng.usize(..v.len());
+        v[i] *= 1000.0; // an outlier channel value, still finite everywhere
+    }
+    v
+}
+
+/// Everything a caller can observe about the cache.
+#[derive(Debug, PartialEq)]
+struct Snapshot {
+    seqs: Vec<(SeqId, usize, Vec<u32>, Vec<u32>, Vec<u32>, kivi_runtime::MemoryReport)>,
+    free: usize,
+    memory: kivi_runtime::MemoryReport,
+}
+
+fn bits(x: Vec<f32>) -> Vec<u32> {
+    x.into_iter().map(f32::to_bits).collect()
+}
+
+fn snapshot(c: &PagedCache) -> Snapshot {
+    Snapshot {
+        seqs: c
+            .sequences()
+            .into_iter()
+            .map(|id| {
+                (
+                    id,
+                    c.len(id).unwrap(),
+                    c.block_table(id).unwrap().to_vec(),
+                    bits(c.dequantize(id, Tensor::Key).unwrap()),
+                    bits(c.dequantize(id, Tensor::Value).unwrap()),
+                    c.sequence_memory(id).unwrap(),
+                )
+            })
+            .collect(),
+        free: c.free_blocks(),
+        memory: c.memory(),
+    }
+}
+
+/// The plain model: every row each live sequence was given.
+#[derive(Default)]
+struct Model {
+    seqs: BTreeMap<SeqId, (Vec<f32>, Vec<f32>)>,
+}
+
+/// What kind of failure the model allows for one operation.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Expect {
+    Ok,
+    Unknown,
+    Shape,
+    /// Non-finite after rounding, or a scale overflow, or out of blocks: the
+    /// model does not predict the numerics, only that they may fail.
+    MayFail,
+    OutOfBlocks,
+}
+
+fn blocks_for(s: &Scheme, bt: usize, tokens: usize) -> usize {
+    let k = regions(s, Tensor::Key, tokens).quantized;
+    let v = regions(s, Tensor::Value, tokens).quantized;
+    k.max(v).div_ceil(bt)
+}
+
+/// Memory accounting and block ownership, from first principles.
+fn check_accounting(c: &PagedCache, m: &Model) -> Result<(), String> {
+    let s = c.scheme();
+    let shape = c.shape();
+    let (h, d) = (shape.kv_heads, shape.head_dim);
+    let l = c.layout();
+    let bt = l.block_tokens;
+    let ids = c.sequences();
+    ensure!(
+        ids == m.seqs.keys().copied().collect::<Vec<_>>(),
+        "live sequences {ids:?}, model has {:?}",
+        m.seqs.keys().collect::<Vec<_>>()
+    );
+    let mut owned = std::collections::HashSet::new();
+    let mut sum = kivi_runtime::MemoryReport::default();
+    for id in &ids {
+        let (k, _) = &m.seqs[id];
+        let tokens = k.len() / (h * d);
+        ensure!(
+            c.len(*id).unwrap() == tokens,
+            "seq {id}: len {} != model {tokens}",
+            c.len(*id).unwrap()
+        );
+        let table = c.block_table(*id).unwrap();
+        let want_blocks = blocks_for(s, bt, tokens);
+        ensure!(
+            table.len() == want_blocks,
+            "seq {id}: {} blocks for {tokens} tokens, expected {want_blocks}",
+            table.len()
+        );
+        for b in table {
+            ensure!((*b as usize) < c.max_blocks(), "block {b} outside the pool");
+            ensure!(owned.insert(*b), "block {b} is in two block tables");
+        }
+        let r = c.sequence_memory(*id).unwrap();
+        let window_elems: usize = [Tensor::Key, Tensor::Value]
+            .iter()
+            .map(|t| (s.sinks as usize + layout::window_capacity(s, *t)) * h * d)
+            .sum();
+        let want_windows = window_elems * s.dtype.bytes();
+        ensure!(
+            r.windows == want_windows,
+            "seq {id}: windows {} bytes, expected {want_windows}",
+            r.windows
+        );
+        ensure!(r.tables == table.len() * 4, "seq {id}: tables {} bytes", r.tables);
+        ensure!(
+            r.blocks_in_use == table.len(),
+            "seq {id}: blocks_in_use {}",
+            r.blocks_in_use
+        );
+        let codes = table.len() * h * (l.key.codes_words() + l.value.codes_words()) * 4;
+        ensure!(r.codes == codes, "seq {id}: codes {} bytes, expected {codes}", r.codes);
+        ensure!(
+            r.total == r.codes + r.scales + r.zeros + r.windows + r.tables,
+            "seq {id}: total {} is not the sum of its parts",
+            r.total
+        );
+        ensure!(
+            table.len() * l.block_bytes() == r.codes + r.scales + r.zeros,
+            "seq {id}: blocks hold {} bytes, the report says {}",
+            table.len() * l.block_bytes(),
+            r.codes + r.scales + r.zeros
+        );
+        sum.total += r.total;
+        sum.blocks_in_use += r.blocks_in_use;
+    }
+    let mem = c.memory();
+    ensure!(
+        mem.total == sum.total,
+        "memory().total {} != sum of sequences {}",
+        mem.total,
+        sum.total
+    );
+    ensure!(
+        mem.blocks_in_use + c.free_blocks() == c.max_blocks(),
+        "{} blocks in use + {} free != pool of {}",
+        mem.blocks_in_use,
+        c.free_blocks(),
+        c.max_blocks()
+    );
+    Ok(())
+}
+
+/// The cache's view of a sequence against the reference and against a
+/// fresh cache filled in one `extend`; decode against the reference.
+fn check_contents(c: &PagedCache, m: &Model, id: SeqId, rng: &mut Rng) -> Result<(), String> {
+    let s = c.scheme().clone();
+    let shape = c.shape();
+    let (k, v) = &m.seqs[&id];
+    let got_k = c.dequantize(id, Tensor::Key).unwrap();
+    let got_v = c.dequantize(id, Tensor::Value).unwrap();
+    let want_k = reference::cache_view(&s, Tensor::Key, k).map_err(|e| format!("reference refused keys: {e}"))?;
+    let want_v = reference::cache_view(&s, Tensor::Value, v).map_err(|e| format!("reference refused values: {e}"))?;
+    ensure!(
+        bits(got_k.clone()) == bits(want_k),
+        "seq {id}: keys differ from the reference view"
+    );
+    ensure!(
+        bits(got_v.clone()) == bits(want_v),
+        "seq {id}: values differ from the reference view"
+    );
+    // Streaming == prefill: a fresh cache, one extend.
+    let cfg = CacheConfig {
+        block_tokens: Some(c.layout().block_tokens),
+        max_blocks: c.max_blocks(),
+    };
+    let mut fresh = PagedCache::new(s.clone(), cfg).map_err(|e| e.to_string())?;
+    let f = fresh.add_sequence();
+    fresh
+        .extend(f, k, v)
+        .map_err(|e| format!("one-shot prefill failed: {e}"))?;
+    ensure!(
+        bits(fresh.dequantize(f, Tensor::Key).unwrap()) == bits(got_k),
+        "seq {id}: streamed keys differ from prefilled"
+    );
+    ensure!(
+        bits(fresh.dequantize(f, Tensor::Value).unwrap()) == bits(got_v),
+        "seq {id}: streamed values differ from prefilled"
+    );
+    ensure!(
+        fresh.sequence_memory(f).unwrap() == c.sequence_memory(id).unwrap(),
+        "seq {id}: streamed and prefilled memory differ"
+    );
+    // Decode: the reference backend on the cache equals the oracle on the
+    // rows; the CPU backend agrees within float noise.
+    let q: Vec<f32> = (0..shape.q_heads * shape.head_dim)
+        .map(|_| rng.f32() * 2.0 - 1.0)
+        .collect();
+    let attn = AttnParams::of(&s, shape);
+    let on_cache = ReferenceBackend.decode(c, &[id], &q, attn).map_err(|e| e.to_string())?;
+    let oracle = reference::attend(&s, &q, k, v, attn).map_err(|e| e.to_string())?;
+    ensure!(
+        bits(on_cache.clone()) == bits(oracle),
+        "seq {id}: decode differs from the oracle"
+    );
+    let cpu = CpuBackend::default()
+        .decode(c, &[id], &q, attn)
+        .map_err(|e| e.to_string())?;
+    let scale = on_cache.iter().fold(1f32, |a, x| a.max(x.abs()));
+    let err = cpu.iter().zip(&on_cache).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+    ensure!(
+        err <= 1e-4 * scale,
+        "seq {id}: cpu decode off by {err:e} (scale {scale})"
+    );
+    Ok(())
+}
+
+/// One random session of operations on one cache.
+fn session(rng: &mut Rng, ops: &mut usize) -> Result<(), String> {
+    let s = scheme(rng);
+    let cfg = config(rng, &s);
+    let mut c = match PagedCache::new(s.clone(), cfg) {
+        Ok(c) => c,
+        Err(e) => {
+            check_message(&e.to_string())?;
+            return Ok(());
+        }
+    };
+    let shape = c.shape();
+    let width = shape.kv_heads * shape.head_dim;
+    let bt = c.layout().block_tokens;
+    let mut m = Model::default();
+    for _ in 0..rng.usize(10..31) {
+        *ops += 1;
+        let live: Vec<SeqId> = m.seqs.keys().copied().collect();
+        let target = |rng: &mut Rng| -> SeqId {
+            if live.is_empty() || rng.u8(..12) == 0 {
+                rng.u64(1000..1010) // never issued
+            } else {
+                *pick(rng, &live)
+            }
+        };
+        let before = snapshot(&c);
+        let (result, expect, desc): (Result<(), Error>, Expect, String) = match rng.u8(..10) {
+            0 | 1 => {
+                let id = c.add_sequence();
+                ensure!(!m.seqs.contains_key(&id), "add_sequence reused live id {id}");
+                m.seqs.insert(id, (Vec::new(), Vec::new()));
+                (Ok(()), Expect::Ok, format!("add -> {id}"))
+            }
+            2 => {
+                let id = target(rng);
+                let r = c.free_sequence(id);
+                let e = if m.seqs.remove(&id).is_some() {
+                    Expect::Ok
+                } else {
+                    Expect::Unknown
+                };
+                (r, e, format!("free {id}"))
+            }
+            op => {
+                let id = target(rng);
+                let n = if op < 6 { 1 } else { rng.usize(0..3 * bt + 5) };
+                let poison = rng.u8(..8) == 0;
+                let (mut k, mut v) = (rows(rng, n, width, poison), rows(rng, n, width, false));
+                if rng.bool() {
+                    std::mem::swap(&mut k, &mut v);
+                }
+                let bad_len = rng.u8(..15) == 0;
+                if bad_len {
+                    if rng.bool() {
+                        k.push(0.5);
+                    } else {
+                        v.truncate(v.len().saturating_sub(1));
+                    }
+                }
+                let one = op < 6;
+                let r = if one {
+                    c.append(id, &k, &v)
+                } else {
+                    c.extend(id, &k, &v)
+                };
+                let expect = if bad_len || (one && n != 1) {
+                    Expect::Shape
+                } else if !m.seqs.contains_key(&id) {
+                    Expect::Unknown
+                } else {
+                    let old = m.seqs[&id].0.len() / width;
+                    let have = c.block_table(id).map(|t| t.len()).unwrap_or(0);
+                    let need = blocks_for(&s, bt, old + n).saturating_sub(have);
+                    if need > before.free {
+                        Expect::OutOfBlocks
+                    } else if poison || k.iter().chain(&v).any(|x| x.abs() > 1e3) {
+                        Expect::MayFail
+                    } else {
+                        Expect::Ok
+                    }
+                };
+                if r.is_ok() {
+                    let e = m
+                        .seqs
+                        .get_mut(&id)
+                        .expect("a write succeeded on a sequence the model lacks");
+                    e.0.extend(&k);
+                    e.1.extend(&v);
+                }
+                (
+                    r,
+                    expect,
+                    format!("{} {id} x{n}", if one { "append" } else { "extend" }),
+                )
+            }
+        };
+        match (&result, expect) {
+            (Ok(()), Expect::Ok | Expect::MayFail) => {}
+            (Err(e), _) => {
+                let msg = e.to_string();
+                check_message(&msg).map_err(|m| format!("{desc}: {m}"))?;
+                let fits = match (e, expect) {
+                    (Error::UnknownSequence(_), Expect::Unknown) => true,
+                    (Error::Shape { .. }, Expect::Shape) => true,
+                    (Error::OutOfBlocks { .. }, Expect::OutOfBlocks) => true,
+                    // Numeric refusals may also precede the block check.
+                    (Error::NonFinite { .. } | Error::ScaleOverflow { .. }, Expect::MayFail | Expect::OutOfBlocks) => {
+                        true
+                    }
+                    _ => false,
+                };
+                ensure!(fits, "{desc}: expected {expect:?}, got `{msg}`");
+                ensure!(
+                    snapshot(&c) == before,
+                    "{desc}: the rejected operation (`{msg}`) changed the cache"
+                );
+            }
+            (Ok(()), e) => return Err(format!("{desc}: succeeded, expected {e:?}")),
+        }
+        check_accounting(&c, &m).map_err(|e| format!("after {desc}: {e}"))?;
+        if rng.u8(..6) == 0 && !m.seqs.is_empty() {
+            let id = *pick(rng, &m.seqs.keys().copied().collect::<Vec<_>>());
+            check_contents(&c, &m, id, rng)
+                .map_err(|e| format!("after {desc}: {e}\n  scheme {}", kivi_spec::canonical(&s)))?;
+        }
+    }
+    // Finally every live sequence, batched decode included.
+    let ids: Vec<SeqId> = m.seqs.keys().copied().collect();
+    for id in &ids {
+        check_contents(&c, &m, *id, rng)
+            .map_err(|e| format!("at the end: {e}\n  scheme {}", kivi_spec::canonical(&s)))?;
+    }
+    if !ids.is_empty() {
+        let q: Vec<f32> = (0..ids.len() * shape.q_heads * shape.head_dim)
+            .map(|_| rng.f32() - 0.5)
+            .collect();
+        let attn = AttnParams::of(&s, shape);
+        let batch = ReferenceBackend.decode(&c, &ids, &q, attn).map_err(|e| e.to_string())?;
+        let per = shape.q_heads * shape.head_dim;
+        for (b, id) in ids.iter().enumerate() {
+            let (k, v) = &m.seqs[id];
+            let one = reference::attend(&s, &q[b * per..(b + 1) * per], k, v, attn).map_err(|e| e.to_string())?;
+            ensure!(
+                bits(batch[b * per..(b + 1) * per].to_vec()) == bits(one),
+                "batched decode of seq {id} differs"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Sessions that found bugs, kept as regression cases (seeds of `session`).
+const REGRESSION_SEEDS: &[u64] = &[];
+
+#[test]
+fn fuzz_cache_ops() {
+    for seed in REGRESSION_SEEDS {
+        session(&mut Rng::with_seed(*seed), &mut 0).unwrap_or_else(|e| panic!("regression seed {seed:#x}: {e}"));
+    }
+    // A session is 10 to 30 operations (20 on average) on one cache.
+    let want = fuzz::cases(10_000);
+    let mut ops = 0;
+    fuzz::run("cache operations (sessions of 10-30)", want.div_ceil(19), |rng| {
+        session(rng, &mut ops)
+    });
+    eprintln!("fuzz cache operations: {ops} operations");
+}
