@@ -357,6 +357,29 @@ impl PagedCache {
             round_inputs(&self.scheme, "key", k, h, d).map_err(shift)?,
             round_inputs(&self.scheme, "value", v, h, d).map_err(shift)?,
         ];
+        // A value that some group could not quantize is refused by the append
+        // that brings it: refused later, when it leaves the window, it would
+        // wedge the sequence (every later append would fail on it).
+        for (t, given) in [(Tensor::Key, k), (Tensor::Value, v)] {
+            if let Codec::Quant(q) = self.scheme.codec(t) {
+                let limit = quant::storable_limit(q);
+                for (i, x) in inputs[ti(t)].iter().enumerate() {
+                    let token = old_tokens + i / (h * d);
+                    if token >= self.scheme.sinks as usize && x.abs() > limit {
+                        return Err(Error::OutOfRange {
+                            tensor: t.name(),
+                            value: given[i],
+                            token,
+                            head: (i / d) % h,
+                            channel: i % d,
+                            limit,
+                            bits: q.bits,
+                            dtype: q.scale.name(),
+                        });
+                    }
+                }
+            }
+        }
         let new_tokens = old_tokens + n;
         let target = [
             regions(&self.scheme, Tensor::Key, new_tokens).quantized,

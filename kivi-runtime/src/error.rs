@@ -33,6 +33,17 @@ pub enum Error {
         hi: f32,
         dtype: &'static str,
     },
+    #[error("{tensor} value {value} at token {token}, kv head {head}, channel {channel} is outside ±{limit}, the widest range that {bits}-bit groups with {dtype} scales can always hold; use scale = f32 or scale the input down")]
+    OutOfRange {
+        tensor: &'static str,
+        value: f32,
+        token: usize,
+        head: usize,
+        channel: usize,
+        limit: f32,
+        bits: u32,
+        dtype: &'static str,
+    },
     #[error("out of cache blocks: the append needs {need} more, {free} of {total} are free")]
     OutOfBlocks { need: usize, free: usize, total: usize },
     #[error("unknown sequence id {0}")]

@@ -24,6 +24,18 @@ pub fn round_to_scale(x: f32, dtype: ScaleDtype) -> f32 {
     }
 }
 
+/// The largest magnitude that every group of `q` can hold, whatever the
+/// other values in it: the zero point `z = lo` must fit the scale dtype, so
+/// must `s = (hi - lo) / (2^b - 1)` for any `lo`, `hi` within ±limit, and
+/// `hi - lo` must not overflow f32. (f16 scales: 32752 at 1 bit, 65504 above.)
+pub fn storable_limit(q: &Quant) -> f32 {
+    let max = match q.scale {
+        ScaleDtype::F16 => half::f16::MAX.to_f32(),
+        ScaleDtype::F32 => f32::MAX,
+    };
+    max.min(max * (q.max_code() as f32 / 2.0)).min(f32::MAX / 2.0)
+}
+
 /// The stored parameters of one group.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GroupParams {

