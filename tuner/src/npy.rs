@@ -200,6 +200,19 @@ pub fn parse(bytes: &[u8]) -> Result<Array, NpyError> {
         i: 0,
     }
     .dict()?;
+    // numpy writes exactly these three keys; a header with another key, or
+    // one key twice (Python keeps the last, a naive reader the first), is
+    // refused rather than read one way here and another way by numpy.
+    for (i, (k, _)) in entries.iter().enumerate() {
+        if !["descr", "fortran_order", "shape"].contains(&k.as_str()) {
+            return bad(format!(
+                "corrupt header: unexpected key `{k}`; expected descr, fortran_order and shape"
+            ));
+        }
+        if entries[..i].iter().any(|(n, _)| n == k) {
+            return bad(format!("corrupt header: key `{k}` appears twice"));
+        }
+    }
     let get = |k: &str| entries.iter().find(|(n, _)| n == k).map(|(_, v)| v);
     let descr = match get("descr") {
         Some(Value::Str(s)) => s.as_str(),
@@ -420,6 +433,24 @@ mod tests {
             (
                 file(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (2,", &d),
                 "corrupt header",
+            ),
+            // Found by the fuzzer: numpy keeps the last of two `shape`s,
+            // this reader kept the first; (1, 2) and (2,) even agree on size.
+            (
+                file(
+                    1,
+                    "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 2), 'shape': (2,), }",
+                    &d,
+                ),
+                "key `shape` appears twice",
+            ),
+            (
+                file(
+                    1,
+                    "{'descr': '<f4', 'fortran_order': False, 'shape': (2,), 'x': 'y'}",
+                    &d,
+                ),
+                "unexpected key `x`",
             ),
             (file(4, "{}", &d), "version 4.0"),
             (b"PK\x03\x04 not npy".to_vec(), "not a .npy file"),
