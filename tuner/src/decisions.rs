@@ -267,11 +267,24 @@ pub fn parse_checked(
                 "entry `{key}` does not match its scheme hash and bucket"
             )));
         }
-        if e.candidate(&e.chosen).is_none() {
-            return Err(Distrust::Corrupt(format!(
-                "entry `{key}` chose `{}`, which it never measured",
-                e.chosen
-            )));
+        match e.candidate(&e.chosen) {
+            None => {
+                return Err(Distrust::Corrupt(format!(
+                    "entry `{key}` chose `{}`, which it never measured",
+                    e.chosen
+                )))
+            }
+            // Only a verified candidate is ever chosen (tuned or pinned): a
+            // file that says otherwise would run a variant that failed its
+            // check against the reference.
+            Some(c) if c.status != Status::Ok => {
+                return Err(Distrust::Corrupt(format!(
+                    "entry `{key}` chose `{}`, which is marked {}",
+                    e.chosen,
+                    c.status.name()
+                )))
+            }
+            Some(_) => {}
         }
     }
     Ok(file)

@@ -583,3 +583,35 @@ fn cache_dir_resolution() {
     let p = std::path::Path::new("/x/y");
     assert_eq!(decisions::cache_dir(Some(p)).unwrap(), p);
 }
+
+/// Found by the decision-file fuzzer: a file whose chosen candidate is
+/// marked rejected (it failed its check against the reference) parsed as
+/// trusted, so selection would have run a wrong variant.
+#[test]
+fn a_file_that_chose_a_rejected_candidate_is_not_trusted() {
+    let (fake, st) = tuned_store("chose-rejected");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(st.path()).unwrap()).unwrap();
+    let entry = v["entries"].as_object_mut().unwrap().values_mut().next().unwrap();
+    let chosen = entry["chosen"].as_str().unwrap().to_string();
+    assert_eq!(chosen, "a");
+    for c in entry["candidates"].as_array_mut().unwrap() {
+        if c["name"] == chosen.as_str() {
+            c["status"] = "rejected".into();
+        }
+    }
+    std::fs::write(st.path(), serde_json::to_string_pretty(&v).unwrap()).unwrap();
+    let opts = SelectOptions {
+        mode: Mode::Cached,
+        cache_dir: Some(st.dir.clone()),
+        budget_s: 1.0,
+    };
+    let sel = select_with(&fake, &scheme(), bucket(), &opts).unwrap();
+    assert_eq!((sel.variant.as_str(), sel.source), ("default", Source::Default));
+    assert!(
+        sel.warnings
+            .iter()
+            .any(|w| w.contains("chose `a`, which is marked rejected")),
+        "{:?}",
+        sel.warnings
+    );
+}

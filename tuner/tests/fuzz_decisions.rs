@@ -20,7 +20,7 @@ use common::*;
 use fuzz::{check_message, pick, Rng};
 use kivi_tuner::decisions::{self, parse_checked, Distrust, Store};
 use kivi_tuner::tune::{self, Plan};
-use kivi_tuner::{select_with, Mode, SelectOptions};
+use kivi_tuner::{select_with, Mode, SelectOptions, Status};
 use serde_json::Value;
 
 fn random_value(rng: &mut Rng) -> Value {
@@ -92,9 +92,15 @@ fn mutate_json(rng: &mut Rng, v: &mut Value, depth: usize) {
             )
             .clone()
         }
+        // A status becomes another valid status (the file still parses).
+        Value::String(st) if STATUSES.contains(&st.as_str()) && rng.bool() => {
+            *v = Value::String(pick(rng, STATUSES).to_string())
+        }
         _ => *v = random_value(rng),
     }
 }
+
+const STATUSES: &[&str] = &["ok", "eliminated", "rejected", "pruned", "skipped"];
 
 fn mutate_bytes(rng: &mut Rng, b: &mut Vec<u8>) {
     for _ in 0..rng.usize(1..4) {
@@ -162,6 +168,22 @@ fn fuzz_decision_files() {
             for _ in 0..rng.usize(1..4) {
                 mutate_json(rng, &mut v, 0);
             }
+            // Deep, well-formed edits are rare through random paths: now
+            // and then change one candidate's status outright.
+            if rng.u8(..6) == 0 {
+                if let Some(Value::Object(entries)) = v.get_mut("entries") {
+                    let keys: Vec<String> = entries.keys().cloned().collect();
+                    if !keys.is_empty() {
+                        let k = pick(rng, &keys).clone();
+                        if let Some(Value::Array(cs)) = entries[&k].get_mut("candidates") {
+                            if !cs.is_empty() {
+                                let i = rng.usize(..cs.len());
+                                cs[i]["status"] = Value::String(pick(rng, STATUSES).to_string());
+                            }
+                        }
+                    }
+                }
+            }
             let text = if rng.bool() {
                 serde_json::to_string_pretty(&v).unwrap()
             } else {
@@ -178,6 +200,15 @@ fn fuzz_decision_files() {
                 let back = parse_checked(&again, Some(&fake.device), Some(&fake.toolchain))
                     .map_err(|d| format!("re-encoded file refused: {d}"))?;
                 ensure!(back == f, "a trusted file changed through the writer");
+                // A trusted choice is a candidate that passed its check.
+                for (k, e) in &f.entries {
+                    let c = e.candidate(&e.chosen).ok_or(format!("{k}: chosen not measured"))?;
+                    ensure!(
+                        c.status == Status::Ok,
+                        "{k}: trusted a choice marked {}",
+                        c.status.name()
+                    );
+                }
             }
             Err(d) => {
                 refused += 1;
@@ -186,6 +217,9 @@ fn fuzz_decision_files() {
             }
         }
         // Through the store and the selector, as a user meets it.
+        // Remove, then create: ext4 flushes a file rewritten in place
+        // (truncated) on close, which would make this test wait on the disk.
+        let _ = std::fs::remove_file(st.path());
         std::fs::write(st.path(), &bytes).map_err(|e| e.to_string())?;
         let sel = select_with(&fake, &scheme(), bucket(), &opts)?;
         ensure!(
@@ -196,9 +230,28 @@ fn fuzz_decision_files() {
         for w in &sel.warnings {
             check_message(w)?;
         }
-        let _ = decisions::scan(&dir);
-        let _ = decisions::import_bundle(&temp_sub(&dir, "import"), &st.path(), &mut Vec::new());
-        if rng.u8(..25) == 0 {
+        // The writing paths sync files and directories (tens of ms each on
+        // a real disk): one case in 100 goes through each.
+        if rng.u8(..100) == 0 {
+            for (_, r) in decisions::scan(&dir) {
+                if let Err(d) = r {
+                    check_message(reason(&d))?;
+                }
+            }
+            let into = temp_sub(&dir, "import");
+            if let Err(e) = decisions::import_bundle(&into, &st.path(), &mut Vec::new()) {
+                check_message(&e)?;
+            }
+            // Files moved aside pile up (one per second): start afresh.
+            for e in std::fs::read_dir(&dir).map_err(|e| e.to_string())? {
+                let p = e.map_err(|e| e.to_string())?.path();
+                if p.to_string_lossy().contains(".json.bad-") || p.to_string_lossy().contains(".json.stale-") {
+                    let _ = std::fs::remove_file(p);
+                }
+            }
+            let _ = std::fs::remove_dir_all(into);
+        }
+        if rng.u8(..100) == 0 {
             // Tune over the file with one new candidate (reusing whatever
             // timings were trusted), then the store must be trusted.
             let mut cands = fake.cands.clone();
