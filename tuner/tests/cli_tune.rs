@@ -152,3 +152,66 @@ fn json_plot_pin_and_bad_flags() {
         assert!(err.lines().count() <= 2, "{bad:?}: {err}");
     }
 }
+
+/// The one scheme rule (`kivi_spec::load_scheme`): `kivi show kivi2` and
+/// `kivi tune --scheme kivi2` load the same scheme — the preset — even when
+/// a file named `kivi2` sits in the working directory; `./kivi2` loads the
+/// file in both. (Before, `show` tried the file first and `tune` the preset.)
+#[test]
+fn show_and_tune_load_the_same_scheme_when_a_file_shadows_a_preset() {
+    let d = dir("shadow");
+    std::fs::create_dir_all(&d).unwrap();
+    std::fs::write(
+        format!("{d}/kivi2"),
+        "fromfile { key: quant(bits = 8, axis = token, group = 32), value: full }",
+    )
+    .unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_kivi"))
+            .args(args)
+            .current_dir(&d)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "kivi {args:?}: {err}");
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        (json, err)
+    };
+    let shape = ["--heads", "gqa:8:2", "--head-dim", "64"];
+    let cache = format!("{d}/cache");
+    for (name, want) in [("kivi2", "kivi2"), ("./kivi2", "fromfile")] {
+        let mut show = vec!["show", name, "--json"];
+        show.extend_from_slice(&shape);
+        let (s, show_err) = run(&show);
+        let mut tune = vec![
+            "tune",
+            "--scheme",
+            name,
+            "--backend",
+            "cpu",
+            "--json",
+            "--quiet",
+            "--cache-dir",
+            &cache,
+        ];
+        tune.extend_from_slice(&shape);
+        tune.extend_from_slice(&["--contexts", "300", "--batch", "1", "--budget", "1"]);
+        let (t, tune_err) = run(&tune);
+        assert_eq!(s["name"], want, "show {name}: {s}");
+        let tuned = &t.as_array().map_or(&t, |a| &a[0]);
+        assert_eq!(tuned["scheme"], want, "tune {name}: {t}");
+        assert_eq!(
+            s["hash"], tuned["scheme_hash"],
+            "show and tune hashed different schemes for {name}"
+        );
+        // The shadowed file is mentioned, never silently ignored.
+        let noted = name == "kivi2";
+        for err in [&show_err, &tune_err] {
+            assert_eq!(
+                err.contains("the file `kivi2` was not read (write `./kivi2` to load it)"),
+                noted,
+                "{err}"
+            );
+        }
+    }
+}
