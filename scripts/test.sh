@@ -2,15 +2,19 @@
 # The whole test suite, on a fresh machine with Rust, Python 3 + pip and a
 # C++ compiler (the README's test command):
 #   1. a project-local Python environment with numpy (.cache/py);
-#   2. the CUDA compiler pieces (scripts/provision-cuda.sh, when present);
-#   3. cargo test --workspace: unit, integration, compile-fail (trybuild),
-#      example builds and doc tests;
+#   2. the CUDA compiler pieces (scripts/provision-cuda.sh, when present),
+#      then KIVI_REQUIRE_NVRTC=1 so that tests needing NVRTC fail rather
+#      than skip;
+#   3. cargo test --workspace: unit, integration, fuzz (CI size),
+#      compile-fail (trybuild), example builds and doc tests;
 #   4. `kivi attend` against the independent numpy implementation of
 #      DESIGN.md section 3 (tests/python/check_attend.py);
 #   5. the main job, at a short context, as a smoke test.
 # Idempotent, and quick when already set up. Every step runs even when an
-# earlier one failed; the last line is a summary and the exit status is
-# non-zero if anything failed.
+# earlier one failed. The last line counts tests, not steps: every cargo
+# "test result: ... N passed; M failed" line, the numpy checks and the smoke
+# test, as `test.sh: N passed, M failed`; the exit status is non-zero if
+# anything failed.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -18,21 +22,54 @@ root="$(pwd)"
 target="${CARGO_TARGET_DIR:-$root/target}"
 case "$target" in /*) ;; *) target="$root/$target" ;; esac
 
-passed=0
-failed=0
+steps_ok=0
+steps_failed=0
 failures=()
+# Tests, counted from each step's output (see count_*).
+tests_passed=0
+tests_failed=0
+logs="$target/test-sh"
+mkdir -p "$logs"
 
+# `count KIND LOG`: "passed failed" of one step's output.
+count() {
+    case "$1" in
+        # cargo: every "test result: ok. 12 passed; 0 failed; ..." line
+        cargo) awk '/^test result: /{ for (i = 2; i <= NF; i++) { if ($i ~ /^passed;?$/) p += $(i-1); if ($i ~ /^failed;?$/) f += $(i-1) } } END { print p + 0, f + 0 }' "$2" ;;
+        # check_attend.py: "check_attend: 40 passed, 0 failed"
+        python) awk '/^check_attend: [0-9]+ passed, [0-9]+ failed/{ p = $2; f = $4 } END { print p + 0, f + 0 }' "$2" ;;
+        *) echo "0 0" ;;
+    esac
+}
+
+# `step NAME KIND COMMAND...`: runs COMMAND, its output shown and kept in a
+# log; KIND says how to count its tests (cargo, python, one = the step is
+# one test, setup = not a test). A failed step with no failing test counted
+# (a build error, a crash) counts as one failure.
 step() {
-    local name="$1"
-    shift
+    local name="$1" kind="$2"
+    shift 2
     echo
     echo "==> $name"
-    local start=$SECONDS
-    if "$@"; then
-        passed=$((passed + 1))
+    local start=$SECONDS log="$logs/step-$((steps_ok + steps_failed + 1)).log" status
+    "$@" 2>&1 | tee "$log"
+    status=${PIPESTATUS[0]}
+    local p f
+    if [ "$kind" = one ]; then
+        if [ "$status" -eq 0 ]; then p=1 f=0; else p=0 f=1; fi
+    else
+        read -r p f < <(count "$kind" "$log")
+    fi
+    if [ "$status" -ne 0 ] && [ "$f" -eq 0 ]; then
+        f=1
+    fi
+    tests_passed=$((tests_passed + p))
+    tests_failed=$((tests_failed + f))
+    if [ "$status" -eq 0 ]; then
+        steps_ok=$((steps_ok + 1))
         echo "==> $name: ok ($((SECONDS - start)) s)"
     else
-        failed=$((failed + 1))
+        steps_failed=$((steps_failed + 1))
         failures+=("$name")
         echo "==> $name: FAILED ($((SECONDS - start)) s)"
     fi
@@ -67,10 +104,17 @@ python_env() {
 
 provision_cuda() {
     bash scripts/provision-cuda.sh --quiet || return 1
-    # Let the CUDA tests find NVRTC, the headers and ptxas.
+}
+
+# The environment NVRTC's tests need, set in this shell (a step runs in a
+# pipeline, so a subshell: its exports would not survive). Once NVRTC is
+# provisioned, a test that needs it must fail, not skip, when it is missing.
+nvrtc_env() {
     if [ -f "$root/.cache/nvidia/env.sh" ]; then
+        # Let the CUDA tests find NVRTC, the headers and ptxas.
         # shellcheck disable=SC1091
         . "$root/.cache/nvidia/env.sh"
+        export KIVI_REQUIRE_NVRTC=1
     fi
 }
 
@@ -89,17 +133,31 @@ main_job_smoke() {
     cargo run --quiet --example main_job -- 600
 }
 
-step "python env (numpy in .cache/py)" python_env
-if [ -f scripts/provision-cuda.sh ]; then
-    step "provision CUDA (scripts/provision-cuda.sh)" provision_cuda
+# The decision-cache tests that watch system calls need strace (part of the
+# project's machine image): fail rather than skip when it cannot run.
+if command -v strace >/dev/null 2>&1; then
+    export KIVI_REQUIRE_STRACE=1
 fi
-step "cargo test --workspace --no-fail-fast" cargo_tests
-step "kivi attend vs numpy (tests/python/check_attend.py)" numpy_check
-step "main job smoke test (600 tokens)" main_job_smoke
+
+step "python env (numpy in .cache/py)" setup python_env
+# python_env's exports (PYTHONPATH) must reach the later steps: set them here too.
+[ -x "$root/.cache/py/bin/python" ] && PY="$root/.cache/py/bin/python"
+if [ -z "$PY" ] && [ -d "$root/.cache/py/site" ]; then
+    export PYTHONPATH="$root/.cache/py/site${PYTHONPATH:+:$PYTHONPATH}"
+    PY=python3
+fi
+if [ -f scripts/provision-cuda.sh ]; then
+    step "provision CUDA (scripts/provision-cuda.sh)" setup provision_cuda
+    nvrtc_env
+fi
+step "cargo test --workspace --no-fail-fast" cargo cargo_tests
+step "kivi attend vs numpy (tests/python/check_attend.py)" python numpy_check
+step "main job smoke test (600 tokens)" one main_job_smoke
 
 echo
-if [ "$failed" -gt 0 ]; then
+if [ "$steps_failed" -gt 0 ]; then
     printf 'failed step: %s\n' "${failures[@]}"
 fi
-echo "test.sh: $passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+echo "test.sh: $steps_ok of $((steps_ok + steps_failed)) steps ok; tests counted from cargo's \"test result\" lines, check_attend.py and the smoke test"
+echo "test.sh: $tests_passed passed, $tests_failed failed"
+[ "$steps_failed" -eq 0 ] && [ "$tests_failed" -eq 0 ]
