@@ -23,7 +23,7 @@ run() {
     echo "==> $what"
     local start=$SECONDS
     # --nocapture: the per-target counts are printed with eprintln!
-    cargo test "$@" -- --nocapture 2>&1 | grep -E '^fuzz |panicked|failure at|test result'
+    cargo test "$@" -- --nocapture 2>&1 | grep -E '^fuzz |panicked|panic at|failure at|test result'
     if [ "${PIPESTATUS[0]}" -ne 0 ]; then
         failed=$((failed + 1))
         echo "==> $what: FAILED ($((SECONDS - start)) s)"

@@ -215,9 +215,42 @@ impl std::fmt::Display for Distrust {
     }
 }
 
+impl Distrust {
+    /// The same reason with control characters escaped: it quotes the
+    /// file's own text (keys, names, toolchain), which must not add lines
+    /// to a one-line warning (found by the decision-file fuzzer).
+    fn one_line(self) -> Distrust {
+        let clean = |s: String| -> String {
+            s.chars()
+                .flat_map(|c| {
+                    let esc: Vec<char> = if c.is_control() {
+                        c.escape_default().collect()
+                    } else {
+                        vec![c]
+                    };
+                    esc
+                })
+                .collect()
+        };
+        match self {
+            Distrust::Corrupt(s) => Distrust::Corrupt(clean(s)),
+            Distrust::Stale(s) => Distrust::Stale(clean(s)),
+            Distrust::Foreign(s) => Distrust::Foreign(clean(s)),
+        }
+    }
+}
+
 /// Parses and checks a decision file's text against the expected device and
 /// toolchain (either may be `None` to accept any, as `inspect` does).
 pub fn parse_checked(
+    text: &str,
+    device: Option<&Fingerprint>,
+    toolchain: Option<&Toolchain>,
+) -> Result<DecisionFile, Distrust> {
+    check_file(text, device, toolchain).map_err(Distrust::one_line)
+}
+
+fn check_file(
     text: &str,
     device: Option<&Fingerprint>,
     toolchain: Option<&Toolchain>,
@@ -728,6 +761,43 @@ mod tests {
             assert_eq!(fs::read_to_string(p).unwrap(), format!("copy {i}"), "{}", p.display());
             assert!(p.to_string_lossy().contains(".json.stale-"), "{}", p.display());
         }
+    }
+
+    /// Found by the decision-file fuzzer: serde_json's default float parser
+    /// can be 1 ulp off, so every merge (read, then write) of a file nudged
+    /// other entries' timings. The workspace enables `float_roundtrip`.
+    #[test]
+    fn timings_survive_a_read_and_write_bit_for_bit() {
+        let t = Timing {
+            median_s: 0.01,
+            p20_s: 0.009940000000000003,
+            p80_s: 0.01006,
+            samples: 15,
+            gbps: 0.1,
+        };
+        let text = serde_json::to_string(&t).unwrap();
+        let back: Timing = serde_json::from_str(&text).unwrap();
+        assert_eq!(back.p20_s.to_bits(), t.p20_s.to_bits(), "{text}");
+    }
+
+    /// Found by the decision-file fuzzer: a reason quoted the file's text
+    /// as is, so a line break in it split a one-line warning in two.
+    #[test]
+    fn reasons_quoting_the_file_stay_on_one_line() {
+        let device = Fingerprint {
+            backend: "cpu".into(),
+            name: "x".into(),
+            facts: BTreeMap::new(),
+        };
+        let mut theirs = Toolchain::current("rustc");
+        theirs.compiler = "rustc\nkivi: error: injected".into();
+        let text = serde_json::to_string(&DecisionFile::new(device.clone(), theirs)).unwrap();
+        let d = parse_checked(&text, Some(&device), Some(&Toolchain::current("rustc"))).unwrap_err();
+        assert!(matches!(d, Distrust::Stale(_)), "{d}");
+        assert!(
+            !d.to_string().contains('\n') && d.to_string().contains("rustc\\nkivi"),
+            "{d}"
+        );
     }
 
     #[test]

@@ -206,7 +206,8 @@ pub fn parse(bytes: &[u8]) -> Result<Array, NpyError> {
     for (i, (k, _)) in entries.iter().enumerate() {
         if !["descr", "fortran_order", "shape"].contains(&k.as_str()) {
             return bad(format!(
-                "corrupt header: unexpected key `{k}`; expected descr, fortran_order and shape"
+                "corrupt header: unexpected key `{}`; expected descr, fortran_order and shape",
+                k.escape_debug()
             ));
         }
         if entries[..i].iter().any(|(n, _)| n == k) {
@@ -227,9 +228,11 @@ pub fn parse(bytes: &[u8]) -> Result<Array, NpyError> {
                 "dtype {descr} is big-endian; save the array as little-endian (<f4 or <f2)"
             ))
         }
+        // Escaped: the file's text goes into a one-line message.
         other => {
             return bad(format!(
-                "dtype {other} is not supported; expected float32 (<f4) or float16 (<f2)"
+                "dtype {} is not supported; expected float32 (<f4) or float16 (<f2)",
+                other.escape_debug()
             ))
         }
     };

@@ -32,7 +32,7 @@ fn random_value(rng: &mut Rng) -> Value {
         4 => serde_json::json!(0.5),
         5 => serde_json::json!(u64::MAX),
         6 => serde_json::json!(""),
-        7 => serde_json::json!("é🦀\u{0}\u{202e}"),
+        7 => serde_json::json!(pick(rng, &["é🦀\u{0}\u{202e}", "two\nlines", "a"])),
         8 => serde_json::json!([]),
         9 => serde_json::json!({}),
         10 => serde_json::json!(0),
@@ -57,7 +57,7 @@ fn mutate_json(rng: &mut Rng, v: &mut Value, depth: usize) {
                 1 => {
                     // The same entry under another key.
                     let val = map[&k].clone();
-                    map.insert(format!("{k}{}", pick(rng, &["x", "", "0", "/b2.c256.g1"])), val);
+                    map.insert(format!("{k}{}", pick(rng, &["x", "", "0", "/b2.c256.g1", "\n"])), val);
                 }
                 2 => {
                     map.insert(k, random_value(rng));
@@ -178,7 +178,9 @@ fn fuzz_decision_files() {
                         if let Some(Value::Array(cs)) = entries[&k].get_mut("candidates") {
                             if !cs.is_empty() {
                                 let i = rng.usize(..cs.len());
-                                cs[i]["status"] = Value::String(pick(rng, STATUSES).to_string());
+                                if let Some(c) = cs[i].as_object_mut() {
+                                    c.insert("status".into(), Value::String(pick(rng, STATUSES).to_string()));
+                                }
                             }
                         }
                     }
@@ -199,7 +201,16 @@ fn fuzz_decision_files() {
                 let again = serde_json::to_string_pretty(&f).map_err(|e| format!("cannot re-encode: {e}"))?;
                 let back = parse_checked(&again, Some(&fake.device), Some(&fake.toolchain))
                     .map_err(|d| format!("re-encoded file refused: {d}"))?;
-                ensure!(back == f, "a trusted file changed through the writer");
+                if back != f {
+                    let a = format!("{f:?}");
+                    let b = format!("{back:?}");
+                    let i = a.bytes().zip(b.bytes()).position(|(x, y)| x != y).unwrap_or(0);
+                    return Err(format!(
+                        "a trusted file changed through the writer: ...{}... became ...{}...",
+                        &a[i.saturating_sub(80)..(i + 80).min(a.len())],
+                        &b[i.saturating_sub(80)..(i + 80).min(b.len())]
+                    ));
+                }
                 // A trusted choice is a candidate that passed its check.
                 for (k, e) in &f.entries {
                     let c = e.candidate(&e.chosen).ok_or(format!("{k}: chosen not measured"))?;
@@ -229,6 +240,7 @@ fn fuzz_decision_files() {
         );
         for w in &sel.warnings {
             check_message(w)?;
+            ensure!(!w.contains('\n'), "multi-line warning {w:?}");
         }
         // The writing paths sync files and directories (tens of ms each on
         // a real disk): one case in 100 goes through each.

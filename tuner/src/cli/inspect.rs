@@ -54,12 +54,20 @@ pub fn run(args: Args) -> super::Result {
     for (path, r) in &files {
         println!();
         println!("file {}", path.display());
+        // A copy moved aside (`.bad-`/`.stale-`) is kept for reading here; no tuner reads it.
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let aside = name.contains(".json.bad-") || name.contains(".json.stale-");
         let f = match r {
             Ok(f) => f,
             Err(d) => {
                 let hint = match d {
-                    Distrust::Corrupt(_) => "the next `kivi tune` moves it aside and writes a fresh one",
-                    Distrust::Stale(_) => "the next `kivi tune` replaces it",
+                    _ if aside => "a copy moved aside; never read by the tuner",
+                    Distrust::Corrupt(_) | Distrust::Stale(_) => {
+                        "the next `kivi tune` moves it aside and writes a fresh one"
+                    }
                     Distrust::Foreign(_) => "it does not describe the device its name says",
                 };
                 println!("  ignored: {d} ({hint})");
@@ -67,7 +75,9 @@ pub fn run(args: Args) -> super::Result {
             }
         };
         let mine = f.device.backend == "cpu" && f.device == here;
-        let status = if f.device.backend == "cpu" && !mine {
+        let status = if aside {
+            "moved aside (kept for inspection, never read by the tuner)".to_string()
+        } else if f.device.backend == "cpu" && !mine {
             "another device (not used here)".to_string()
         } else if mine && f.toolchain != toolchain {
             format!(
