@@ -84,3 +84,19 @@ impl KvCache for KiviCache {
         Ok(self.backend.decode(cache, &[seq], q, attn)?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schemes_load_by_the_one_rule_with_f32_as_a_preset() {
+        assert_eq!(resolve_scheme("f32").unwrap(), f32_scheme());
+        assert_eq!(resolve_scheme("kivi2").unwrap(), kivi_spec::presets::kivi2());
+        let s = resolve_scheme("mine { key: full, value: quant(bits = 4, axis = token, group = 32) }").unwrap();
+        assert_eq!(s.name, "mine");
+        let e = resolve_scheme("kivi9").unwrap_err().to_string();
+        assert!(e.contains("not a preset (kivi2,") && e.contains(", f32)"), "{e}");
+        assert!(e.contains("no file `kivi9`"), "{e}");
+    }
+}

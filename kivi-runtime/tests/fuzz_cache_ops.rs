@@ -117,10 +117,14 @@ fn rows(rng: &mut Rng, n: usize, width: usize, poison: bool) -> Vec<f32> {
     v
 }
 
+/// One sequence as a caller sees it: id, tokens, block table, the bits of
+/// its dequantized K and V, and its memory report.
+type SeqState = (SeqId, usize, Vec<u32>, Vec<u32>, Vec<u32>, kivi_runtime::MemoryReport);
+
 /// Everything a caller can observe about the cache.
 #[derive(Debug, PartialEq)]
 struct Snapshot {
-    seqs: Vec<(SeqId, usize, Vec<u32>, Vec<u32>, Vec<u32>, kivi_runtime::MemoryReport)>,
+    seqs: Vec<SeqState>,
     free: usize,
     memory: kivi_runtime::MemoryReport,
 }
@@ -332,8 +336,9 @@ fn check_contents(c: &PagedCache, m: &Model, id: SeqId, rng: &mut Rng) -> Result
         .map(|(x, y)| (x - y).abs())
         .enumerate()
         .fold((0, 0f32), |a, (i, e)| if e > a.1 { (i, e) } else { a });
+    let close = err <= 1e-4 * scale;
     ensure!(
-        err <= 1e-4 * scale,
+        close,
         "seq {id}: cpu decode off by {err:e} at output {at} (scale {scale}; {} tokens, {} per block, {} blocks)",
         c.len(id).unwrap(),
         c.layout().block_tokens,
