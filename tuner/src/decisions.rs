@@ -203,19 +203,7 @@ impl Distrust {
             Distrust::Corrupt(_) | Distrust::Foreign(_) => "bad",
         }
     }
-}
 
-impl std::fmt::Display for Distrust {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Distrust::Corrupt(s) => write!(f, "corrupt: {s}"),
-            Distrust::Stale(s) => write!(f, "stale: {s}"),
-            Distrust::Foreign(s) => write!(f, "foreign: {s}"),
-        }
-    }
-}
-
-impl Distrust {
     /// The same reason with control characters escaped: it quotes the
     /// file's own text (keys, names, toolchain), which must not add lines
     /// to a one-line warning (found by the decision-file fuzzer).
@@ -236,6 +224,16 @@ impl Distrust {
             Distrust::Corrupt(s) => Distrust::Corrupt(clean(s)),
             Distrust::Stale(s) => Distrust::Stale(clean(s)),
             Distrust::Foreign(s) => Distrust::Foreign(clean(s)),
+        }
+    }
+}
+
+impl std::fmt::Display for Distrust {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Distrust::Corrupt(s) => write!(f, "corrupt: {s}"),
+            Distrust::Stale(s) => write!(f, "stale: {s}"),
+            Distrust::Foreign(s) => write!(f, "foreign: {s}"),
         }
     }
 }
