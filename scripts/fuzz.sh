@@ -22,7 +22,8 @@ run() {
     echo
     echo "==> $what"
     local start=$SECONDS
-    # --nocapture: the per-target counts are printed with eprintln!
+    # The targets print their counts themselves (to stderr, past the
+    # harness's capture); --nocapture shows the panic messages too.
     cargo test "$@" -- --nocapture 2>&1 | grep -E '^fuzz |panicked|panic at|failure at|test result'
     if [ "${PIPESTATUS[0]}" -ne 0 ]; then
         failed=$((failed + 1))

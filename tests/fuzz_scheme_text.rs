@@ -544,6 +544,6 @@ fn fuzz_scheme_text() {
     // The generators reach both outcomes (a parser that refused everything
     // would pass the rest vacuously).
     let accepted = ACCEPTED.load(std::sync::atomic::Ordering::Relaxed);
-    eprintln!("fuzz scheme text: {} cases, {accepted} accepted", 3 * n.div_ceil(3));
+    log!("fuzz scheme text: {} cases, {accepted} accepted", 3 * n.div_ceil(3));
     assert!(accepted >= n / 10, "only {accepted} of {n} texts were accepted");
 }

@@ -577,7 +577,7 @@ fn fuzz_cache_ops() {
         .iter()
         .map(|a| a.load(std::sync::atomic::Ordering::Relaxed))
         .collect();
-    eprintln!(
+    log!(
         "fuzz cache operations: {ops} operations: {} ok, refused: {} unknown sequence, {} shape, {} out of blocks, {} non-finite or out of range",
         o[0], o[1], o[2], o[3], o[4]
     );

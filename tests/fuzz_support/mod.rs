@@ -14,6 +14,15 @@ use std::time::Instant;
 
 pub use fastrand::Rng;
 
+/// Prints a line to the real stderr. The test harness captures `eprintln!`
+/// of passing tests; the fuzz counts must reach the CI log all the same.
+macro_rules! log {
+    ($($fmt:tt)+) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($fmt)+);
+    }};
+}
+
 /// Cases per target: `KIVI_FUZZ_CASES`, else `default`.
 pub fn cases(default: usize) -> usize {
     match std::env::var("KIVI_FUZZ_CASES") {
@@ -64,7 +73,7 @@ pub fn run(name: &str, n: usize, mut case: impl FnMut(&mut Rng) -> Result<(), St
             }
         }
     }
-    eprintln!(
+    log!(
         "fuzz {name}: {n} cases, {} panics, {} failures, {:.1} s (seeds {base:#x}..; KIVI_FUZZ_CASES, KIVI_FUZZ_SEED)",
         panics.len(),
         failures.len(),

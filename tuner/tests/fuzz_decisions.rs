@@ -280,7 +280,7 @@ fn fuzz_decision_files() {
         }
         Ok(())
     });
-    eprintln!("fuzz decision files: {trusted} trusted, {refused} refused");
+    log!("fuzz decision files: {trusted} trusted, {refused} refused");
     // Both kinds were exercised.
     assert!(trusted > 0 && refused > 0, "{trusted} trusted, {refused} refused");
 }

@@ -271,7 +271,7 @@ fn fuzz_npy() {
     });
     fuzz::run("npy (damaged valid files)", n.div_ceil(4), |rng| check(&damaged(rng)));
     let accepted = ACCEPTED.load(std::sync::atomic::Ordering::Relaxed);
-    eprintln!(
+    log!(
         "fuzz npy: {} cases; {accepted} of the generated and damaged files accepted",
         4 * n.div_ceil(4)
     );
