@@ -79,6 +79,33 @@ impl SimLibrary {
     pub fn contains(&self, g: &Generated, entry: &str) -> bool {
         self.kernels.contains_key(&(g.hash, entry.to_string()))
     }
+    /// Launches entry point `entry` of `g` on `grid` blocks of `block`
+    /// threads, cuLaunchKernel style: `args[i]` points at the value of the
+    /// i-th argument.
+    ///
+    /// # Safety
+    /// `args` must match the entry point's parameter list and every pointer
+    /// argument must point at memory as large as the kernel indexes it.
+    pub unsafe fn launch_raw(
+        &self,
+        g: &Generated,
+        entry: &str,
+        grid: [u32; 3],
+        block: [u32; 3],
+        args: &mut [*mut c_void],
+        _arch: crate::cuda::Arch,
+    ) -> Result<()> {
+        let f = self.get(g, entry)?;
+        let dims = [grid[0], grid[1], grid[2], block[0], block[1], block[2]];
+        let mut err = vec![0 as c_char; 1024];
+        let rc = f(dims.as_ptr(), args.as_mut_ptr(), err.as_mut_ptr(), err.len() as i32);
+        if rc != 0 {
+            let msg = CStr::from_ptr(err.as_ptr()).to_string_lossy().into_owned();
+            return Err(Error::Config(format!("sim: {} `{entry}` failed: {msg}", g.name)));
+        }
+        Ok(())
+    }
+
     pub(crate) fn get(&self, g: &Generated, entry: &str) -> Result<LaunchFn> {
         self.kernels.get(&(g.hash, entry.to_string())).copied().ok_or_else(|| {
             Error::Config(format!(
