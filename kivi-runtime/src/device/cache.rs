@@ -114,6 +114,8 @@ pub struct DeviceCache {
     layout: BlockLayout,
     batch: usize,
     table_stride: usize,
+    /// Tokens a sequence may hold (what it was sized for).
+    max_tokens: usize,
     total_blocks: usize,
     pool: Buffer,
     tables: Buffer,
@@ -171,6 +173,7 @@ impl DeviceCache {
             layout,
             batch,
             table_stride: stride,
+            max_tokens,
             total_blocks: config.max_blocks,
             host_tables: vec![Vec::new(); batch],
             lens: vec![0; batch],
@@ -229,6 +232,9 @@ impl DeviceCache {
             layout,
             batch: seqs.len(),
             table_stride: stride,
+            // Appends that need no new block work on an upload; the rest
+            // fail for want of free blocks.
+            max_tokens: i32::MAX as usize,
             poisoned: false,
         })
     }
@@ -408,10 +414,10 @@ impl DeviceCache {
                 .quantized
                 .max(regions(&self.scheme, Tensor::Value, new_len).quantized);
             let blocks = q.div_ceil(bt);
-            if blocks > self.table_stride {
+            if blocks > self.table_stride || new_len > self.max_tokens {
                 return Err(Error::Config(format!(
                     "sequence {b} would hold {new_len} tokens, more than this device cache was sized for ({})",
-                    self.table_stride * bt
+                    self.max_tokens
                 )));
             }
             let need = blocks.saturating_sub(tables[b].len());
@@ -709,5 +715,46 @@ impl Backend for DeviceBackend {
         }
         let dc = DeviceCache::upload(self.device.clone(), cache, seqs)?;
         dc.decode(q, attn, self.variant)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::SimDevice;
+    use kivi_spec::{presets, Heads};
+
+    fn snapshot(dc: &DeviceCache) -> (Vec<u32>, Vec<Vec<f32>>, Vec<usize>, Vec<Vec<u32>>, Vec<u32>) {
+        let rows = [Tensor::Key, Tensor::Value]
+            .iter()
+            .flat_map(|&t| [dc.download_rows(t, true).unwrap(), dc.download_rows(t, false).unwrap()])
+            .collect();
+        let tables = download::<u32>(dc.dev.as_ref(), &dc.tables).unwrap();
+        (dc.download_pool().unwrap(), rows, dc.lens.clone(), dc.host_tables.clone(), tables)
+    }
+
+    /// Non-finite values that reach the kernel (the host check is bypassed
+    /// here) set status 2, and the launch is undone: every buffer as before.
+    #[test]
+    fn device_side_nonfinite_is_refused_and_undone() {
+        if crate::sim::find_compiler().is_err() {
+            eprintln!("skipped: no C++ compiler for the simulator");
+            return;
+        }
+        let s = presets::kivi2().with_shape(Heads::Gqa { q: 4, kv: 2 }, 32).unwrap();
+        let row = 2 * 32;
+        let mut dc = DeviceCache::new(SimDevice::shared(), &s, 2, 400, CacheConfig::for_tokens(1024)).unwrap();
+        let x: Vec<f32> = (0..2 * 150 * row).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+        dc.extend(&[150, 150], &x, &x).unwrap();
+        let before = snapshot(&dc);
+        let mut k: Vec<f32> = x[..2 * 40 * row].to_vec();
+        k[41 * row + 5] = f32::NAN; // sequence 1
+        let e = dc.extend_rounded(&[40, 40], &k, &x[..2 * 40 * row], None).unwrap_err();
+        assert!(e.to_string().contains("sequence 1") && e.to_string().contains("not finite"), "{e}");
+        assert!(snapshot(&dc) == before, "a refused append changed the device cache");
+        assert!(!dc.poisoned);
+        // ... and the cache still works.
+        dc.extend(&[1, 1], &x[..2 * row], &x[..2 * row]).unwrap();
+        assert_eq!(dc.lens(), &[151, 151]);
     }
 }

@@ -10,14 +10,25 @@ use kivi_tuner::CpuTarget;
 use std::path::PathBuf;
 use std::time::Instant;
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum TuneBackend {
+    /// cuda when a GPU is usable, else cpu (with a static ranking of the CUDA variants)
+    Auto,
+    Cpu,
+    Sim,
+    Cuda,
+}
+
 #[derive(clap::Args)]
 pub struct Args {
     /// Scheme: a preset name (see `kivi schemes`) or a file holding scheme text
     #[arg(long)]
     scheme: String,
-    /// Backend to tune: auto (cuda when usable, else cpu), cpu or cuda
-    #[arg(long, default_value = "auto")]
-    backend: String,
+    /// Backend to tune: auto (cuda when a GPU is usable, else cpu), cpu,
+    /// sim (the generated kernels on the simulated device) or cuda (fails
+    /// where there is no GPU)
+    #[arg(long, value_enum, default_value_t = TuneBackend::Auto)]
+    backend: TuneBackend,
     /// Head layout, e.g. gqa:32:8, mha:8, mqa:4 (default: the scheme's, else gqa:32:8)
     #[arg(long)]
     heads: Option<String>,
@@ -290,12 +301,19 @@ pub fn run(args: Args) -> super::Result {
         }
     }
 
-    let backend = args.backend.to_ascii_lowercase();
     let mut notes: Vec<String> = Vec::new();
     let mut static_report = false;
-    let target: Box<dyn Target> = match backend.as_str() {
-        "cpu" => Box::new(CpuTarget::new(&scheme)?),
-        "auto" | "cuda" => match kivi_tuner::cuda::CudaTarget::new(&scheme) {
+    let target: Box<dyn Target> = match args.backend {
+        TuneBackend::Cpu => Box::new(CpuTarget::new(&scheme)?),
+        TuneBackend::Sim => Box::new(kivi_tuner::cuda::CudaTarget::sim(
+            &scheme,
+            kivi_runtime::device::SimDevice::shared(),
+        )?),
+        // Asked for a GPU by name: no GPU is an error, never another backend.
+        TuneBackend::Cuda => Box::new(kivi_tuner::cuda::CudaTarget::new(&scheme).map_err(|why| {
+            format!("--backend cuda: {why} (use --backend sim to tune on the simulated device, or cpu)")
+        })?),
+        TuneBackend::Auto => match kivi_tuner::cuda::CudaTarget::new(&scheme) {
             Ok(t) => Box::new(t),
             Err(why) => {
                 // No GPU here: tune what can run, and still say how the
@@ -305,7 +323,6 @@ pub fn run(args: Args) -> super::Result {
                 Box::new(CpuTarget::new(&scheme)?)
             }
         },
-        other => return Err(format!("--backend `{other}` is not auto, cpu or cuda").into()),
     };
     let target: &dyn Target = target.as_ref();
     let store = Store::new(dir.clone(), target.device(), target.toolchain());

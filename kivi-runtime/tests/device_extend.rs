@@ -1,17 +1,20 @@
-//! The generated prefill and append kernels on the GPU write exactly the
-//! words `PagedCache` writes (pool blocks, sink buffers, window rings), bit
-//! for bit, for every preset and the corner-case schemes; decode over the
-//! device-filled cache then matches the oracle.
+//! The generated prefill and append kernels, launched by `DeviceCache`,
+//! write exactly the words `PagedCache` writes (pool blocks, sink buffers,
+//! window rings), bit for bit, for every preset and the corner-case schemes;
+//! decode over the device-filled cache then matches the oracle. A failed
+//! append (non-finite input, scale overflow) leaves the device cache exactly
+//! as it was.
 //!
-//! Needs a GPU; elsewhere each test prints `SKIP ...: <reason>` and passes.
+//! Runs on the simulated device everywhere and on GPU 0 where one is usable.
 
-mod cuda_util;
+mod device_util;
 #[path = "sim_util/mod.rs"]
 mod sim_util;
 
-use cuda_util::backend_or_skip;
-use kivi_runtime::cuda::DeviceCache;
+use device_util::devices;
+use kivi_runtime::device::{Device, DeviceCache};
 use kivi_runtime::{reference, AttnParams, CacheConfig, PagedCache};
+use std::sync::Arc;
 use kivi_spec::{presets, Heads, Scheme, Tensor};
 use kivi_templates::{default_variant, generate, Generated, Kernel};
 use sim_util::{extra_schemes, rel_error, Rng};
@@ -32,9 +35,21 @@ fn cases() -> Vec<Scheme> {
     out
 }
 
+/// f32 activations with f16 scales: large values pass the host's rounding
+/// and overflow their scale on the device.
+fn undo_scheme() -> Scheme {
+    kivi_spec::parse_scheme(
+        "Undo { key: quant(bits = 2, axis = channel, group = 32), \
+         value: quant(bits = 2, axis = token, group = 32), residual: 0, dtype: f32 }",
+    )
+    .unwrap()
+    .with_shape(Heads::Gqa { q: 4, kv: 2 }, 64)
+    .unwrap()
+}
+
 fn kernels() -> Vec<Generated> {
     let mut out = Vec::new();
-    for s in cases() {
+    for s in cases().into_iter().chain([undo_scheme()]) {
         for k in [Kernel::Prefill, Kernel::Append, Kernel::Decode] {
             out.push(generate(&s, k, &default_variant(&s, k)).unwrap());
         }
@@ -101,10 +116,13 @@ fn assert_same(s: &Scheme, host: &PagedCache, ids: &[u64], dev: &DeviceCache, wh
 }
 
 #[test]
-fn cuda_prefill_and_append_match_paged_cache_bit_for_bit() {
-    let Some(cuda) = backend_or_skip("cuda_extend", kernels) else {
-        return;
-    };
+fn prefill_and_append_match_paged_cache_bit_for_bit() {
+    for dev in devices("extend", kernels) {
+        extend_on(&dev);
+    }
+}
+
+fn extend_on(cuda: &Arc<dyn Device>) {
     let mut n = 0;
     for (i, s) in cases().iter().enumerate() {
         let shape = s.shape().unwrap();
@@ -112,7 +130,7 @@ fn cuda_prefill_and_append_match_paged_cache_bit_for_bit() {
         let lens = [1usize, 31, 33, 127, 300];
         let cfg = CacheConfig::for_tokens(4096);
         let mut host = PagedCache::new(s.clone(), cfg).unwrap();
-        let mut dev = DeviceCache::new(cuda.device().clone(), s, lens.len(), 600, cfg).unwrap();
+        let mut dev = DeviceCache::new(cuda.clone(), s, lens.len(), 600, cfg).unwrap();
         let mut rng = Rng(40 + i as u64);
         let ids: Vec<u64> = lens.iter().map(|_| host.add_sequence()).collect();
         // prefill: one batch of unequal lengths
@@ -155,19 +173,25 @@ fn cuda_prefill_and_append_match_paged_cache_bit_for_bit() {
         assert!(e <= 1e-4, "{}: decode after device extend, relative error {e}", s.name);
         n += 1;
     }
-    println!("cuda: prefill + 70 appends bit-identical to PagedCache for {n} scheme/layout pairs");
+    println!(
+        "{}: prefill + 70 appends bit-identical to PagedCache for {n} scheme/layout pairs",
+        cuda.kind().name()
+    );
 }
 
 #[test]
-fn cuda_extend_refuses_bad_input_without_changing_anything() {
-    let Some(cuda) = backend_or_skip("cuda_extend_bad", kernels) else {
-        return;
-    };
+fn extend_refuses_bad_input_without_changing_anything() {
+    for dev in devices("extend_bad", kernels) {
+        bad_extend_on(&dev);
+    }
+}
+
+fn bad_extend_on(cuda: &Arc<dyn Device>) {
     // a layout of `cases()`, so the bundle's precompiled kernels cover it
     let s = presets::kivi2().with_shape(Heads::Mha(3), 96).unwrap();
     let row = 3 * 96;
     let cfg = CacheConfig::for_tokens(1024);
-    let mut dev = DeviceCache::new(cuda.device().clone(), &s, 1, 300, cfg).unwrap();
+    let mut dev = DeviceCache::new(cuda.clone(), &s, 1, 300, cfg).unwrap();
     let mut rng = Rng(5);
     dev.extend(&[10], &rng.vec(10 * row), &rng.vec(10 * row)).unwrap();
     let before = dev.download_pool().unwrap();
@@ -181,4 +205,60 @@ fn cuda_extend_refuses_bad_input_without_changing_anything() {
     );
     assert_eq!(dev.lens(), &[10]);
     assert!(dev.download_pool().unwrap() == before);
+}
+
+/// A scale that overflows its f16 dtype on the device (f32 activations, so
+/// the host's rounding lets the values through) fails the append and
+/// leaves every buffer exactly as it was; the next append then matches a
+/// host cache that never saw the failed one.
+#[test]
+fn failed_device_append_is_undone() {
+    for dev in devices("extend_undo", kernels) {
+        undo_on(&dev);
+    }
+}
+
+fn undo_on(cuda: &Arc<dyn Device>) {
+    let s = undo_scheme();
+    let row = 2 * 64;
+    let cfg = CacheConfig::for_tokens(2048);
+    let mut dev = DeviceCache::new(cuda.clone(), &s, 2, 500, cfg).unwrap();
+    let mut host = PagedCache::new(s.clone(), cfg).unwrap();
+    let ids = [host.add_sequence(), host.add_sequence()];
+    let mut rng = Rng(9);
+    let (k, v) = (rng.vec(2 * 45 * row), rng.vec(2 * 45 * row));
+    dev.extend(&[45, 45], &k, &v).unwrap();
+    for b in 0..2 {
+        host.extend(ids[b], &k[b * 45 * row..][..45 * row], &v[b * 45 * row..][..45 * row])
+            .unwrap();
+    }
+    let pool = dev.download_pool().unwrap();
+    let rows: Vec<Vec<f32>> = [Tensor::Key, Tensor::Value]
+        .iter()
+        .flat_map(|&t| [dev.download_rows(t, true).unwrap(), dev.download_rows(t, false).unwrap()])
+        .collect();
+    // Values of 1e5 and -1e5 in one token-axis group: scale 6.7e4 > f16 max.
+    let mut bad_v = rng.vec(2 * row);
+    bad_v[row + 3] = 1e5;
+    bad_v[row + 4] = -1e5;
+    let e = dev.extend(&[1, 1], &rng.vec(2 * row), &bad_v).unwrap_err();
+    assert!(e.to_string().contains("sequence 1") && e.to_string().contains("overflowed"), "{e}");
+    assert_eq!(dev.lens(), &[45, 45]);
+    assert!(dev.download_pool().unwrap() == pool, "pool changed by a failed append");
+    let after: Vec<Vec<f32>> = [Tensor::Key, Tensor::Value]
+        .iter()
+        .flat_map(|&t| [dev.download_rows(t, true).unwrap(), dev.download_rows(t, false).unwrap()])
+        .collect();
+    assert!(after == rows, "sink/window rows changed by a failed append");
+    // The host refuses the same append, for the same reason.
+    assert!(host.append(ids[1], &rng.vec(row), &bad_v[row..]).is_err());
+    // Later appends land as if the failed one never happened.
+    for _ in 0..40 {
+        let (k, v) = (rng.vec(2 * row), rng.vec(2 * row));
+        dev.extend(&[1, 1], &k, &v).unwrap();
+        for b in 0..2 {
+            host.append(ids[b], &k[b * row..][..row], &v[b * row..][..row]).unwrap();
+        }
+    }
+    assert_same(&s, &host, &ids, &dev, "after a failed append and 40 good ones");
 }
