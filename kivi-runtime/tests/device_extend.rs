@@ -14,10 +14,10 @@ mod sim_util;
 use device_util::devices;
 use kivi_runtime::device::{Device, DeviceCache};
 use kivi_runtime::{reference, AttnParams, CacheConfig, PagedCache};
-use std::sync::Arc;
 use kivi_spec::{presets, Heads, Scheme, Tensor};
 use kivi_templates::{default_variant, generate, Generated, Kernel};
 use sim_util::{extra_schemes, rel_error, Rng};
+use std::sync::Arc;
 
 fn cases() -> Vec<Scheme> {
     let mut out = Vec::new();
@@ -235,19 +235,32 @@ fn undo_on(cuda: &Arc<dyn Device>) {
     let pool = dev.download_pool().unwrap();
     let rows: Vec<Vec<f32>> = [Tensor::Key, Tensor::Value]
         .iter()
-        .flat_map(|&t| [dev.download_rows(t, true).unwrap(), dev.download_rows(t, false).unwrap()])
+        .flat_map(|&t| {
+            [
+                dev.download_rows(t, true).unwrap(),
+                dev.download_rows(t, false).unwrap(),
+            ]
+        })
         .collect();
     // Values of 1e5 and -1e5 in one token-axis group: scale 6.7e4 > f16 max.
     let mut bad_v = rng.vec(2 * row);
     bad_v[row + 3] = 1e5;
     bad_v[row + 4] = -1e5;
     let e = dev.extend(&[1, 1], &rng.vec(2 * row), &bad_v).unwrap_err();
-    assert!(e.to_string().contains("sequence 1") && e.to_string().contains("overflowed"), "{e}");
+    assert!(
+        e.to_string().contains("sequence 1") && e.to_string().contains("overflowed"),
+        "{e}"
+    );
     assert_eq!(dev.lens(), &[45, 45]);
     assert!(dev.download_pool().unwrap() == pool, "pool changed by a failed append");
     let after: Vec<Vec<f32>> = [Tensor::Key, Tensor::Value]
         .iter()
-        .flat_map(|&t| [dev.download_rows(t, true).unwrap(), dev.download_rows(t, false).unwrap()])
+        .flat_map(|&t| {
+            [
+                dev.download_rows(t, true).unwrap(),
+                dev.download_rows(t, false).unwrap(),
+            ]
+        })
         .collect();
     assert!(after == rows, "sink/window rows changed by a failed append");
     // The host refuses the same append, for the same reason.

@@ -17,7 +17,13 @@ enum Arg<'a> {
 }
 
 /// Launches `entry` of `g` on the simulated device through the device layer.
-unsafe fn launch(_lib: &SimLibrary, g: &Generated, entry: &str, grid: [u32; 3], args: &mut [Arg<'_>]) -> kivi_runtime::Result<()> {
+unsafe fn launch(
+    _lib: &SimLibrary,
+    g: &Generated,
+    entry: &str,
+    grid: [u32; 3],
+    args: &mut [Arg<'_>],
+) -> kivi_runtime::Result<()> {
     let dev = SimDevice::shared();
     let d = dev.as_ref();
     let m = d.load(g)?;

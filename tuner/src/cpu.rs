@@ -160,7 +160,16 @@ impl Target for CpuTarget {
             .into_iter()
             .map(|p| Candidate {
                 name: p.name(),
-                hash: kivi_spec::fnv1a64(format!("{p:?}").as_bytes()),
+                // The kernel code and the instruction set this candidate runs
+                // on this CPU: either changing re-measures it.
+                hash: kivi_spec::fnv1a64(
+                    format!(
+                        "{p:?} kernels {:016x} isa {:?}",
+                        kivi_runtime::cpu::KERNEL_HASH,
+                        p.isa(self.scheme.shape().map_or(0, |s| s.head_dim))
+                    )
+                    .as_bytes(),
+                ),
                 notes: Vec::new(),
             })
             .collect()
@@ -346,7 +355,9 @@ pub fn build_inputs(scheme: &Scheme, bucket: &Bucket) -> Result<Inputs, String> 
 pub fn check_inputs(scheme: &Scheme, bucket: &Bucket) -> Result<Inputs, String> {
     const EDGES: [usize; 6] = [1, 31, 33, 127, 65, 255];
     let top = (bucket.context as usize).max(1);
-    let lengths: Vec<usize> = (0..bucket.batch as usize).map(|b| EDGES[b % EDGES.len()].min(top)).collect();
+    let lengths: Vec<usize> = (0..bucket.batch as usize)
+        .map(|b| EDGES[b % EDGES.len()].min(top))
+        .collect();
     inputs_of(
         scheme,
         bucket_data_with(scheme, bucket, &lengths, 0x5eed_0f_c4ec_u64 ^ bucket.context as u64)?,

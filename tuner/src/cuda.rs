@@ -220,6 +220,39 @@ pub fn static_ranking(
     Ok(rows)
 }
 
+/// What keys a device's tuning decisions: its kind (`cuda` or `sim`), name
+/// and hardware facts — never the ordinal.
+pub fn device_fingerprint(dev: &dyn Device) -> Fingerprint {
+    let i = dev.info();
+    let mut facts = BTreeMap::new();
+    facts.insert("cc".to_string(), i.arch.name());
+    facts.insert("sm_count".to_string(), i.sms.to_string());
+    facts.insert("l2".to_string(), i.l2_bytes.to_string());
+    facts.insert("mem_clock_khz".to_string(), i.mem_clock_khz.to_string());
+    facts.insert("bus_width_bits".to_string(), i.bus_width_bits.to_string());
+    facts.insert("total_mem".to_string(), i.total_mem.to_string());
+    facts.insert("driver".to_string(), i.driver_version.to_string());
+    Fingerprint {
+        backend: dev.kind().name().into(),
+        name: i.name.clone(),
+        facts,
+    }
+}
+
+/// The toolchain half of a device's decision key: NVRTC's version on a GPU,
+/// the host C++ compiler on the simulated device.
+pub fn device_toolchain(dev: &dyn Device, compiler: Option<&Compiler>) -> Toolchain {
+    let c = match (compiler, dev.kind()) {
+        (Some(c), DeviceKind::Cuda) => format!("nvrtc {}", c.version()),
+        (_, DeviceKind::Sim) => format!(
+            "sim {}",
+            kivi_runtime::sim::find_compiler().unwrap_or_else(|_| "no C++ compiler".into())
+        ),
+        (None, DeviceKind::Cuda) => "nvrtc (unknown)".into(),
+    };
+    Toolchain::current(&c)
+}
+
 /// The generated kernels on a [`Device`] as a tuning target: a GPU through
 /// cudarc, or the simulated device (`kivi tune --backend sim`), which runs
 /// exactly this code — candidates, correctness gate, timing loop — on the
@@ -253,7 +286,11 @@ impl CudaTarget {
     }
 
     /// Any device, with an optional NVRTC for static resource checks.
-    pub fn with_device(scheme: &Scheme, dev: Arc<dyn Device>, compiler: Option<Compiler>) -> Result<CudaTarget, String> {
+    pub fn with_device(
+        scheme: &Scheme,
+        dev: Arc<dyn Device>,
+        compiler: Option<Compiler>,
+    ) -> Result<CudaTarget, String> {
         let info = dev.info();
         let limits = SmLimits::of(info.arch, info.sms.max(1) as u32);
         let mut gens = Vec::new();
@@ -324,31 +361,10 @@ impl Target for CudaTarget {
         self.dev.kind().name()
     }
     fn device(&self) -> Fingerprint {
-        let i = self.dev.info();
-        let mut facts = BTreeMap::new();
-        facts.insert("cc".to_string(), i.arch.name());
-        facts.insert("sm_count".to_string(), i.sms.to_string());
-        facts.insert("l2".to_string(), i.l2_bytes.to_string());
-        facts.insert("mem_clock_khz".to_string(), i.mem_clock_khz.to_string());
-        facts.insert("bus_width_bits".to_string(), i.bus_width_bits.to_string());
-        facts.insert("total_mem".to_string(), i.total_mem.to_string());
-        facts.insert("driver".to_string(), i.driver_version.to_string());
-        Fingerprint {
-            backend: self.dev.kind().name().into(),
-            name: i.name.clone(),
-            facts,
-        }
+        device_fingerprint(self.dev.as_ref())
     }
     fn toolchain(&self) -> Toolchain {
-        let compiler = match (&self.compiler, self.dev.kind()) {
-            (Some(c), DeviceKind::Cuda) => format!("nvrtc {}", c.version()),
-            (_, DeviceKind::Sim) => format!(
-                "sim {}",
-                kivi_runtime::sim::find_compiler().unwrap_or_else(|_| "no C++ compiler".into())
-            ),
-            (None, DeviceKind::Cuda) => "nvrtc (unknown)".into(),
-        };
-        Toolchain::current(&compiler)
+        device_toolchain(self.dev.as_ref(), self.compiler.as_ref())
     }
     fn candidates(&self, bucket: &Bucket) -> Vec<Candidate> {
         self.gens

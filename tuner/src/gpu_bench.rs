@@ -57,7 +57,10 @@ impl GpuBenchOptions {
         GpuBenchOptions {
             schemes: vec![presets::kivi2(), presets::int8()]
                 .into_iter()
-                .map(|s| s.with_shape(Heads::Gqa { q: 8, kv: 2 }, 64).expect("presets bind GQA 8:2 d64"))
+                .map(|s| {
+                    s.with_shape(Heads::Gqa { q: 8, kv: 2 }, 64)
+                        .expect("presets bind GQA 8:2 d64")
+                })
                 .collect(),
             batches: vec![1, 3],
             contexts: vec![61, 201],
@@ -234,7 +237,11 @@ fn measure(
     run.launch()?;
     let got = run.output()?;
     let (batch, ctx) = (dc.batch(), dc.lens()[0]);
-    let err = check(&format!("{} batch {batch} context {ctx}", module.generated.name), &got, want)?;
+    let err = check(
+        &format!("{} batch {batch} context {ctx}", module.generated.name),
+        &got,
+        want,
+    )?;
     let t = run.time(warmup, iters)?;
     let bytes = dc.decode_bytes();
     let gbs = bytes as f64 / (t.median_ms * 1e-3) / 1e9;

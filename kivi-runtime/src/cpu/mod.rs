@@ -47,6 +47,32 @@ use std::sync::{Arc, Mutex, OnceLock};
 pub use probe::{compute_ceiling, ComputeCeiling};
 pub use simd::Isa;
 
+/// A hash of the CPU kernels' source code (this module's files), fixed at
+/// build time. Tuning decisions for the CPU backend are keyed by it, so a
+/// changed kernel is measured again instead of trusted.
+pub const KERNEL_HASH: u64 = {
+    const PARTS: [&str; 5] = [
+        include_str!("mod.rs"),
+        include_str!("kernel.rs"),
+        include_str!("fused.rs"),
+        include_str!("simd.rs"),
+        include_str!("../quant.rs"),
+    ];
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut p = 0;
+    while p < PARTS.len() {
+        let b = PARTS[p].as_bytes();
+        let mut i = 0;
+        while i < b.len() {
+            h ^= b[i] as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+            i += 1;
+        }
+        p += 1;
+    }
+    h
+};
+
 /// Tunable parameters of the CPU kernel (the tuner searches these).
 ///
 /// Build it with struct update syntax so that new fields keep their

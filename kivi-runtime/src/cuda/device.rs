@@ -15,7 +15,9 @@ use crate::device::{
 };
 use crate::error::{Error, Result};
 use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
+};
 use kivi_templates::Generated;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -36,7 +38,9 @@ pub(crate) struct CudaModuleFns {
 fn cuda_slice(b: &Buffer) -> Result<&CudaSlice<u8>> {
     match &b.mem {
         Mem::Cuda(s) => Ok(s),
-        Mem::Host(_) => Err(Error::Config(format!("{b:?} belongs to the simulated device, not a GPU"))),
+        Mem::Host(_) => Err(Error::Config(format!(
+            "{b:?} belongs to the simulated device, not a GPU"
+        ))),
     }
 }
 

@@ -161,11 +161,7 @@ impl CombineArgs<'_> {
         let li = &m.generated.launch;
         at_least(self.part_ml, li.part_ml_len(self.batch), "part_ml")?;
         at_least(self.part_acc, li.part_acc_len(self.batch), "part_acc")?;
-        at_least(
-            self.out,
-            self.batch * li.q_heads as usize * li.head_dim as usize,
-            "out",
-        )?;
+        at_least(self.out, self.batch * li.q_heads as usize * li.head_dim as usize, "out")?;
         let g = grid(m, Self::ENTRY, self.batch)?;
         dev.launch(
             m,
@@ -242,8 +238,7 @@ impl ExtendArgs<'_> {
         at_least(self.status, self.batch, "status")?;
         let stride = i32::try_from(self.table_stride)
             .map_err(|_| Error::Config(format!("a block table of {} entries", self.table_stride)))?;
-        let max_new =
-            i32::try_from(self.max_new).map_err(|_| Error::Config(format!("{} new tokens", self.max_new)))?;
+        let max_new = i32::try_from(self.max_new).map_err(|_| Error::Config(format!("{} new tokens", self.max_new)))?;
         let g = grid(m, &entry, self.batch)?;
         dev.launch(
             m,

@@ -583,7 +583,10 @@ impl DeviceCache {
         if module.generated.block_tokens != self.layout.block_tokens
             || module.generated.launch.q_heads as usize != self.shape.q_heads
             || module.generated.launch.head_dim as usize != self.shape.head_dim
-            || !module.generated.name.starts_with(&kivi_templates::scheme_tag(&self.scheme))
+            || !module
+                .generated
+                .name
+                .starts_with(&kivi_templates::scheme_tag(&self.scheme))
         {
             return Err(Error::Config(format!(
                 "`{}` was generated for another scheme, shape or block size than this cache's",
@@ -730,7 +733,13 @@ mod tests {
             .flat_map(|&t| [dc.download_rows(t, true).unwrap(), dc.download_rows(t, false).unwrap()])
             .collect();
         let tables = download::<u32>(dc.dev.as_ref(), &dc.tables).unwrap();
-        (dc.download_pool().unwrap(), rows, dc.lens.clone(), dc.host_tables.clone(), tables)
+        (
+            dc.download_pool().unwrap(),
+            rows,
+            dc.lens.clone(),
+            dc.host_tables.clone(),
+            tables,
+        )
     }
 
     /// Non-finite values that reach the kernel (the host check is bypassed
@@ -744,13 +753,18 @@ mod tests {
         let s = presets::kivi2().with_shape(Heads::Gqa { q: 4, kv: 2 }, 32).unwrap();
         let row = 2 * 32;
         let mut dc = DeviceCache::new(SimDevice::shared(), &s, 2, 400, CacheConfig::for_tokens(1024)).unwrap();
-        let x: Vec<f32> = (0..2 * 150 * row).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+        let x: Vec<f32> = (0..2 * 150 * row)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+            .collect();
         dc.extend(&[150, 150], &x, &x).unwrap();
         let before = snapshot(&dc);
         let mut k: Vec<f32> = x[..2 * 40 * row].to_vec();
         k[41 * row + 5] = f32::NAN; // sequence 1
         let e = dc.extend_rounded(&[40, 40], &k, &x[..2 * 40 * row], None).unwrap_err();
-        assert!(e.to_string().contains("sequence 1") && e.to_string().contains("not finite"), "{e}");
+        assert!(
+            e.to_string().contains("sequence 1") && e.to_string().contains("not finite"),
+            "{e}"
+        );
         assert!(snapshot(&dc) == before, "a refused append changed the device cache");
         assert!(!dc.poisoned);
         // ... and the cache still works.

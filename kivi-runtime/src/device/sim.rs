@@ -4,7 +4,10 @@
 //! compiled through the shim into a [`SimLibrary`]; a launch runs the
 //! kernel's blocks on the CPU; timing uses the host clock.
 
-use super::{check_launch, check_range, Buffer, Device, DeviceInfo, DeviceKind, Elem, KernelArg, Mem, Module, ModuleInner, Timing};
+use super::{
+    check_launch, check_range, Buffer, Device, DeviceInfo, DeviceKind, Elem, KernelArg, Mem, Module, ModuleInner,
+    Timing,
+};
 use crate::cuda::Arch;
 use crate::error::{Error, Result};
 use crate::sim::{compile, SimLibrary};
@@ -43,7 +46,9 @@ impl HostMem {
 fn host(b: &Buffer) -> Result<&HostMem> {
     match &b.mem {
         Mem::Host(h) => Ok(h),
-        Mem::Cuda(_) => Err(Error::Config(format!("{b:?} belongs to a GPU, not the simulated device"))),
+        Mem::Cuda(_) => Err(Error::Config(format!(
+            "{b:?} belongs to a GPU, not the simulated device"
+        ))),
     }
 }
 

@@ -227,9 +227,10 @@ pub fn run(args: Args) -> super::Result {
         AttendBackend::Reference => Box::new(ReferenceBackend),
         AttendBackend::Cpu => Box::new(CpuBackend::default()),
         AttendBackend::Sim => Box::new(DeviceBackend::open(DeviceKind::Sim)?),
-        AttendBackend::Cuda => Box::new(DeviceBackend::open(DeviceKind::Cuda).map_err(|e| {
-            format!("{e} (`--backend sim` runs the same generated kernels on the CPU)")
-        })?),
+        AttendBackend::Cuda => Box::new(
+            DeviceBackend::open(DeviceKind::Cuda)
+                .map_err(|e| format!("{e} (`--backend sim` runs the same generated kernels on the CPU)"))?,
+        ),
     };
     let start = Instant::now();
     let out = backend.decode(&cache, &seqs, &p.q.data, attn)?;

@@ -10,13 +10,26 @@ use kivi_tuner::CpuTarget;
 use std::path::PathBuf;
 use std::time::Instant;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+/// What `--backend` names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TuneBackend {
     /// cuda when a GPU is usable, else cpu (with a static ranking of the CUDA variants)
     Auto,
     Cpu,
     Sim,
     Cuda,
+}
+
+impl TuneBackend {
+    fn parse(s: &str) -> Result<TuneBackend, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(TuneBackend::Auto),
+            "cpu" => Ok(TuneBackend::Cpu),
+            "sim" => Ok(TuneBackend::Sim),
+            "cuda" => Ok(TuneBackend::Cuda),
+            other => Err(format!("--backend `{other}` is not auto, cpu, sim or cuda")),
+        }
+    }
 }
 
 #[derive(clap::Args)]
@@ -27,8 +40,8 @@ pub struct Args {
     /// Backend to tune: auto (cuda when a GPU is usable, else cpu), cpu,
     /// sim (the generated kernels on the simulated device) or cuda (fails
     /// where there is no GPU)
-    #[arg(long, value_enum, default_value_t = TuneBackend::Auto)]
-    backend: TuneBackend,
+    #[arg(long, default_value = "auto")]
+    backend: String,
     /// Head layout, e.g. gqa:32:8, mha:8, mqa:4 (default: the scheme's, else gqa:32:8)
     #[arg(long)]
     heads: Option<String>,
@@ -201,11 +214,13 @@ pub fn print_entry_table(e: &Entry, all: bool) {
     }
 }
 
-/// The CUDA decode variants ranked without a GPU: generated, compiled with
-/// NVRTC for sm_90 where NVRTC is present (ptxas resources), occupancy on
-/// an H200 (132 SMs), pruned and ranked.
-fn print_static_ranking(scheme: &Scheme, buckets: &[Bucket]) {
-    use kivi_runtime::cuda::{Arch, Compiler};
+/// The CUDA decode variants ranked without timing them: generated, compiled
+/// with NVRTC for `arch` where NVRTC is present (ptxas resources), occupancy
+/// on `sms` multiprocessors, pruned and ranked. `on` names the device the
+/// numbers describe (the simulated device's, or an H200's where there is
+/// no device at all).
+fn print_static_ranking(scheme: &Scheme, buckets: &[Bucket], arch: kivi_runtime::cuda::Arch, sms: u32, on: &str) {
+    use kivi_runtime::cuda::Compiler;
     let compiler = Compiler::new().ok();
     let mut batches: Vec<u32> = buckets.iter().map(|b| b.batch).collect();
     batches.dedup();
@@ -213,14 +228,14 @@ fn print_static_ranking(scheme: &Scheme, buckets: &[Bucket]) {
         let b = buckets.iter().find(|x| x.batch == batch).expect("listed");
         println!();
         println!(
-            "CUDA decode variants, static ranking for batch {batch} on sm_90 / 132 SMs ({}; not timed: no GPU here):",
+            "CUDA decode variants, static ranking for batch {batch} on {arch} / {sms} SMs ({on}; {}; not timed on a GPU):",
             if compiler.is_some() {
                 "compiled with NVRTC, ptxas resources"
             } else {
                 "NVRTC not found, launch shapes only"
             }
         );
-        match kivi_tuner::cuda::static_ranking(scheme, b, Arch::SM90, 132, compiler.as_ref()) {
+        match kivi_tuner::cuda::static_ranking(scheme, b, arch, sms, compiler.as_ref()) {
             Err(e) => println!("  {e}"),
             Ok(rows) => {
                 println!(
@@ -302,13 +317,21 @@ pub fn run(args: Args) -> super::Result {
     }
 
     let mut notes: Vec<String> = Vec::new();
-    let mut static_report = false;
-    let target: Box<dyn Target> = match args.backend {
+    // (arch, SMs, what they describe) for a ranking of the CUDA variants on paper
+    let mut static_report: Option<(kivi_runtime::cuda::Arch, u32, String)> = None;
+    let target: Box<dyn Target> = match TuneBackend::parse(&args.backend)? {
         TuneBackend::Cpu => Box::new(CpuTarget::new(&scheme)?),
-        TuneBackend::Sim => Box::new(kivi_tuner::cuda::CudaTarget::sim(
-            &scheme,
-            kivi_runtime::device::SimDevice::shared(),
-        )?),
+        TuneBackend::Sim => {
+            let dev = kivi_runtime::device::SimDevice::shared();
+            let i = dev.info();
+            static_report = Some((i.arch, i.sms.max(1) as u32, "the simulated device's limits".into()));
+            notes.push(
+                "simulated device: timings are host-clock times of simulated launches and rank nothing \
+                 about a GPU; the run checks every candidate against the reference"
+                    .into(),
+            );
+            Box::new(kivi_tuner::cuda::CudaTarget::sim(&scheme, dev)?)
+        }
         // Asked for a GPU by name: no GPU is an error, never another backend.
         TuneBackend::Cuda => Box::new(kivi_tuner::cuda::CudaTarget::new(&scheme).map_err(|why| {
             format!("--backend cuda: {why} (use --backend sim to tune on the simulated device, or cpu)")
@@ -319,7 +342,11 @@ pub fn run(args: Args) -> super::Result {
                 // No GPU here: tune what can run, and still say how the
                 // CUDA variants compare on paper.
                 notes.push(format!("no usable CUDA device ({why}); tuning the cpu backend instead"));
-                static_report = true;
+                static_report = Some((
+                    kivi_runtime::cuda::Arch::SM90,
+                    132,
+                    "an H200, assumed: no GPU here".into(),
+                ));
                 Box::new(CpuTarget::new(&scheme)?)
             }
         },
@@ -397,8 +424,8 @@ pub fn run(args: Args) -> super::Result {
                 print_entry_table(e, false);
             }
         }
-        if static_report {
-            print_static_ranking(&scheme, &buckets);
+        if let Some((arch, sms, on)) = &static_report {
+            print_static_ranking(&scheme, &buckets, *arch, *sms, on);
         }
         println!();
         println!("decisions: {}", store.path().display());
