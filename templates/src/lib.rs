@@ -71,10 +71,10 @@ pub enum Kernel {
     /// One decode step: store the new token, flush what leaves the window.
     Append,
     /// Fused dequantize + decode attention, split over the sequence; its
-    /// source also holds the combine kernel.
+    /// source also holds the combine kernel that merges the splits (one
+    /// combine per decode variant, launched right after it: there is no
+    /// separate combine source, so nothing is generated that nothing runs).
     Decode,
-    /// Merges the per-split partial results of [`Kernel::Decode`].
-    Combine,
 }
 
 impl Kernel {
@@ -84,7 +84,6 @@ impl Kernel {
             Kernel::Prefill => "prefill",
             Kernel::Append => "append",
             Kernel::Decode => "decode",
-            Kernel::Combine => "combine",
         }
     }
 
@@ -94,13 +93,12 @@ impl Kernel {
             "prefill" => Ok(Kernel::Prefill),
             "append" => Ok(Kernel::Append),
             "decode" => Ok(Kernel::Decode),
-            "combine" => Ok(Kernel::Combine),
             _ => Err(GenError::BadKernel(s.to_string())),
         }
     }
 
     /// Every kernel.
-    pub const ALL: [Kernel; 4] = [Kernel::Prefill, Kernel::Append, Kernel::Decode, Kernel::Combine];
+    pub const ALL: [Kernel; 3] = [Kernel::Prefill, Kernel::Append, Kernel::Decode];
 }
 
 impl fmt::Display for Kernel {
@@ -121,7 +119,7 @@ pub enum GenError {
     InvalidVariant { variant: String, why: String },
     /// A `--variant` name that does not parse.
     BadVariantName(String),
-    /// A kernel name that is not `prefill`, `append`, `decode` or `combine`.
+    /// A kernel name that is not `prefill`, `append` or `decode`.
     BadKernel(String),
     /// A block size the scheme cannot use.
     BlockTokens(String),
@@ -140,7 +138,10 @@ impl fmt::Display for GenError {
                 f,
                 "`{n}` is not a variant name; expected e.g. `t128.tile32.s8.h4.w1.u1`"
             ),
-            GenError::BadKernel(k) => write!(f, "unknown kernel `{k}`; expected prefill, append, decode or combine"),
+            GenError::BadKernel(k) => write!(
+                f,
+                "unknown kernel `{k}`; expected prefill, append or decode (the combine kernel is part of every decode source)"
+            ),
             GenError::BlockTokens(m) => write!(f, "{m}"),
         }
     }

@@ -42,11 +42,12 @@ pub fn gpu_or_skip(test: &str, needed: impl FnOnce() -> Vec<Generated>) -> Optio
 }
 
 /// Every device this test runs on: the simulated device, then GPU 0 when
-/// one is usable. On the GPU machine (`KIVI_REQUIRE_GPU`) only the GPU: the
-/// simulated half already ran in CI.
+/// one is usable. On the GPU machine (`KIVI_REQUIRE_GPU`) and when filling
+/// a GPU bundle (`KIVI_CUDA_PRECOMPILE`) only the GPU: the simulated half
+/// runs in CI.
 pub fn devices(test: &str, needed: impl FnOnce() -> Vec<Generated>) -> Vec<Arc<dyn Device>> {
     let mut out: Vec<Arc<dyn Device>> = Vec::new();
-    if std::env::var_os("KIVI_REQUIRE_GPU").is_none() {
+    if std::env::var_os("KIVI_REQUIRE_GPU").is_none() && std::env::var_os("KIVI_CUDA_PRECOMPILE").is_none() {
         out.push(SimDevice::shared());
     }
     out.extend(gpu_or_skip(test, needed));
