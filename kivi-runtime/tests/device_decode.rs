@@ -221,3 +221,52 @@ fn cuda_unavailable_is_typed() {
         }
     }
 }
+
+/// Every decode variant on shapes no preset is bound to (GQA 7:1 at
+/// head_dim 80, MHA 3 at 96), for a channel-axis 2-bit, a token-axis 4-bit
+/// and an 8-bit scheme, at odd lengths.
+#[test]
+fn every_decode_variant_on_odd_shapes() {
+    let cases = || {
+        let mut out = Vec::new();
+        for (h, d) in [(Heads::Gqa { q: 7, kv: 1 }, 80u32), (Heads::Mha(3), 96)] {
+            for p in [presets::kivi2(), presets::tok4(), presets::int8()] {
+                if let Ok(s) = p.with_shape(h, d) {
+                    out.push(s);
+                }
+            }
+        }
+        out
+    };
+    let gens = || {
+        cases()
+            .iter()
+            .flat_map(|s| {
+                variants(s, Kernel::Decode)
+                    .into_iter()
+                    .map(|v| generate(s, Kernel::Decode, &v).unwrap())
+                    .collect::<Vec<_>>()
+            })
+            .collect::<Vec<_>>()
+    };
+    for be in backends("odd_shapes", gens) {
+        let all = gens();
+        be.device().load_many(&all.iter().collect::<Vec<_>>()).unwrap();
+        let mut n = 0;
+        for (i, s) in cases().iter().enumerate() {
+            let b = Batch::new(s, &[1, 31, 127], 300 + i as u64, true);
+            let attn = AttnParams::of(s, s.shape().unwrap());
+            let want = b.reference(attn);
+            for v in variants(s, Kernel::Decode) {
+                let e = b.rel_error(&be.clone().with_variant(Some(v)), attn, &want);
+                assert!(e <= TOL, "{} {:?} {}: relative error {e}", s.name, s.heads, v.name());
+                n += 1;
+            }
+        }
+        sim_util::report(&format!(
+            "{}: {n} decode variants on GQA 7:1 d80 / MHA 3 d96 agree with the reference",
+            be.device().kind().name()
+        ));
+        assert!(n >= 40, "{n}");
+    }
+}

@@ -275,3 +275,89 @@ fn undo_on(cuda: &Arc<dyn Device>) {
     }
     assert_same(&s, &host, &ids, &dev, "after a failed append and 40 good ones");
 }
+
+/// Shapes no preset is bound to: GQA 7:1 at head_dim 80 and MHA 3 at 96.
+fn odd_shapes() -> [(Heads, u32); 2] {
+    [(Heads::Gqa { q: 7, kv: 1 }, 80), (Heads::Mha(3), 96)]
+}
+
+/// Every scheme of the suite that binds `shape` (a token-axis group must
+/// divide head_dim).
+fn bound(h: Heads, d: u32) -> Vec<Scheme> {
+    presets::all()
+        .into_iter()
+        .chain(extra_schemes())
+        .filter_map(|s| s.with_shape(h, d).ok())
+        .collect()
+}
+
+/// Every prefill and append variant the generator offers (not only the
+/// default), for every scheme that binds the odd shapes: a prefill of odd
+/// lengths then 40 appends, bit-identical with `PagedCache` throughout.
+#[test]
+fn every_prefill_and_append_variant_matches_paged_cache() {
+    let gens = || {
+        let mut out = Vec::new();
+        for (h, d) in odd_shapes() {
+            for s in bound(h, d) {
+                for k in [Kernel::Prefill, Kernel::Append] {
+                    for v in kivi_templates::variants(&s, k) {
+                        out.push(generate(&s, k, &v).unwrap());
+                    }
+                }
+            }
+        }
+        out
+    };
+    for dev in devices("extend_variants", gens) {
+        // One library for the whole sweep on the simulator.
+        let all = gens();
+        dev.load_many(&all.iter().collect::<Vec<_>>()).unwrap();
+        let mut runs = 0;
+        for (h, d) in odd_shapes() {
+            for (i, s) in bound(h, d).iter().enumerate() {
+                let pv = kivi_templates::variants(s, Kernel::Prefill);
+                let av = kivi_templates::variants(s, Kernel::Append);
+                assert!(
+                    pv.len() >= 3 && av.len() >= 3,
+                    "{}: {} / {} variants",
+                    s.name,
+                    pv.len(),
+                    av.len()
+                );
+                for (j, (p, a)) in pv.iter().zip(&av).enumerate() {
+                    let shape = s.shape().unwrap();
+                    let row = shape.kv_heads * shape.head_dim;
+                    let lens = [1usize, 33, 70];
+                    let cfg = CacheConfig::for_tokens(1024);
+                    let mut host = PagedCache::new(s.clone(), cfg).unwrap();
+                    let mut dc = DeviceCache::new(dev.clone(), s, lens.len(), 200, cfg).unwrap();
+                    let ids: Vec<u64> = lens.iter().map(|_| host.add_sequence()).collect();
+                    let mut rng = Rng(1000 + 10 * i as u64 + j as u64);
+                    let ks: Vec<Vec<f32>> = lens.iter().map(|&t| rng.vec(t * row)).collect();
+                    let vs: Vec<Vec<f32>> = lens.iter().map(|&t| rng.vec(t * row)).collect();
+                    for (b, &id) in ids.iter().enumerate() {
+                        host.extend(id, &ks[b], &vs[b]).unwrap();
+                    }
+                    dc.extend_with(&lens, &ks.concat(), &vs.concat(), Some(*p)).unwrap();
+                    for _ in 0..40 {
+                        let k: Vec<f32> = rng.vec(lens.len() * row);
+                        let v: Vec<f32> = rng.vec(lens.len() * row);
+                        for (b, &id) in ids.iter().enumerate() {
+                            host.append(id, &k[b * row..][..row], &v[b * row..][..row]).unwrap();
+                        }
+                        dc.extend_with(&vec![1; lens.len()], &k, &v, Some(*a)).unwrap();
+                    }
+                    let when = format!("prefill {} then 40 appends {} on {h} d{d}", p.name(), a.name());
+                    assert_same(s, &host, &ids, &dc, &when);
+                    runs += 1;
+                }
+            }
+        }
+        sim_util::report(&format!(
+            "{}: {runs} prefill/append variant pairs bit-identical to PagedCache on GQA 7:1 d80 and MHA 3 d96",
+            dev.kind().name()
+        ));
+        assert!(runs >= 20, "{runs}");
+    }
+}
