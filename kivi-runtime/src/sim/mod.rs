@@ -29,7 +29,10 @@
 
 mod compile;
 
-pub use compile::{cache_dir, compile, find_compiler, translation_unit, SimLibrary};
+pub use compile::{
+    cache_dir, check_launch, compile, compile_flags, find_compiler, translation_unit, ArchLimits, Schedule, SimLibrary,
+    SimOptions,
+};
 
 use crate::backend::{check_batch, Backend};
 use crate::cache::{PagedCache, RawRows, SeqId, SeqView};
@@ -39,7 +42,7 @@ use crate::reference::AttnParams;
 use kivi_spec::layout::{regions, window_capacity};
 use kivi_spec::{Dtype, Scheme, Shape, Tensor};
 use kivi_templates::{generate_with, GenOptions, Generated, Kernel, ParamTy, Variant};
-use std::ffi::{c_char, c_void};
+use std::ffi::c_void;
 use std::sync::Arc;
 
 /// A buffer of activation elements as a kernel reads them.
@@ -149,14 +152,17 @@ impl Arg<'_> {
 }
 
 /// Launches entry point `entry` of `g` (compiled into `lib`) on `grid`
-/// blocks, like `cuLaunchKernel`.
+/// blocks of the entry's threads, like `cuLaunchKernel`, under
+/// [`SimOptions::current`] (the innermost [`SimOptions::scope`], else
+/// `KIVI_SIM_SCHEDULE` / `KIVI_SIM_ARCH`, else the defaults). The arguments
+/// are checked against the entry's parameter list, then passed to
+/// [`SimLibrary::launch_raw`].
 ///
 /// # Safety
 /// The buffers must be as large as the kernel indexes them for this grid
 /// (the kernel argument docs of [`kivi_templates`] say how large); only the
 /// argument types are checked.
 pub unsafe fn launch(lib: &SimLibrary, g: &Generated, entry: &str, grid: [u32; 3], args: &mut [Arg<'_>]) -> Result<()> {
-    let f = lib.get(g, entry)?;
     let el = g
         .launch
         .entry(entry)
@@ -186,14 +192,8 @@ pub unsafe fn launch(lib: &SimLibrary, g: &Generated, entry: &str, grid: [u32; 3
     }
     // Little-endian: an int or float argument is the low bytes of its slot.
     let mut ptrs: Vec<*mut c_void> = slots.iter_mut().map(|s| s.as_mut_ptr() as *mut c_void).collect();
-    let dims = [grid[0], grid[1], grid[2], el.block[0], el.block[1], el.block[2]];
-    let mut err = vec![0 as c_char; 1024];
-    let rc = f(dims.as_ptr(), ptrs.as_mut_ptr(), err.as_mut_ptr(), err.len() as i32);
-    if rc != 0 {
-        let msg = std::ffi::CStr::from_ptr(err.as_ptr()).to_string_lossy().into_owned();
-        return Err(Error::Config(format!("sim: {} `{entry}` failed: {msg}", g.name)));
-    }
-    Ok(())
+    let block = el.block;
+    lib.launch_raw(g, entry, grid, block, &mut ptrs, &SimOptions::current()?)
 }
 
 /// Decode attention by a generated kernel variant, run on the CPU.
