@@ -4,7 +4,7 @@
 //! the real templates is in `sim_barriers.rs`.
 
 use kivi_runtime::cuda::Arch;
-use kivi_runtime::sim::{compile, compile_flags, launch, Arg, ArchLimits, Schedule, SimOptions};
+use kivi_runtime::sim::{compile, compile_flags, launch, ArchLimits, Arg, Schedule, SimOptions};
 use kivi_templates::{EntryLaunch, Generated, LaunchInfo, Param, ParamTy, TEMPLATES};
 use std::ffi::c_void;
 
@@ -116,7 +116,10 @@ fn a_missing_barrier_changes_the_answer_and_shared_memory_starts_poisoned() {
     };
     run_f32(&g, "stale", 2, &mut out, one).unwrap();
     assert!(out[..64].iter().all(|&x| x == 5.0));
-    assert!(out[64..].iter().all(|x| x.is_nan()), "block 1 saw block 0's shared memory");
+    assert!(
+        out[64..].iter().all(|x| x.is_nan()),
+        "block 1 saw block 0's shared memory"
+    );
 }
 
 const ORDER: &str = r#"
@@ -150,7 +153,10 @@ fn schedules_are_the_orders_they_say_and_deterministic() {
     // whose counts continue from 128.
     let phase = |o: &[i32], block: usize, second: bool| -> Vec<i32> {
         let at = if second { 256 } else { 0 } + block * 128;
-        o[at..at + 128].iter().map(|x| x - if second { 128 } else { 0 }).collect()
+        o[at..at + 128]
+            .iter()
+            .map(|x| x - if second { 128 } else { 0 })
+            .collect()
     };
     for o in [&a, &b] {
         for (block, second) in [(0, false), (1, false), (0, true), (1, true)] {
@@ -160,8 +166,16 @@ fn schedules_are_the_orders_they_say_and_deterministic() {
         }
     }
     assert_ne!(a, b, "two seeds, two orders");
-    assert_ne!(phase(&a, 0, false), phase(&a, 1, false), "each block draws its own order");
-    assert_ne!(phase(&a, 0, false), phase(&a, 0, true), "each barrier phase draws a new order");
+    assert_ne!(
+        phase(&a, 0, false),
+        phase(&a, 1, false),
+        "each block draws its own order"
+    );
+    assert_ne!(
+        phase(&a, 0, false),
+        phase(&a, 0, true),
+        "each barrier phase draws a new order"
+    );
     // The same seed gives the same run, whatever the number of workers.
     for workers in [1, 2, 3] {
         let o = SimOptions {
@@ -232,13 +246,25 @@ fn warp_collectives_and_barriers_must_be_the_same_call() {
         let o = sched(s);
         let e = run_f32(&g, "split_shuffle", 1, &mut out, o).unwrap_err();
         let (a, b) = (line_of("v, 1);"), line_of("v, 2);"));
-        assert!(e.contains("block (0, 0, 0)") && e.contains("wait at different warp collectives"), "{e}");
-        assert!(e.contains("0-15 wait at __shfl_xor_sync") || e.contains("32-47 wait at __shfl_xor_sync"), "{e}");
-        assert!(e.contains(&format!("{tag}:{a})")) && e.contains(&format!("{tag}:{b})")), "{e}");
+        assert!(
+            e.contains("block (0, 0, 0)") && e.contains("wait at different warp collectives"),
+            "{e}"
+        );
+        assert!(
+            e.contains("0-15 wait at __shfl_xor_sync") || e.contains("32-47 wait at __shfl_xor_sync"),
+            "{e}"
+        );
+        assert!(
+            e.contains(&format!("{tag}:{a})")) && e.contains(&format!("{tag}:{b})")),
+            "{e}"
+        );
         // The message quotes the source lines.
         assert!(e.contains("__shfl_xor_sync(0xffffffffu, v, 2);"), "{e}");
         let e = run_f32(&g, "shuffle_vs_syncwarp", 1, &mut out, o).unwrap_err();
-        assert!(e.contains("thread 5 wait at __syncwarp") || e.contains("thread 37 wait at __syncwarp"), "{e}");
+        assert!(
+            e.contains("thread 5 wait at __syncwarp") || e.contains("thread 37 wait at __syncwarp"),
+            "{e}"
+        );
         assert!(e.contains("wait at __shfl_down_sync"), "{e}");
         // A partial mask is an error of the launch, not an abort of the process.
         let e = run_f32(&g, "partial_mask", 1, &mut out, o).unwrap_err();
@@ -246,7 +272,10 @@ fn warp_collectives_and_barriers_must_be_the_same_call() {
         assert!(e.contains("(warp 0, lane "), "names the thread: {e}");
         let e = run_f32(&g, "divergent_sync", 1, &mut out, o).unwrap_err();
         assert!(e.contains("divergent __syncthreads()"), "{e}");
-        assert!(e.contains("threads 0-39 wait at __syncthreads") && e.contains("threads 40-63 wait at"), "{e}");
+        assert!(
+            e.contains("threads 0-39 wait at __syncthreads") && e.contains("threads 40-63 wait at"),
+            "{e}"
+        );
         run_f32(&g, "full_warps", 1, &mut out, o).unwrap();
         let w0: f32 = (0..32).map(|x| x as f32).sum();
         let w1: f32 = (32..64).map(|x| x as f32).sum();
@@ -353,12 +382,28 @@ fn launch_limits_are_checked_like_the_driver() {
     raw(&g, "small", [1, 1, 1], [64, 1, 1], &mut out).unwrap();
     assert!(out[..64].iter().all(|&x| x == 1.0));
     for (grid, block, want) in [
-        ([1, 1, 1], [1025, 1, 1], "block dimension x = 1025 is outside 1..=1024 on sm_90"),
-        ([1, 1, 1], [32, 32, 2], "a block of 2048 threads (32x32x2) exceeds the 1024 threads per block"),
+        (
+            [1, 1, 1],
+            [1025, 1, 1],
+            "block dimension x = 1025 is outside 1..=1024 on sm_90",
+        ),
+        (
+            [1, 1, 1],
+            [32, 32, 2],
+            "a block of 2048 threads (32x32x2) exceeds the 1024 threads per block",
+        ),
         ([1, 1, 1], [1, 1, 65], "block dimension z = 65 is outside 1..=64"),
-        ([1, 65536, 1], [64, 1, 1], "grid dimension y = 65536 is outside 1..=65535"),
+        (
+            [1, 65536, 1],
+            [64, 1, 1],
+            "grid dimension y = 65536 is outside 1..=65535",
+        ),
         ([1, 1, 65536], [64, 1, 1], "grid dimension z = 65536"),
-        ([1 << 31, 1, 1], [64, 1, 1], "grid dimension x = 2147483648 is outside 1..=2147483647"),
+        (
+            [1 << 31, 1, 1],
+            [64, 1, 1],
+            "grid dimension x = 2147483648 is outside 1..=2147483647",
+        ),
         ([0, 1, 1], [64, 1, 1], "grid dimension x = 0"),
         ([1, 1, 1], [128, 1, 1], "exceeds the kernel's __launch_bounds__(64)"),
     ] {
@@ -372,7 +417,10 @@ fn launch_limits_are_checked_like_the_driver() {
     // launch; what a block touches against both, while it runs.
     g.launch.entries[0].shared_bytes = 48 * 1024 + 4;
     let e = raw(&g, "big", [1, 1, 1], [64, 1, 1], &mut out).unwrap_err();
-    assert!(e.contains("49156 bytes of static shared memory per block exceed the 49152-byte limit"), "{e}");
+    assert!(
+        e.contains("49156 bytes of static shared memory per block exceed the 49152-byte limit"),
+        "{e}"
+    );
     g.launch.entries[0].shared_bytes = 40 * 1024;
     let e = raw(&g, "big", [1, 1, 1], [64, 1, 1], &mut out).unwrap_err();
     assert!(
@@ -383,7 +431,10 @@ fn launch_limits_are_checked_like_the_driver() {
     assert!(e.is_ok(), "{e:?}");
     g.launch.entries[1].shared_bytes = 128;
     let e = raw(&g, "small", [1, 1, 1], [64, 1, 1], &mut out).unwrap_err();
-    assert!(e.contains("more than the 128 bytes the kernel's EntryLaunch::shared_bytes declares"), "{e}");
+    assert!(
+        e.contains("more than the 128 bytes the kernel's EntryLaunch::shared_bytes declares"),
+        "{e}"
+    );
     // Other architectures: the same static limits.
     let l = ArchLimits::of(Arch::SM80);
     assert_eq!(l.max_static_shared, 48 * 1024);
@@ -407,7 +458,8 @@ fn bare_shared_declarations_do_not_compile_and_templates_use_kivi_shared() {
                 continue;
             }
             assert!(
-                code.trim_start().starts_with("#define KIVI_SHARED(T, name, dims) __shared__ T name dims"),
+                code.trim_start()
+                    .starts_with("#define KIVI_SHARED(T, name, dims) __shared__ T name dims"),
                 "{file}:{}: a bare __shared__ escapes the sim's poisoning; use KIVI_SHARED: {line}",
                 i + 1
             );
@@ -416,7 +468,10 @@ fn bare_shared_declarations_do_not_compile_and_templates_use_kivi_shared() {
         assert!(!text.contains("reinterpret_cast<const uint4*>(") || file == "kivi_common.cuh");
     }
     assert_eq!(defs, 1);
-    let shared_uses: usize = TEMPLATES.iter().map(|(_, t)| t.matches("KIVI_SHARED(float").count()).sum();
+    let shared_uses: usize = TEMPLATES
+        .iter()
+        .map(|(_, t)| t.matches("KIVI_SHARED(float").count())
+        .sum();
     assert!(shared_uses >= 7, "{shared_uses}");
 }
 
@@ -447,13 +502,25 @@ fn contraction_like_nvrtc_fmad_but_never_across_rn_intrinsics() {
     let a = 1.0f32 + (-13f32).exp2();
     let x = [a, a, -(1.0f32 + (-12f32).exp2())];
     let mut out = vec![0f32; 4];
-    unsafe { launch(&lib, &g, "contract", [1, 1, 1], &mut [Arg::F32s(&x), Arg::F32sMut(&mut out)]) }.unwrap();
+    unsafe {
+        launch(
+            &lib,
+            &g,
+            "contract",
+            [1, 1, 1],
+            &mut [Arg::F32s(&x), Arg::F32sMut(&mut out)],
+        )
+    }
+    .unwrap();
     let unfused = x[0] * x[1] + x[2];
     let fused = x[0].mul_add(x[1], x[2]);
     assert_eq!(unfused, 0.0);
     assert_eq!(fused, (-26f32).exp2());
     if flags.iter().any(|f| f == "-mfma") {
-        assert_eq!(out[0], fused, "plain a * b + c is contracted, as NVRTC --fmad=true does");
+        assert_eq!(
+            out[0], fused,
+            "plain a * b + c is contracted, as NVRTC --fmad=true does"
+        );
     }
     assert_eq!(out[1], unfused, "__fadd_rn(__fmul_rn(..)) must not fuse");
     assert_eq!(out[2], unfused, "__fsub_rn(c, __fmul_rn(..) * -1) must not fuse");
@@ -467,7 +534,10 @@ fn options_parse_and_scope() {
     assert_eq!(Schedule::parse("reverse").unwrap(), Schedule::Reverse);
     assert_eq!(Schedule::parse("42").unwrap(), Schedule::Seeded(42));
     assert_eq!(Schedule::parse("seeded:7").unwrap(), Schedule::Seeded(7));
-    assert!(Schedule::parse("sideways").unwrap_err().to_string().contains("not a sim schedule"));
+    assert!(Schedule::parse("sideways")
+        .unwrap_err()
+        .to_string()
+        .contains("not a sim schedule"));
     for s in Schedule::STRICT {
         assert_eq!(Schedule::parse(&s.to_string()).unwrap(), s);
     }

@@ -154,7 +154,12 @@ pub enum Schedule {
 impl Schedule {
     /// The schedules a strict check runs a kernel under: both thread orders
     /// and two seeds.
-    pub const STRICT: [Schedule; 4] = [Schedule::InOrder, Schedule::Reverse, Schedule::Seeded(1), Schedule::Seeded(2)];
+    pub const STRICT: [Schedule; 4] = [
+        Schedule::InOrder,
+        Schedule::Reverse,
+        Schedule::Seeded(1),
+        Schedule::Seeded(2),
+    ];
 
     /// Reads `inorder` (or `in-order`), `reverse`, `<seed>` or `seeded:<seed>`
     /// (the spellings of `KIVI_SIM_SCHEDULE`).
@@ -484,7 +489,13 @@ impl SimLibrary {
         };
         let dims = [grid[0], grid[1], grid[2], block[0], block[1], block[2]];
         let mut err = vec![0 as c_char; 4096];
-        let rc = f(dims.as_ptr(), args.as_mut_ptr(), &raw, err.as_mut_ptr(), err.len() as c_int);
+        let rc = f(
+            dims.as_ptr(),
+            args.as_mut_ptr(),
+            &raw,
+            err.as_mut_ptr(),
+            err.len() as c_int,
+        );
         if rc != 0 {
             let msg = CStr::from_ptr(err.as_ptr()).to_string_lossy().into_owned();
             return Err(Error::Config(format!(
