@@ -304,12 +304,20 @@ impl SimOptions {
         let mut o = SimOptions::default();
         if let Ok(s) = std::env::var("KIVI_SIM_SCHEDULE") {
             if !s.trim().is_empty() {
-                o.schedule = Schedule::parse(&s).map_err(|e| Error::Config(format!("KIVI_SIM_SCHEDULE: {e}")))?;
+                o.schedule = Schedule::parse(&s).map_err(|_| {
+                    Error::Config(format!(
+                        "KIVI_SIM_SCHEDULE=`{s}` is not a sim schedule; expected inorder, reverse, or a seed (a number)"
+                    ))
+                })?;
             }
         }
         if let Ok(a) = std::env::var("KIVI_SIM_ARCH") {
             if !a.trim().is_empty() {
-                o.arch = Arch::parse(&a).map_err(|e| Error::Config(format!("KIVI_SIM_ARCH: {e}")))?;
+                o.arch = Arch::parse(&a).map_err(|_| {
+                    Error::Config(format!(
+                        "KIVI_SIM_ARCH=`{a}` is not a GPU architecture; expected sm_80, sm_90, ..."
+                    ))
+                })?;
             }
         }
         Ok(o)
