@@ -60,8 +60,8 @@ __device__ __forceinline__ void extend_tensor(u32* __restrict__ pool, const u32*
                                               int max_new, typename C::act_t* __restrict__ sinks,
                                               typename C::act_t* __restrict__ ring, int* __restrict__ status) {
   typedef typename C::act_t act_t;
-  __shared__ float s_s[C::D];  // scales of the group(s) being quantized
-  __shared__ float s_z[C::D];  // zero points
+  KIVI_SHARED(float, s_s, [C::D]);  // scales of the group(s) being quantized
+  KIVI_SHARED(float, s_z, [C::D]);  // zero points
   const int tid = threadIdx.x;
   const int q0 = quantized_tokens<C, T>(old);
   const int q1 = quantized_tokens<C, T>(old + n);

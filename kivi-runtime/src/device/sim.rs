@@ -216,10 +216,14 @@ impl Device for SimDevice {
         }
         // Little-endian: an int or float argument is the low bytes of its slot.
         let mut ptrs: Vec<*mut c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut c_void).collect();
+        // The schedule, poison and limits of the process (KIVI_SIM_SCHEDULE,
+        // test scopes), for the architecture this device stands in for.
+        let mut opts = crate::sim::SimOptions::current()?;
+        opts.arch = self.info.arch;
         // SAFETY: the argument list matches the entry point's parameters in
         // number and type (check_launch), and the typed argument structs of
         // `device::args` checked every buffer against what the launch reads.
-        unsafe { lib.launch_raw(&m.generated, entry, grid, block, &mut ptrs, self.info.arch) }
+        unsafe { lib.launch_raw(&m.generated, entry, grid, block, &mut ptrs, &opts) }
     }
     fn sync(&self) -> Result<()> {
         Ok(()) // launches run to completion before they return

@@ -1,7 +1,7 @@
 //! The `sim` backend: runs the *generated CUDA source itself* on the CPU.
 //!
 //! [`compile`] builds generated sources (many variants per library) as
-//! C++20 against `templates/cuda/sim_shim.h`, which maps the CUDA subset the
+//! C++17 against `templates/cuda/sim_shim.h`, which maps the CUDA subset the
 //! templates use onto host code: the threads of a block become fibers on one
 //! OS thread, switched at `__syncthreads` and warp shuffles, and blocks run
 //! one after another on a few worker threads. Libraries are cached on disk
@@ -29,7 +29,10 @@
 
 mod compile;
 
-pub use compile::{cache_dir, compile, find_compiler, translation_unit, SimLibrary};
+pub use compile::{
+    cache_dir, check_launch, compile, compile_flags, find_compiler, translation_unit, ArchLimits, Schedule, SimLibrary,
+    SimOptions,
+};
 
 use crate::backend::{check_batch, Backend};
 use crate::cache::{PagedCache, RawRows, SeqId};

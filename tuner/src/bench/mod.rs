@@ -384,7 +384,17 @@ fn decode_point(
             / scale;
         let bytes = Footprint::for_tokens(&s, context).total() * batch;
         let path = cpu.kernel_path(&cache);
-        cases.push((name.clone(), cache, ids, attn, bytes, path, checked, Vec::new(), Vec::new()));
+        cases.push((
+            name.clone(),
+            cache,
+            ids,
+            attn,
+            bytes,
+            path,
+            checked,
+            Vec::new(),
+            Vec::new(),
+        ));
     }
     progress(&format!("{} context {context} batch {batch}: timing", l.name));
     let evict = cfg.cold.then(Evictor::new);
