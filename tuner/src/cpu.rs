@@ -360,7 +360,7 @@ pub fn check_inputs(scheme: &Scheme, bucket: &Bucket) -> Result<Inputs, String> 
         .collect();
     inputs_of(
         scheme,
-        bucket_data_with(scheme, bucket, &lengths, 0x5eed_0f_c4ec_u64 ^ bucket.context as u64)?,
+        bucket_data_with(scheme, bucket, &lengths, 0x005e_ed0f_c4ec_u64 ^ bucket.context as u64)?,
     )
 }
 

@@ -727,7 +727,10 @@ mod tests {
     use crate::device::SimDevice;
     use kivi_spec::{presets, Heads};
 
-    fn snapshot(dc: &DeviceCache) -> (Vec<u32>, Vec<Vec<f32>>, Vec<usize>, Vec<Vec<u32>>, Vec<u32>) {
+    /// Pool, sink/ring rows, lengths, host tables, device tables.
+    type Snapshot = (Vec<u32>, Vec<Vec<f32>>, Vec<usize>, Vec<Vec<u32>>, Vec<u32>);
+
+    fn snapshot(dc: &DeviceCache) -> Snapshot {
         let rows = [Tensor::Key, Tensor::Value]
             .iter()
             .flat_map(|&t| [dc.download_rows(t, true).unwrap(), dc.download_rows(t, false).unwrap()])

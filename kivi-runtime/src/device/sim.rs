@@ -139,7 +139,7 @@ impl Device for SimDevice {
     }
     fn write(&self, dst: &mut Buffer, at: usize, src: &[u8]) -> Result<()> {
         let size = dst.elem.size();
-        if src.len() % size != 0 {
+        if !src.len().is_multiple_of(size) {
             return Err(Error::Config(format!("writing {} bytes into {dst:?}", src.len())));
         }
         check_range(dst, at, src.len() / size, "write")?;
