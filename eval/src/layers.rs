@@ -13,7 +13,7 @@ use crate::kv::f32_scheme;
 use crate::model::{Capture, Config};
 use kivi_runtime::reference::{cache_view, decode_attention};
 use kivi_runtime::AttnParams;
-use kivi_spec::{Axis, Codec, Dtype, Heads, Quant, ScaleDtype, Scheme, Tensor};
+use kivi_spec::{Axis, Codec, Dtype, Heads, Levels, Quant, ScaleDtype, Scheme, Tensor};
 use rayon::prelude::*;
 
 /// Relative errors, each `||x^ - x|| / ||x||` (Frobenius / L2).
@@ -70,6 +70,7 @@ pub fn axis_scheme(key: Axis, value: Axis, residual: u32, bits: u32, group: u32)
             axis,
             group,
             scale: ScaleDtype::F16,
+            levels: Levels::Uniform,
         })
     };
     let mut s = kivi_spec::presets::kivi2();

@@ -6,7 +6,7 @@
 
 use kivi_runtime::cpu::Isa;
 use kivi_runtime::*;
-use kivi_spec::{presets, Axis, Codec, Dtype, Flush, Heads, Quant, ScaleDtype, Scheme};
+use kivi_spec::{presets, Axis, Codec, Dtype, Flush, Heads, Levels, Quant, ScaleDtype, Scheme};
 
 const LENGTHS: [usize; 6] = [1, 31, 33, 127, 1000, 4099];
 
@@ -178,6 +178,7 @@ fn quant(bits: u32, axis: Axis, group: u32, scale: ScaleDtype) -> Codec {
         axis,
         group,
         scale,
+        levels: Levels::Uniform,
     })
 }
 
@@ -369,6 +370,7 @@ fn fused_path_shapes() {
             axis,
             group,
             scale: ScaleDtype::F16,
+            levels: Levels::Uniform,
         })
     };
     let mut cases = 0;

@@ -4,12 +4,7 @@
 use crate::model::*;
 
 fn q(bits: u32, axis: Axis, group: u32) -> Codec {
-    Codec::Quant(Quant {
-        bits,
-        axis,
-        group,
-        scale: ScaleDtype::F16,
-    })
+    Codec::Quant(Quant::uniform(bits, axis, group, ScaleDtype::F16))
 }
 
 fn base(name: &str, key: Codec, value: Codec, residual: u32) -> Scheme {
@@ -26,6 +21,9 @@ fn base(name: &str, key: Codec, value: Codec, residual: u32) -> Scheme {
         softmax_scale: None,
         sliding_window: None,
         nonfinite: NonFinite::Reject,
+        rotation: None,
+        outliers: None,
+        center: None,
     }
 }
 

@@ -51,6 +51,8 @@ pub(crate) struct Plan {
     scale: [ScaleDtype; 2],
     /// The AVX-512 fast path's parameters, where the scheme has its shape.
     fast: Option<Fast>,
+    /// Some tensor runs a codec pipeline through the generic row reader.
+    codec_rows: bool,
 }
 
 fn kind_of(codec: &Codec, t: Tensor, isa: Isa) -> Kind {
@@ -80,7 +82,16 @@ impl Plan {
         let s = cache.scheme();
         let shape = cache.shape();
         let l = cache.layout();
-        let kinds = [kind_of(&s.key, Tensor::Key, isa), kind_of(&s.value, Tensor::Value, isa)];
+        // Codec pipelines (rotation, Lloyd–Max levels, outliers, centering)
+        // take the generic row reader, which runs the whole pipeline.
+        let kind = |t: Tensor| {
+            if s.has_pipeline(t) {
+                Kind::Generic
+            } else {
+                kind_of(s.codec(t), t, isa)
+            }
+        };
+        let kinds = [kind(Tensor::Key), kind(Tensor::Value)];
         let scale = [
             s.key.quant().map_or(ScaleDtype::F16, |q| q.scale),
             s.value.quant().map_or(ScaleDtype::F16, |q| q.scale),
@@ -132,15 +143,24 @@ impl Plan {
             layouts: [l.key, l.value],
             scale,
             fast,
+            codec_rows: s.has_pipeline(Tensor::Key) || s.has_pipeline(Tensor::Value),
         }
     }
 }
 
 impl Plan {
-    /// `avx512-fused` where the fast path applies, else the ISA's name.
+    /// `avx512-fused` where the fast path applies, `<isa>+codec` where a
+    /// codec pipeline (rotation, Lloyd–Max, outliers, centering) sends a
+    /// tensor through the generic row reader, else the ISA's name.
     pub fn path_name(&self) -> &'static str {
         if self.fast.is_some() {
             "avx512-fused"
+        } else if self.codec_rows {
+            match self.isa {
+                Isa::Avx512 => "avx512+codec",
+                Isa::Avx2 => "avx2+codec",
+                Isa::Scalar => "scalar+codec",
+            }
         } else {
             self.isa.name()
         }
@@ -281,7 +301,7 @@ fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: us
                 let tl = &plan.layouts[i];
                 let wpt = tl.words_per_token;
                 let scales = &part[tl.scales_offset..tl.scales_offset + tl.param_words];
-                let zeros = &part[tl.zeros_offset..tl.zeros_offset + tl.param_words];
+                let zeros = &part[tl.zeros_offset..tl.zeros_offset + tl.zero_words];
                 let base = off * wpt;
                 match plan.kinds[i] {
                     Kind::Full => {

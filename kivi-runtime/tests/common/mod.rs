@@ -43,6 +43,7 @@ pub fn quant(bits: u32, axis: Axis, group: u32) -> Codec {
         axis,
         group,
         scale: ScaleDtype::F16,
+        levels: Levels::Uniform,
     })
 }
 
@@ -82,12 +83,14 @@ pub fn schemes() -> Vec<Scheme> {
             axis: Axis::Channel,
             group: 8,
             scale: ScaleDtype::F32,
+            levels: Levels::Uniform,
         }),
         value: Codec::Quant(Quant {
             bits: 2,
             axis: Axis::Channel,
             group: 16,
             scale: ScaleDtype::F32,
+            levels: Levels::Uniform,
         }),
         residual: 3,
         sinks: 2,
