@@ -395,3 +395,15 @@ fn pipeline_rules() {
         Field::Bits(Tensor::Key)
     );
 }
+
+#[test]
+fn study_candidates_parse_and_fit_their_class() {
+    // eval/schemes/study.kivi: the codec study of docs/accuracy.md.
+    let all = parse_schemes(include_str!("../../eval/schemes/study.kivi")).unwrap();
+    assert!(all.len() >= 15);
+    for s in &all {
+        let b = layout::bits_per_element(&s.with_shape(Heads::Mqa(4), 256).unwrap());
+        println!("{:24} {b:.4}", s.name);
+        assert!(b <= 3.0 || s.name.starts_with("k2muHo4"), "{} has {b} bits", s.name);
+    }
+}
