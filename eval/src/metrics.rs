@@ -435,10 +435,16 @@ impl Report {
             if !codecs.is_empty() {
                 s += "\nCodec study (same data and queries, f32 activations): relative errors, mean over layers, \
                       and the attention-output error averaged over the global layers:\n\n";
-                s += "| scheme | all-in bits/elem | key | value | scores | attention output | output, global layers |\n";
+                s +=
+                    "| scheme | all-in bits/elem | key | value | scores | attention output | output, global layers |\n";
                 s += "|---|---|---|---|---|---|---|\n";
                 for r in &codecs {
-                    let g: Vec<f64> = l.global_layers.iter().filter_map(|&i| r.per_layer.get(i)).map(|e| e.output).collect();
+                    let g: Vec<f64> = l
+                        .global_layers
+                        .iter()
+                        .filter_map(|&i| r.per_layer.get(i))
+                        .map(|e| e.output)
+                        .collect();
                     s += &format!(
                         "| {} | {:.3} | {:.4} | {:.4} | {:.4} | {:.4} | {:.4} |\n",
                         r.name,
@@ -452,7 +458,10 @@ impl Report {
                 }
             }
             for (title, rows) in [
-                ("Attention-output error per layer (g = global layer):", l.results.iter().filter(|r| !r.codec).collect::<Vec<_>>()),
+                (
+                    "Attention-output error per layer (g = global layer):",
+                    l.results.iter().filter(|r| !r.codec).collect::<Vec<_>>(),
+                ),
                 ("Codec study, attention-output error per layer:", codecs.clone()),
             ] {
                 if rows.is_empty() {

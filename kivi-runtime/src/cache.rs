@@ -682,11 +682,11 @@ fn quantize_range(
             // Parameters, at the position of each group's first member.
             match q.axis {
                 Axis::Channel => {
-                    for c in 0..d {
+                    for (c, p) in params[..d].iter().enumerate() {
                         let i = tl.param_index(j0 % bt, c);
-                        write_param(&mut part[tl.scales_offset..], i, params[c].scale, q.scale);
+                        write_param(&mut part[tl.scales_offset..], i, p.scale, q.scale);
                         if q.has_zeros() {
-                            write_param(&mut part[tl.zeros_offset..], i, params[c].zero, q.scale);
+                            write_param(&mut part[tl.zeros_offset..], i, p.zero, q.scale);
                         }
                     }
                 }

@@ -247,7 +247,12 @@ fn memory_report_is_the_sum_of_allocations() {
             .filter_map(|t| s.center_of(*t))
             .map(|n| lens.iter().filter(|&&l| l >= n).count())
             .sum::<usize>();
-        assert_eq!(m.means, centered * shape.kv_heads * shape.head_dim * s.dtype.bytes(), "{}", s.name);
+        assert_eq!(
+            m.means,
+            centered * shape.kv_heads * shape.head_dim * s.dtype.bytes(),
+            "{}",
+            s.name
+        );
         let lloyd: usize = [&s.key, &s.value]
             .iter()
             .filter_map(|c| c.quant())

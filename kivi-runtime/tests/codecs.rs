@@ -24,7 +24,11 @@ fn scheme(text: &str, d: u32) -> Scheme {
 }
 
 fn mse(a: &[f32], b: &[f32]) -> f64 {
-    a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum::<f64>() / a.len() as f64
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+        .sum::<f64>()
+        / a.len() as f64
 }
 
 #[test]
@@ -45,11 +49,17 @@ fn lloyd_max_distortion_matches_max_1960() {
         assert!((got / want - 1.0).abs() < 0.05, "{bits} bits: mse {got}, theory {want}");
         // Uniform min/max codes at the same width do worse on Gaussian data.
         let u = scheme(
-            &format!("U {{ key: quant(bits = {bits}, axis = token, group = 256, scale = f32), value: full, dtype: f32 }}"),
+            &format!(
+                "U {{ key: quant(bits = {bits}, axis = token, group = 256, scale = f32), value: full, dtype: f32 }}"
+            ),
             256,
         );
         let yu = cache_view(&u, Tensor::Key, &x).unwrap();
-        assert!(mse(&yu, &x) > got, "{bits} bits: uniform {} vs lloyd {got}", mse(&yu, &x));
+        assert!(
+            mse(&yu, &x) > got,
+            "{bits} bits: uniform {} vs lloyd {got}",
+            mse(&yu, &x)
+        );
     }
 }
 
@@ -88,9 +98,19 @@ fn outliers_come_back_to_the_activation_dtype() {
     let yo = cache_view(&with, Tensor::Key, &x).unwrap();
     for t in 0..40 {
         let i = t * d + (t * 7) % d;
-        assert!((yo[i] - xr[i]).abs() <= xr[i].abs() * 2f32.powi(-10), "{} vs {}", yo[i], xr[i]);
+        assert!(
+            (yo[i] - xr[i]).abs() <= xr[i].abs() * 2f32.powi(-10),
+            "{} vs {}",
+            yo[i],
+            xr[i]
+        );
     }
-    assert!(mse(&yo, &xr) * 20.0 < mse(&yp, &xr), "{} vs {}", mse(&yo, &xr), mse(&yp, &xr));
+    assert!(
+        mse(&yo, &xr) * 20.0 < mse(&yp, &xr),
+        "{} vs {}",
+        mse(&yo, &xr),
+        mse(&yp, &xr)
+    );
 }
 
 #[test]
@@ -105,7 +125,10 @@ fn centering_and_rotation_are_undone() {
         *v = *v * 0.1 + ((i % d) as f32 * 0.37).sin() * 20.0;
     }
     let base = "key: quant(bits = 3, axis = token, group = 128, levels = lloyd_max, scale = f32), value: full, dtype: f32, residual: 32";
-    let rot = scheme(&format!("R {{ {base}, rotation: hadamard(block = 128, apply = [key], signs = 1) }}"), 128);
+    let rot = scheme(
+        &format!("R {{ {base}, rotation: hadamard(block = 128, apply = [key], signs = 1) }}"),
+        128,
+    );
     let cen = scheme(
         &format!("C {{ {base}, rotation: hadamard(block = 128, apply = [key], signs = 1), center: channel_mean(tokens = 32, apply = [key]) }}"),
         128,

@@ -448,10 +448,24 @@ fn codec_pipelines_odd_lengths_and_layouts() {
     for (i, text) in texts.iter().enumerate() {
         let s = kivi_spec::parse_scheme(text).unwrap();
         for (j, heads) in layouts().into_iter().enumerate() {
-            check(&s, heads, 64, &[1, 31, 33, 127, 1000], &params_default(), 40 + (i * 4 + j) as u64);
+            check(
+                &s,
+                heads,
+                64,
+                &[1, 31, 33, 127, 1000],
+                &params_default(),
+                40 + (i * 4 + j) as u64,
+            );
         }
         for d in [128, 256] {
-            check(&s, Heads::Gqa { q: 8, kv: 2 }, d, &[33, 1000], &params_default(), 50 + i as u64);
+            check(
+                &s,
+                Heads::Gqa { q: 8, kv: 2 },
+                d,
+                &[33, 1000],
+                &params_default(),
+                50 + i as u64,
+            );
         }
         let bound = s.with_shape(Heads::Mqa(4), 256).unwrap();
         let cache = PagedCache::new(bound, CacheConfig::for_tokens(64)).unwrap();

@@ -129,7 +129,9 @@ fn parse_codec(input: ParseStream, t: Tensor, spans: &mut HashMap<Field, Span>) 
     let content;
     parenthesized!(content in input);
     let (mut bits, mut axis, mut group, mut scale) = (None, None, None, None);
-    let (mut levels, mut norm): (Option<(&str, Span)>, Option<(Norm, Span)>) = (None, None);
+    // `levels`: Some(true) for lloyd_max; `norm` with its span for errors.
+    let mut lloyd: Option<bool> = None;
+    let mut norm: Option<(Norm, Span)> = None;
     while !content.is_empty() {
         let arg: Ident = content.parse()?;
         let name = arg.to_string();
@@ -170,15 +172,15 @@ fn parse_codec(input: ParseStream, t: Tensor, spans: &mut HashMap<Field, Span>) 
                 scale = Some(if v == "f16" { ScaleDtype::F16 } else { ScaleDtype::F32 });
             }
             "levels" => {
-                dup(levels.is_some())?;
+                dup(lloyd.is_some())?;
                 expect_eq(&content, &arg)?;
                 let id: Ident = content
                     .parse()
                     .map_err(|e| syn::Error::new(e.span(), "expected levels: one of uniform, lloyd_max"))?;
                 let v = id.to_string();
                 match v.as_str() {
-                    "uniform" => levels = Some(("uniform", id.span())),
-                    "lloyd_max" => levels = Some(("lloyd_max", id.span())),
+                    "uniform" => lloyd = Some(false),
+                    "lloyd_max" => lloyd = Some(true),
                     "nuq" | "codebook" | "kmeans" | "learned" => {
                         return err(
                             id.span(),
@@ -218,8 +220,8 @@ fn parse_codec(input: ParseStream, t: Tensor, spans: &mut HashMap<Field, Span>) 
         }
     }
     let missing = |what: &str| syn::Error::new(head.span(), format!("{} quant(...) is missing `{what}`", t.name()));
-    let levels = match (levels, norm) {
-        (Some(("lloyd_max", _)), n) => Levels::LloydMax(n.map_or(Norm::Rms, |n| n.0)),
+    let levels = match (lloyd, norm) {
+        (Some(true), n) => Levels::LloydMax(n.map_or(Norm::Rms, |n| n.0)),
         (_, Some((n, sp))) => {
             return err(
                 sp,

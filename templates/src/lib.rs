@@ -348,11 +348,15 @@ pub fn default_variant(scheme: &Scheme, kernel: Kernel) -> Variant {
         .unwrap_or_else(|| variant::space_fallback(kernel))
 }
 
+/// Why [`default_kernels`] failed: the message `kivi::scheme!` reports, and
+/// the part of the scheme it is about, where the generator names one.
+pub type KernelError = (String, Option<kivi_spec::Field>);
+
 /// `(name, source)` of the default variant of the prefill, append and
 /// decode kernels of a scheme with a shape (none without one): what
 /// `kivi::scheme!` embeds. On failure, the message the macro reports and
 /// the part of the scheme it is about, where the generator names one.
-pub fn default_kernels(s: &Scheme) -> Result<Vec<(String, String)>, (String, Option<kivi_spec::Field>)> {
+pub fn default_kernels(s: &Scheme) -> Result<Vec<(String, String)>, KernelError> {
     if s.shape().is_none() {
         return Ok(Vec::new());
     }

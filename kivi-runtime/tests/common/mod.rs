@@ -155,5 +155,8 @@ pub fn codec_schemes() -> Vec<Scheme> {
                               value: full, center: channel_mean(tokens = 8, apply = [key]),
                               rotation: hadamard(block = 8, apply = [key]), residual: 8, flush: chunked, dtype: f32 }",
     ];
-    texts.iter().map(|t| parse_scheme(t).unwrap_or_else(|e| panic!("{t}: {e}"))).collect()
+    texts
+        .iter()
+        .map(|t| parse_scheme(t).unwrap_or_else(|e| panic!("{t}: {e}")))
+        .collect()
 }

@@ -365,7 +365,10 @@ mod tests {
         .with_shape(Heads::Mqa(4), 256)
         .unwrap();
         let ((bytes, per), k, v) = per_token(&s).unwrap();
-        assert_eq!((k.codes, k.scales, k.zeros, k.outliers), (104 * per, 2 * per, 0, 16 * per));
+        assert_eq!(
+            (k.codes, k.scales, k.zeros, k.outliers),
+            (104 * per, 2 * per, 0, 16 * per)
+        );
         assert_eq!(v.total(), (64 + 16) * per);
         assert_eq!(bytes, (122 + 80) * per);
     }
