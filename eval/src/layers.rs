@@ -121,7 +121,11 @@ pub fn analyze(caps: &[Capture], cfg: &Config, query_positions: &[usize], extra:
             combos.push(axis_scheme(k, v, residual, bits, group).with_shape(heads, d as u32)?);
         }
     }
+    // All-in bits of each scheme as declared (its own activation dtype sizes
+    // the outlier corrections), though the study runs it with f32 activations.
+    let mut all_in: Vec<f64> = combos.iter().map(kivi_spec::layout::bits_per_element).collect();
     for e in extra {
+        all_in.push(kivi_spec::layout::bits_per_element(&e.with_shape(heads, d as u32)?));
         let mut e = e.clone();
         e.dtype = Dtype::F32;
         combos.push(e.with_shape(heads, d as u32)?);
@@ -197,7 +201,7 @@ pub fn analyze(caps: &[Capture], cfg: &Config, query_positions: &[usize], extra:
                 key_axis: axis(&s.key),
                 value_axis: axis(&s.value),
                 residual: s.residual,
-                bits_per_element: kivi_spec::layout::bits_per_element(s),
+                bits_per_element: all_in[ci],
                 codec: ci >= 8,
                 per_layer,
                 mean,

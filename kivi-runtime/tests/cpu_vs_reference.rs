@@ -475,3 +475,13 @@ fn codec_pipelines_odd_lengths_and_layouts() {
         }
     }
 }
+
+/// The codec presets were chosen at Gemma 3's head_dim 256 (their 256-wide
+/// groups and Hadamard blocks bind to multiples of 256 only).
+#[test]
+fn codec_presets_at_the_gemma_shape() {
+    for s in kivi_spec::presets::pipeline() {
+        check(&s, Heads::Mqa(4), 256, &[1, 127, 1000], &params_default(), 60);
+        check(&s, Heads::Gqa { q: 8, kv: 2 }, 256, &[33, 1000], &params_default(), 61);
+    }
+}

@@ -407,3 +407,28 @@ fn study_candidates_parse_and_fit_their_class() {
         assert!(b <= 3.0 || s.name.starts_with("k2muHo4"), "{} has {b} bits", s.name);
     }
 }
+
+#[test]
+fn codec_presets_fit_their_classes_and_round_trip() {
+    for p in presets::pipeline() {
+        assert!(presets::by_name(&p.name).is_some());
+        assert!(p.has_pipeline(Tensor::Key) || p.has_pipeline(Tensor::Value));
+        let b = p.with_shape(Heads::Mqa(4), 256).unwrap();
+        let text = canonical(&b);
+        assert_eq!(parse_scheme(&text).unwrap(), b);
+        let bits = layout::bits_per_element(&b);
+        let kivi2 = layout::bytes_per_token_per_head(&presets::kivi2().with_shape(Heads::Mqa(4), 256).unwrap());
+        let (bytes, per) = layout::bytes_per_token_per_head(&b);
+        match p.name.as_str() {
+            // the 2-bit class: at most kivi2's bytes per token per head
+            "codec2" => assert!(bytes * kivi2.1 <= kivi2.0 * per && bits <= 3.0, "{bits}"),
+            // the 1.5-bit class: at most 2.0 bits per element all-in
+            "codec15" => assert!(bits <= 2.0, "{bits}"),
+            n => panic!("unexpected pipeline preset {n}"),
+        }
+    }
+    assert_eq!(
+        presets::listed().len(),
+        presets::all().len() + presets::pipeline().len()
+    );
+}
