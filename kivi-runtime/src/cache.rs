@@ -769,6 +769,50 @@ impl<'a> SeqView<'a> {
         }
     }
 
+    /// The codec pipeline of tensor `t` (`None` for a `full` tensor).
+    pub fn codec(&self, t: Tensor) -> Option<&'a TensorCodec> {
+        self.cache.codec(t)
+    }
+
+    /// Quantized token `p` of tensor `t`, KV head `h`, decoded in the codec's
+    /// transformed domain: codes decoded and outlier corrections added, but
+    /// not un-rotated and without the means (what a kernel that rotates the
+    /// query instead consumes). `p` must be block-resident.
+    pub fn coded_row(&self, t: Tensor, p: usize, h: usize, out: &mut [f32]) {
+        let Loc::Block(b, off) = self.locate(t, p) else {
+            panic!("coded_row: token {p} is not quantized");
+        };
+        let part = self.block_part(b, h, t);
+        let tl = self.cache.layout.tensor(t);
+        let row = &part[off * tl.words_per_token..][..tl.words_per_token];
+        let Codec::Quant(q) = self.cache.scheme.codec(t) else {
+            panic!("coded_row: a full tensor has no codes");
+        };
+        match (q.axis, q.levels) {
+            // Token-axis Lloyd–Max (the common codec case): one norm per
+            // group, the table looked up once, codes unpacked word by word.
+            (Axis::Token, kivi_spec::Levels::LloydMax(_)) => {
+                let levels = kivi_spec::lloyd_max_levels(q.bits).expect("validated");
+                let (g, per, mask) = (q.group as usize, (32 / q.bits) as usize, (1u32 << q.bits) - 1);
+                for (gi, chunk) in out.chunks_mut(g).enumerate() {
+                    let s = params_at(tl, part, q, off, gi * g).scale;
+                    for (k, o) in chunk.iter_mut().enumerate() {
+                        let c = gi * g + k;
+                        let code = (row[c / per] >> ((c % per) as u32 * q.bits)) & mask;
+                        *o = s * levels[code as usize];
+                    }
+                }
+            }
+            _ => {
+                for (c, o) in out.iter_mut().enumerate() {
+                    let code = quant::unpack_one(row, q.bits, c);
+                    *o = dequantize(code, params_at(tl, part, q, off, c), q);
+                }
+            }
+        }
+        self.add_outliers(tl, part, off, out);
+    }
+
     /// The centering means of tensor `t`, KV head `h` (`None` if the tensor
     /// is not centered or its means are not known yet).
     pub fn mean(&self, t: Tensor, h: usize) -> Option<&'a [f32]> {
