@@ -139,3 +139,30 @@ fn centering_and_rotation_are_undone() {
     assert!(ec < 0.01 * 0.05, "centered mse {ec}"); // noise variance 0.01 x 3-bit distortion 0.035
     assert!(ec * 100.0 < er, "centered {ec} vs not {er}");
 }
+
+#[test]
+fn corrections_that_overflow_the_dtype_are_errors_not_infinities() {
+    // 256 channels of 60000 (finite in f16) rotate into one coefficient of
+    // 960000: its outlier correction cannot be stored in f16.
+    let s = parse_scheme(
+        "O { key: quant(bits = 2, axis = token, group = 256, levels = lloyd_max), value: full,
+             rotation: hadamard(block = 256, apply = [key]), outliers: sparse(per_token = 1, apply = [key]) }",
+    )
+    .unwrap()
+    .with_shape(Heads::Mha(1), 256)
+    .unwrap();
+    let k = vec![60000.0f32; 256];
+    let e = cache_view(&s, Tensor::Key, &k).unwrap_err();
+    assert!(e.to_string().contains("cannot hold"), "{e}");
+    let mut c = kivi_runtime::PagedCache::new(s, kivi_runtime::CacheConfig::for_tokens(16)).unwrap();
+    let id = c.add_sequence();
+    c.append(id, &[0.5; 256], &[0.5; 256]).unwrap();
+    let before = c.dequantize(id, Tensor::Key).unwrap();
+    let e = c.append(id, &k, &k).unwrap_err();
+    assert!(
+        matches!(e, kivi_runtime::Error::OutlierOverflow { tensor: "key", .. }),
+        "{e}"
+    );
+    assert_eq!(c.len(id).unwrap(), 1, "a failed append changes nothing");
+    assert_eq!(c.dequantize(id, Tensor::Key).unwrap(), before);
+}
