@@ -326,7 +326,7 @@ fn kv_data(tokens: usize, l: Layout, seed: u64) -> (Vec<f32>, Vec<f32>) {
 
 fn bind(name: &str, l: Layout) -> Result<Scheme, String> {
     let s = presets::by_name(name).ok_or_else(|| {
-        let all: Vec<String> = presets::all().into_iter().map(|s| s.name).collect();
+        let all: Vec<String> = presets::listed().into_iter().map(|s| s.name).collect();
         format!("unknown scheme `{name}`; presets are {}", all.join(", "))
     })?;
     s.with_shape(l.heads(), l.head_dim)

@@ -40,7 +40,7 @@ pub fn load_scheme(name_or_path: &str) -> super::Result<Scheme> {
     if let Some(s) = presets::by_name(name_or_path) {
         return Ok(s);
     }
-    let names: Vec<String> = presets::all().into_iter().map(|s| s.name).collect();
+    let names: Vec<String> = presets::listed().into_iter().map(|s| s.name).collect();
     Err(format!(
         "unknown scheme `{name_or_path}`: not a preset ({}) and no such file",
         names.join(", ")
@@ -49,7 +49,7 @@ pub fn load_scheme(name_or_path: &str) -> super::Result<Scheme> {
 }
 
 pub fn run(args: Args) -> super::Result {
-    let all = presets::all();
+    let all = presets::listed();
     if args.json {
         let v: Vec<serde_json::Value> = all
             .iter()
