@@ -142,6 +142,9 @@ impl DeviceCache {
         config: CacheConfig,
     ) -> Result<DeviceCache> {
         kivi_spec::validate(scheme)?;
+        // A codec the templates cannot generate is refused here, not at the
+        // first launch.
+        kivi_templates::check_supported(scheme).map_err(gen_err)?;
         let shape = scheme.shape().ok_or_else(|| Error::Unbound(scheme.name.clone()))?;
         if batch == 0 {
             return Err(Error::Config("a device cache needs at least one sequence".into()));
@@ -189,6 +192,7 @@ impl DeviceCache {
             return Err(Error::Config("no sequences to upload".into()));
         }
         let scheme = cache.scheme().clone();
+        kivi_templates::check_supported(&scheme).map_err(gen_err)?;
         let shape = cache.shape();
         let layout = *cache.layout();
         let views: Vec<_> = seqs.iter().map(|&s| cache.view(s)).collect::<Result<_>>()?;
@@ -773,5 +777,16 @@ mod tests {
         // ... and the cache still works.
         dc.extend(&[1, 1], &x[..2 * row], &x[..2 * row]).unwrap();
         assert_eq!(dc.lens(), &[151, 151]);
+    }
+
+    /// A codec pipeline the templates cannot generate yet is refused when
+    /// the device cache is made, with the codec named.
+    #[test]
+    fn ungeneratable_codecs_are_refused_up_front() {
+        let s = presets::codec2().with_shape(Heads::Mqa(4), 256).unwrap();
+        let e = DeviceCache::new(SimDevice::shared(), &s, 1, 64, CacheConfig::for_tokens(64))
+            .err()
+            .expect("refused");
+        assert!(e.to_string().contains("rotation"), "{e}");
     }
 }
