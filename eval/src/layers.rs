@@ -13,7 +13,7 @@ use crate::kv::f32_scheme;
 use crate::model::{Capture, Config};
 use kivi_runtime::reference::{cache_view, decode_attention};
 use kivi_runtime::AttnParams;
-use kivi_spec::{Axis, Codec, Dtype, Heads, Quant, ScaleDtype, Scheme, Tensor};
+use kivi_spec::{Axis, Codec, Dtype, Heads, Levels, Quant, ScaleDtype, Scheme, Tensor};
 use rayon::prelude::*;
 
 /// Relative errors, each `||x^ - x|| / ||x||` (Frobenius / L2).
@@ -38,6 +38,10 @@ pub struct AxisResult {
     pub key_axis: String,
     pub value_axis: String,
     pub residual: u32,
+    /// All-in bits per element ([`kivi_spec::layout::bits_per_element`]).
+    pub bits_per_element: f64,
+    /// One of the `extra` schemes (the codec study), not an axis combination.
+    pub codec: bool,
     pub per_layer: Vec<Errors>,
     pub mean: Errors,
 }
@@ -70,6 +74,7 @@ pub fn axis_scheme(key: Axis, value: Axis, residual: u32, bits: u32, group: u32)
             axis,
             group,
             scale: ScaleDtype::F16,
+            levels: Levels::Uniform,
         })
     };
     let mut s = kivi_spec::presets::kivi2();
@@ -96,8 +101,11 @@ fn rel(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// Runs the study on captured layers. `query_positions` must be below the
-/// captured length.
-pub fn analyze(caps: &[Capture], cfg: &Config, query_positions: &[usize]) -> Result<LayerReport> {
+/// captured length. `extra` schemes (any codec; activations are set to f32
+/// here) are studied after the eight axis combinations — the codec study
+/// of docs/accuracy.md, also how the codec presets' parameters were chosen
+/// on a calibration text.
+pub fn analyze(caps: &[Capture], cfg: &Config, query_positions: &[usize], extra: &[Scheme]) -> Result<LayerReport> {
     let (bits, group) = (2, 32);
     let heads = Heads::from_counts(cfg.q_heads as u32, cfg.kv_heads as u32);
     let d = cfg.head_dim;
@@ -112,6 +120,15 @@ pub fn analyze(caps: &[Capture], cfg: &Config, query_positions: &[usize]) -> Res
         ] {
             combos.push(axis_scheme(k, v, residual, bits, group).with_shape(heads, d as u32)?);
         }
+    }
+    // All-in bits of each scheme as declared (its own activation dtype sizes
+    // the outlier corrections), though the study runs it with f32 activations.
+    let mut all_in: Vec<f64> = combos.iter().map(kivi_spec::layout::bits_per_element).collect();
+    for e in extra {
+        all_in.push(kivi_spec::layout::bits_per_element(&e.with_shape(heads, d as u32)?));
+        let mut e = e.clone();
+        e.dtype = Dtype::F32;
+        combos.push(e.with_shape(heads, d as u32)?);
     }
     let base = f32_scheme().with_shape(heads, d as u32)?;
     let tokens = caps.first().map_or(0, |c| c.k.len() / (hkv * d));
@@ -184,6 +201,8 @@ pub fn analyze(caps: &[Capture], cfg: &Config, query_positions: &[usize]) -> Res
                 key_axis: axis(&s.key),
                 value_axis: axis(&s.value),
                 residual: s.residual,
+                bits_per_element: all_in[ci],
+                codec: ci >= 8,
                 per_layer,
                 mean,
             }

@@ -14,7 +14,7 @@ use crate::fetch;
 use crate::kv::{resolve_scheme, KiviCache};
 use crate::layers::{self, LayerReport};
 use crate::model::{log_softmax_rows, Config, Gemma3, KvCache, Logits, Weights};
-use kivi_spec::{Codec, Heads};
+use kivi_spec::{Codec, Heads, Levels, Scheme, Tensor};
 use rayon::prelude::*;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -51,6 +51,12 @@ pub struct EvalConfig {
     pub layer_queries: usize,
     /// How the model's matmul weights are held.
     pub weights: Weights,
+    /// Extra schemes for the per-layer study (the codec study).
+    pub study: Vec<Scheme>,
+    /// Run the teacher-forced decode (perplexity, KL); `false` runs only the
+    /// plain forward and the per-layer study (to choose parameters on a
+    /// calibration text quickly).
+    pub decode: bool,
 }
 
 impl Default for EvalConfig {
@@ -64,6 +70,8 @@ impl Default for EvalConfig {
             layers: true,
             layer_queries: 8,
             weights: Weights::F32,
+            study: Vec::new(),
+            decode: true,
         }
     }
 }
@@ -78,8 +86,12 @@ pub struct SchemeResult {
     pub key: String,
     pub value: String,
     pub residual: u32,
-    /// Bytes per quantized token per KV head, K + V, codes and parameters.
+    /// Bytes per quantized token per KV head, K + V: codes, parameters and
+    /// sparse outliers.
     pub bytes_per_token_per_head: f64,
+    /// All-in bits per element: the same over the 2 x head_dim elements
+    /// ([`kivi_spec::layout::bits_per_element`]; kivi2 is 3.0).
+    pub bits_per_element: f64,
     /// Exact bytes the caches of all layers held at the end of the run.
     pub cache_bytes: usize,
     pub perplexity: f64,
@@ -134,16 +146,36 @@ pub struct Report {
     pub seconds: Timings,
 }
 
-fn codec_short(c: &Codec, dtype: &str) -> String {
-    match c {
-        Codec::Full => dtype.to_string(),
-        Codec::Quant(q) => format!(
-            "{}{}{}",
-            q.bits,
-            if q.axis == kivi_spec::Axis::Channel { 'c' } else { 't' },
-            q.group
-        ),
+/// A tensor's codec, short: `2c32` (2-bit per-channel groups of 32), then
+/// the pipeline: `·lm` Lloyd–Max (`·lm2` with the l2 norm), `·H256`
+/// Hadamard blocks (`s` with signs), `·o2` outliers per token, `·μ32`
+/// centering on the first 32 tokens.
+pub fn codec_short(s: &Scheme, t: Tensor) -> String {
+    let q = match s.codec(t) {
+        Codec::Full => return s.dtype.name().to_string(),
+        Codec::Quant(q) => q,
+    };
+    let mut o = format!(
+        "{}{}{}",
+        q.bits,
+        if q.axis == kivi_spec::Axis::Channel { 'c' } else { 't' },
+        q.group
+    );
+    match q.levels {
+        Levels::Uniform => {}
+        Levels::LloydMax(kivi_spec::Norm::Rms) => o += "·lm",
+        Levels::LloydMax(kivi_spec::Norm::L2) => o += "·lm2",
     }
+    if let Some(r) = s.rotation_of(t) {
+        o += &format!("·H{}{}", r.block, if r.signs.is_some() { "s" } else { "" });
+    }
+    if s.outliers_of(t) > 0 {
+        o += &format!("·o{}", s.outliers_of(t));
+    }
+    if let Some(n) = s.center_of(t) {
+        o += &format!("·μ{n}");
+    }
+    o
 }
 
 /// Runs the evaluation; `log` gets progress lines.
@@ -200,10 +232,12 @@ pub fn run(cfg: &EvalConfig, log: &mut dyn FnMut(&str)) -> Result<Report> {
         schemes.len()
     ));
 
+    let steps = cfg.tokens - 1 - cfg.prefix;
+    let n = if cfg.decode { schemes.len() } else { 0 };
     // Prefill once, unquantized; every cache gets the same K/V.
     let t = Instant::now();
-    let pre = model.forward(&ids[..cfg.prefix], Logits::None, true)?;
-    let mut caches = schemes
+    let pre = model.forward(&ids[..if cfg.decode { cfg.prefix } else { 1 }], Logits::None, true)?;
+    let mut caches = schemes[..n]
         .iter()
         .map(|s| KiviCache::new(s, &mc, cfg.tokens))
         .collect::<Result<Vec<_>>>()?;
@@ -217,15 +251,13 @@ pub fn run(cfg: &EvalConfig, log: &mut dyn FnMut(&str)) -> Result<Report> {
 
     // Decode in lockstep; row 0 is the f32 baseline.
     let t = Instant::now();
-    let n = schemes.len();
     let mut nll = vec![0f64; n];
     let mut kl = vec![0f64; n];
     let mut kl_max = vec![0f64; n];
     let mut agree = vec![0usize; n];
     let mut correct = vec![0usize; n];
     let mut last_f32: Vec<f32> = Vec::new();
-    let steps = cfg.tokens - 1 - cfg.prefix;
-    for (k, pos) in (cfg.prefix..cfg.tokens - 1).enumerate() {
+    for (k, pos) in (cfg.prefix..cfg.tokens - 1).enumerate().filter(|_| cfg.decode) {
         let toks = vec![ids[pos]; n];
         let mut refs: Vec<&mut dyn KvCache> = caches.iter_mut().map(|c| c as &mut dyn KvCache).collect();
         let logits = model.step(&toks, pos, &mut refs)?;
@@ -273,6 +305,9 @@ pub fn run(cfg: &EvalConfig, log: &mut dyn FnMut(&str)) -> Result<Report> {
         .ok_or_else(|| Error::Config("no logits".into()))?
         .get(0)?
         .to_vec1()?;
+    if !cfg.decode {
+        last_f32 = ref_last.clone();
+    }
     let max_abs = ref_last
         .iter()
         .zip(&last_f32)
@@ -297,27 +332,27 @@ pub fn run(cfg: &EvalConfig, log: &mut dyn FnMut(&str)) -> Result<Report> {
         // Evenly spaced over the decoded range, ending at the last token.
         let positions: Vec<usize> = (0..q).map(|i| cfg.prefix + (last - cfg.prefix) * (i + 1) / q).collect();
         log(&format!("per-layer study at query positions {positions:?}"));
-        Some(layers::analyze(&full.layers, &mc, &positions)?)
+        Some(layers::analyze(&full.layers, &mc, &positions, &cfg.study)?)
     } else {
         None
     };
     times.layer_study = t.elapsed().as_secs_f64();
 
     let heads = Heads::from_counts(mc.q_heads as u32, mc.kv_heads as u32);
-    let results = schemes
+    let results = schemes[..n]
         .iter()
         .enumerate()
         .map(|(s, sc)| -> Result<SchemeResult> {
             let bound = sc.with_shape(heads, mc.head_dim as u32)?;
             let (b, per) = kivi_spec::layout::bytes_per_token_per_head(&bound);
-            let dt = bound.dtype.name();
             Ok(SchemeResult {
                 name: sc.name.clone(),
                 canonical: kivi_spec::canonical(&bound),
-                key: codec_short(&bound.key, dt),
-                value: codec_short(&bound.value, dt),
+                key: codec_short(&bound, Tensor::Key),
+                value: codec_short(&bound, Tensor::Value),
                 residual: bound.residual,
                 bytes_per_token_per_head: b as f64 / per as f64,
+                bits_per_element: kivi_spec::layout::bits_per_element(&bound),
                 cache_bytes: caches[s].memory_bytes(),
                 perplexity: (nll[s] / steps as f64).exp(),
                 mean_nll: nll[s] / steps as f64,
@@ -367,20 +402,24 @@ impl Report {
             self.scored_tokens,
             self.threads
         );
-        s += "| scheme | K | V | R | bytes/token/head | cache (all layers) | perplexity | Δ ppl vs f32 | mean KL (nats) | max KL | top-1 agree | top-1 acc |\n";
-        s += "|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+        s += "| scheme | K | V | R | S | bytes/token/head | all-in bits/elem | cache (all layers) | perplexity | Δ ppl vs f32 | mean KL (nats) | max KL | top-1 agree | top-1 acc |\n";
+        s += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
         let base = self.schemes.first().map_or(f64::NAN, |r| r.perplexity);
         for r in &self.schemes {
+            let sinks = kivi_spec::parse_scheme(&r.canonical).map_or(0, |s| s.sinks);
             s += &format!(
-                "| {} | {} | {} | {} | {:.1} | {:.2} MiB | {:.4} | {:+.4} | {:.5} | {:.4} | {:.2}% | {:.2}% |\n",
+                "| {} | {} | {} | {} | {} | {:.1} | {:.3} | {:.2} MiB | {:.4} | {:+.4} ({:+.1}%) | {:.5} | {:.4} | {:.2}% | {:.2}% |\n",
                 r.name,
                 r.key,
                 r.value,
                 r.residual,
+                sinks,
                 r.bytes_per_token_per_head,
+                r.bits_per_element,
                 r.cache_bytes as f64 / (1 << 20) as f64,
                 r.perplexity,
                 r.perplexity - base,
+                100.0 * (r.perplexity / base - 1.0),
                 r.kl_mean,
                 r.kl_max,
                 100.0 * r.top1_agreement,
@@ -400,28 +439,65 @@ impl Report {
                 l.bits, l.group, l.tokens, l.query_positions
             );
             s += "| K axis / V axis, window | key | value | scores | attention output |\n|---|---|---|---|---|\n";
-            for r in &l.results {
+            for r in l.results.iter().filter(|r| !r.codec) {
                 s += &format!(
                     "| {} ({} / {}, R = {}) | {:.4} | {:.4} | {:.4} | {:.4} |\n",
                     r.name, r.key_axis, r.value_axis, r.residual, r.mean.key, r.mean.value, r.mean.score, r.mean.output
                 );
             }
-            s += "\nAttention-output error per layer (g = global layer):\n\n| layer |";
-            for r in &l.results {
-                s += &format!(" {} |", r.name);
+            let codecs: Vec<_> = l.results.iter().filter(|r| r.codec).collect();
+            if !codecs.is_empty() {
+                s += "\nCodec study (same data and queries, f32 activations): relative errors, mean over layers, \
+                      and the attention-output error averaged over the global layers:\n\n";
+                s +=
+                    "| scheme | all-in bits/elem | key | value | scores | attention output | output, global layers |\n";
+                s += "|---|---|---|---|---|---|---|\n";
+                for r in &codecs {
+                    let g: Vec<f64> = l
+                        .global_layers
+                        .iter()
+                        .filter_map(|&i| r.per_layer.get(i))
+                        .map(|e| e.output)
+                        .collect();
+                    s += &format!(
+                        "| {} | {:.3} | {:.4} | {:.4} | {:.4} | {:.4} | {:.4} |\n",
+                        r.name,
+                        r.bits_per_element,
+                        r.mean.key,
+                        r.mean.value,
+                        r.mean.score,
+                        r.mean.output,
+                        g.iter().sum::<f64>() / g.len().max(1) as f64
+                    );
+                }
             }
-            s += "\n|---|";
-            for _ in &l.results {
-                s += "---|";
-            }
-            s += "\n";
-            for layer in 0..l.results.first().map_or(0, |r| r.per_layer.len()) {
-                let g = if l.global_layers.contains(&layer) { " g" } else { "" };
-                s += &format!("| {layer}{g} |");
-                for r in &l.results {
-                    s += &format!(" {:.4} |", r.per_layer[layer].output);
+            for (title, rows) in [
+                (
+                    "Attention-output error per layer (g = global layer):",
+                    l.results.iter().filter(|r| !r.codec).collect::<Vec<_>>(),
+                ),
+                ("Codec study, attention-output error per layer:", codecs.clone()),
+            ] {
+                if rows.is_empty() {
+                    continue;
+                }
+                s += &format!("\n{title}\n\n| layer |");
+                for r in &rows {
+                    s += &format!(" {} |", r.name);
+                }
+                s += "\n|---|";
+                for _ in &rows {
+                    s += "---|";
                 }
                 s += "\n";
+                for layer in 0..rows[0].per_layer.len() {
+                    let g = if l.global_layers.contains(&layer) { " g" } else { "" };
+                    s += &format!("| {layer}{g} |");
+                    for r in &rows {
+                        s += &format!(" {:.4} |", r.per_layer[layer].output);
+                    }
+                    s += "\n";
+                }
             }
         }
         let t = &self.seconds;

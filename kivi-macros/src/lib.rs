@@ -23,10 +23,14 @@ pub fn scheme(input: TokenStream) -> TokenStream {
         let doc = format!("KV-cache scheme `{ident}`.\n\n```text\n{canonical}```");
         // The default variant of each kernel, generated now (a scheme the
         // templates cannot instantiate fails the build here).
-        let kernels = match kernels_of(&decl.scheme) {
+        let kernels = match kivi_templates::default_kernels(&decl.scheme) {
             Ok(k) => k,
-            Err(msg) => {
-                out.extend(syn::Error::new(ident.span(), msg).to_compile_error());
+            Err((msg, field)) => {
+                // Point at the part of the scheme the templates cannot do.
+                let span = field
+                    .and_then(|f| kivi_spec::span_for(&decl.spans, f))
+                    .unwrap_or_else(|| ident.span());
+                out.extend(syn::Error::new(span, msg).to_compile_error());
                 continue;
             }
         };
@@ -53,21 +57,4 @@ pub fn scheme(input: TokenStream) -> TokenStream {
         });
     }
     out.into()
-}
-
-/// `(name, source)` of the default variant of the prefill, append and decode
-/// kernels, when the scheme has a shape.
-fn kernels_of(s: &kivi_spec::Scheme) -> Result<Vec<(String, String)>, String> {
-    if s.shape().is_none() {
-        return Ok(Vec::new());
-    }
-    use kivi_templates::{default_variant, generate, Kernel};
-    [Kernel::Prefill, Kernel::Append, Kernel::Decode]
-        .into_iter()
-        .map(|k| {
-            generate(s, k, &default_variant(s, k))
-                .map(|g| (g.name, g.source))
-                .map_err(|e| format!("cannot generate the {k} kernel of `{}`: {e}", s.name))
-        })
-        .collect()
 }

@@ -27,7 +27,7 @@
 //! ```
 
 use crate::error::{Error, Result};
-use crate::quant::{self, decode, encode, group_params, GroupParams};
+use crate::quant::{self, dequantize, quantize_group, GroupParams, TensorCodec};
 use crate::reference::round_inputs;
 use kivi_spec::layout::{self, regions, BlockLayout, TensorLayout};
 use kivi_spec::{Axis, Codec, Dtype, Quant, ScaleDtype, Scheme, Shape, Tensor};
@@ -101,6 +101,9 @@ struct Sequence {
     sinks: [Buf; 2],
     ring: [Buf; 2],
     ring_cap: [usize; 2],
+    /// Per-channel centering means, `[Hkv][D]` in the activation dtype, of
+    /// each centered tensor; `None` until the first `N` tokens exist.
+    means: [Option<Vec<f32>>; 2],
 }
 
 fn ti(t: Tensor) -> usize {
@@ -115,8 +118,16 @@ fn ti(t: Tensor) -> usize {
 pub struct MemoryReport {
     /// Code words of blocks in use (raw rows for `full` tensors).
     pub codes: usize,
+    /// Scales of uniform groups, norms of Lloyd–Max groups.
     pub scales: usize,
     pub zeros: usize,
+    /// Sparse outliers: channel indices and corrections, of blocks in use.
+    pub outliers: usize,
+    /// Per-channel centering means (`Hkv x D` in the activation dtype per
+    /// centered tensor, once the first `N` tokens exist).
+    pub means: usize,
+    /// Lloyd–Max tables (`2^b` f32 per such tensor, once per cache).
+    pub codebooks: usize,
     /// Sink and window buffers (their full capacity, as allocated).
     pub windows: usize,
     /// Block-table entries (4 bytes each).
@@ -135,6 +146,8 @@ pub struct PagedCache {
     max_blocks: usize,
     seqs: BTreeMap<SeqId, Sequence>,
     next_id: SeqId,
+    /// The codec pipeline of each quantized tensor.
+    codecs: [Option<TensorCodec>; 2],
 }
 
 /// Where a token of one tensor lives.
@@ -199,7 +212,12 @@ pub fn params_at(tl: &TensorLayout, words: &[u32], q: &Quant, t: usize, d: usize
     let i = tl.param_index(t, d);
     GroupParams {
         scale: read_param(&words[tl.scales_offset..], i, q.scale),
-        zero: read_param(&words[tl.zeros_offset..], i, q.scale),
+        // Lloyd–Max groups store a norm and no zero point.
+        zero: if q.has_zeros() {
+            read_param(&words[tl.zeros_offset..], i, q.scale)
+        } else {
+            0.0
+        },
     }
 }
 
@@ -225,7 +243,6 @@ impl PagedCache {
             .filter(|w| *w <= isize::MAX as usize / 4)
             .ok_or_else(|| Error::Config(format!("a pool of {} blocks does not fit in memory", config.max_blocks)))?;
         Ok(PagedCache {
-            scheme,
             shape,
             layout,
             // calloc'd: pages are only touched when a block is first written.
@@ -234,6 +251,8 @@ impl PagedCache {
             max_blocks: config.max_blocks,
             seqs: BTreeMap::new(),
             next_id: 0,
+            codecs: [Tensor::Key, Tensor::Value].map(|t| TensorCodec::of(&scheme, t, shape.head_dim)),
+            scheme,
         })
     }
 
@@ -276,6 +295,7 @@ impl PagedCache {
             ],
             ring: [Buf::new(cap[0] * h * d, s.dtype), Buf::new(cap[1] * h * d, s.dtype)],
             ring_cap: cap,
+            means: [None, None],
         };
         let id = self.next_id;
         self.next_id += 1;
@@ -362,10 +382,23 @@ impl PagedCache {
         // wedge the sequence (every later append would fail on it).
         for (t, given) in [(Tensor::Key, k), (Tensor::Value, v)] {
             if let Codec::Quant(q) = self.scheme.codec(t) {
-                let limit = quant::storable_limit(q);
+                // A pipeline transforms values before quantizing them: an
+                // orthonormal rotation of `n` channels can grow one by up
+                // to sqrt(n), centering subtracts a mean of up to the limit
+                // (and that mean may come from sink tokens, so those are
+                // checked too). Bound the raw values accordingly.
+                let mut limit = quant::storable_limit(q);
+                if let Some(r) = self.scheme.rotation.filter(|r| r.apply.has(t)) {
+                    limit /= (r.block as f32).sqrt();
+                }
+                let centered = self.scheme.center.is_some_and(|c| c.apply.has(t));
+                if centered {
+                    limit /= 2.0;
+                }
+                let first = if centered { 0 } else { self.scheme.sinks as usize };
                 for (i, x) in inputs[ti(t)].iter().enumerate() {
                     let token = old_tokens + i / (h * d);
-                    if token >= self.scheme.sinks as usize && x.abs() > limit {
+                    if token >= first && x.abs() > limit {
                         return Err(Error::OutOfRange {
                             tensor: t.name(),
                             value: given[i],
@@ -401,6 +434,44 @@ impl PagedCache {
         let mut table = seq.table.clone();
         table.extend(&fresh);
         let sinks = self.scheme.sinks as usize;
+        // Centering means become known when the first N tokens exist; that
+        // is never after the first token is quantized (validated: N <=
+        // sinks + residual), and no stored token has wrapped in the ring yet.
+        let mut means = seq.means.clone();
+        for t in [Tensor::Key, Tensor::Value] {
+            let i = ti(t);
+            let Some(n) = self.scheme.center_of(t) else { continue };
+            if means[i].is_some() || new_tokens < n {
+                continue;
+            }
+            let mut rows = vec![0f32; n * h * d];
+            for p in 0..n {
+                for hh in 0..h {
+                    let out = &mut rows[(p * h + hh) * d..][..d];
+                    if p >= old_tokens {
+                        out.copy_from_slice(&inputs[i][((p - old_tokens) * h + hh) * d..][..d]);
+                    } else if p < sinks {
+                        for (c, o) in out.iter_mut().enumerate() {
+                            *o = seq.sinks[i].get((p * h + hh) * d + c);
+                        }
+                    } else {
+                        let base = (((p - sinks) % seq.ring_cap[i]) * h + hh) * d;
+                        for (c, o) in out.iter_mut().enumerate() {
+                            *o = seq.ring[i].get(base + c);
+                        }
+                    }
+                }
+            }
+            let mut m = Vec::with_capacity(h * d);
+            for hh in 0..h {
+                m.extend(quant::channel_mean(
+                    (0..n).map(|p| &rows[(p * h + hh) * d..][..d]),
+                    d,
+                    self.scheme.dtype,
+                ));
+            }
+            means[i] = Some(m);
+        }
         for t in [Tensor::Key, Tensor::Value] {
             let i = ti(t);
             let seq_ref: &Sequence = seq;
@@ -427,11 +498,14 @@ impl PagedCache {
                 seq_ref.quantized[i]..target[i],
                 sinks,
                 &src,
+                self.codecs[i].as_ref(),
+                means[i].as_deref(),
             )?;
         }
         // Commit: nothing below can fail.
         self.free.truncate(split);
         seq.table = table;
+        seq.means = means;
         for t in [Tensor::Key, Tensor::Value] {
             let i = ti(t);
             let input = &inputs[i];
@@ -482,17 +556,29 @@ impl PagedCache {
         let blocks = seq.table.len();
         let heads = self.shape.kv_heads;
         let codes = blocks * heads * (l.key.codes_words() + l.value.codes_words()) * 4;
-        let params = blocks * heads * (l.key.param_words + l.value.param_words) * 4;
+        let scales = blocks * heads * (l.key.param_words + l.value.param_words) * 4;
+        let zeros = blocks * heads * (l.key.zero_words + l.value.zero_words) * 4;
+        let per_token = |tl: &TensorLayout| tl.block_tokens * (tl.outlier_idx_words + tl.outlier_val_words);
+        let outliers = blocks * heads * (per_token(&l.key) + per_token(&l.value)) * 4;
+        let means: usize = seq
+            .means
+            .iter()
+            .flatten()
+            .map(|m| m.len() * self.scheme.dtype.bytes())
+            .sum();
         let windows: usize = seq.sinks.iter().chain(&seq.ring).map(Buf::bytes).sum();
         let tables = seq.table.len() * 4;
         MemoryReport {
             codes,
-            scales: params,
-            zeros: params,
+            scales,
+            zeros,
+            outliers,
+            means,
+            codebooks: 0,
             windows,
             tables,
             blocks_in_use: blocks,
-            total: codes + 2 * params + windows + tables,
+            total: codes + scales + zeros + outliers + means + windows + tables,
         }
     }
 
@@ -501,7 +587,8 @@ impl PagedCache {
         Ok(self.seq_memory(self.seq(id)?))
     }
 
-    /// Bytes the whole cache holds: every sequence's blocks, windows and tables.
+    /// Bytes the whole cache holds: every sequence's blocks, outliers,
+    /// means, windows and tables, and the Lloyd–Max tables (once).
     pub fn memory(&self) -> MemoryReport {
         let mut m = MemoryReport::default();
         for s in self.seqs.values() {
@@ -509,12 +596,32 @@ impl PagedCache {
             m.codes += r.codes;
             m.scales += r.scales;
             m.zeros += r.zeros;
+            m.outliers += r.outliers;
+            m.means += r.means;
             m.windows += r.windows;
             m.tables += r.tables;
             m.blocks_in_use += r.blocks_in_use;
             m.total += r.total;
         }
+        m.codebooks = self.codebook_bytes();
+        m.total += m.codebooks;
         m
+    }
+
+    /// Bytes of the Lloyd–Max tables this scheme's kernels keep (one
+    /// `2^b`-entry f32 table per Lloyd–Max tensor).
+    pub fn codebook_bytes(&self) -> usize {
+        self.codecs
+            .iter()
+            .flatten()
+            .filter(|c| c.quant.levels != kivi_spec::Levels::Uniform)
+            .map(|c| (1usize << c.quant.bits) * 4)
+            .sum()
+    }
+
+    /// The codec pipeline of tensor `t` (`None` for a `full` tensor).
+    pub fn codec(&self, t: Tensor) -> Option<&TensorCodec> {
+        self.codecs[ti(t)].as_ref()
     }
 }
 
@@ -524,7 +631,9 @@ fn part_mut<'a>(l: &BlockLayout, pool: &'a mut [u32], block: u32, h: usize, t: T
     &mut pool[start..start + l.tensor(t).words]
 }
 
-/// Quantizes relative tokens `range` of tensor `t` into the blocks of `table`.
+/// Quantizes relative tokens `range` of tensor `t` into the blocks of `table`,
+/// through the tensor's codec pipeline (see `reference::cache_view` for the
+/// steps; the arithmetic here is the same, call for call).
 #[allow(clippy::too_many_arguments)]
 fn quantize_range(
     s: &Scheme,
@@ -535,89 +644,125 @@ fn quantize_range(
     range: std::ops::Range<usize>,
     sinks: usize,
     src: &dyn Fn(usize, usize, &mut [f32]),
+    codec: Option<&TensorCodec>,
+    means: Option<&[f32]>,
 ) -> Result<()> {
     let (h, d) = (l.shape.kv_heads, l.shape.head_dim);
     let tl = *l.tensor(t);
     let bt = l.block_tokens;
     let wpt = tl.words_per_token;
-    let mut row = vec![0f32; d];
-    let mut codes = vec![0u32; d];
-    let q = match s.codec(t) {
-        Codec::Full => {
-            for j in range {
-                for hh in 0..h {
-                    src(j, hh, &mut row);
-                    let part = part_mut(l, pool, table[j / bt], hh, t);
-                    write_raw_row(&mut part[(j % bt) * wpt..][..wpt], &row, s.dtype);
+    let Some(codec) = codec else {
+        let mut row = vec![0f32; d];
+        for j in range {
+            for hh in 0..h {
+                src(j, hh, &mut row);
+                let part = part_mut(l, pool, table[j / bt], hh, t);
+                write_raw_row(&mut part[(j % bt) * wpt..][..wpt], &row, s.dtype);
+            }
+        }
+        return Ok(());
+    };
+    let q = codec.quant;
+    let g = q.group as usize;
+    // Tokens quantized together: a channel group, or one token.
+    let unit = match q.axis {
+        Axis::Channel => g,
+        Axis::Token => 1,
+    };
+    let mut rows = vec![0f32; unit * d];
+    let mut codes = vec![0u32; unit * d];
+    let mut params = vec![GroupParams { scale: 0.0, zero: 0.0 }; unit * d];
+    let mut vals = vec![0f32; g];
+    let mut gcodes = vec![0u32; g];
+    let mut outl: Vec<(Vec<usize>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); unit];
+    for j0 in range.step_by(unit) {
+        for hh in 0..h {
+            let mean = means.map(|m| &m[hh * d..(hh + 1) * d]);
+            for k in 0..unit {
+                let row = &mut rows[k * d..(k + 1) * d];
+                src(j0 + k, hh, row);
+                codec.forward(row, mean);
+                outl[k] = codec.take_outliers(row);
+            }
+            // Quantize each group; `params[k * d + c]` is the group of (k, c).
+            let groups: Vec<(usize, usize)> = match q.axis {
+                Axis::Channel => (0..d).map(|c| (0, c)).collect(),
+                Axis::Token => (0..d).step_by(g).map(|c0| (0, c0)).collect(),
+            };
+            for (k0, c0) in groups {
+                let member = |i: usize| match q.axis {
+                    Axis::Channel => (k0 + i) * d + c0,
+                    Axis::Token => k0 * d + c0 + i,
+                };
+                for (i, v) in vals.iter_mut().enumerate() {
+                    *v = rows[member(i)];
+                }
+                let (p, lo, hi) = quantize_group(&vals, &q, &mut gcodes);
+                if !p.is_finite() {
+                    return Err(Error::ScaleOverflow {
+                        tensor: t.name(),
+                        token: sinks + j0 + k0,
+                        head: hh,
+                        channel: c0,
+                        lo,
+                        hi,
+                        dtype: q.scale.name(),
+                    });
+                }
+                for (i, c) in gcodes.iter().enumerate() {
+                    codes[member(i)] = *c;
+                    params[member(i)] = p;
                 }
             }
-            return Ok(());
-        }
-        Codec::Quant(q) => *q,
-    };
-    let overflow = |p: GroupParams, lo: f32, hi: f32, j: usize, hh: usize, c: usize| -> Result<()> {
-        if p.is_finite() {
-            Ok(())
-        } else {
-            Err(Error::ScaleOverflow {
-                tensor: t.name(),
-                token: sinks + j,
-                head: hh,
-                channel: c,
-                lo,
-                hi,
-                dtype: q.scale.name(),
-            })
-        }
-    };
-    let g = q.group as usize;
-    match q.axis {
-        Axis::Channel => {
-            let mut grp = vec![0f32; g * d];
-            let mut ps = vec![GroupParams { scale: 0.0, zero: 0.0 }; d];
-            for j0 in range.step_by(g) {
-                for hh in 0..h {
-                    for k in 0..g {
-                        src(j0 + k, hh, &mut grp[k * d..(k + 1) * d]);
-                    }
-                    for (c, p) in ps.iter_mut().enumerate() {
-                        let (gp, lo, hi) = group_params((0..g).map(|k| grp[k * d + c]), &q);
-                        overflow(gp, lo, hi, j0, hh, c)?;
-                        *p = gp;
-                    }
-                    let part = part_mut(l, pool, table[j0 / bt], hh, t);
-                    for (c, p) in ps.iter().enumerate() {
+            let part = part_mut(l, pool, table[j0 / bt], hh, t);
+            // Parameters, at the position of each group's first member.
+            match q.axis {
+                Axis::Channel => {
+                    for (c, p) in params[..d].iter().enumerate() {
                         let i = tl.param_index(j0 % bt, c);
                         write_param(&mut part[tl.scales_offset..], i, p.scale, q.scale);
-                        write_param(&mut part[tl.zeros_offset..], i, p.zero, q.scale);
-                    }
-                    for k in 0..g {
-                        for c in 0..d {
-                            codes[c] = encode(grp[k * d + c], ps[c], q.max_code());
+                        if q.has_zeros() {
+                            write_param(&mut part[tl.zeros_offset..], i, p.zero, q.scale);
                         }
-                        let off = (j0 + k) % bt;
-                        quant::pack(&codes, q.bits, &mut part[off * wpt..(off + 1) * wpt]);
+                    }
+                }
+                Axis::Token => {
+                    for c0 in (0..d).step_by(g) {
+                        let i = tl.param_index(j0 % bt, c0);
+                        write_param(&mut part[tl.scales_offset..], i, params[c0].scale, q.scale);
+                        if q.has_zeros() {
+                            write_param(&mut part[tl.zeros_offset..], i, params[c0].zero, q.scale);
+                        }
                     }
                 }
             }
-        }
-        Axis::Token => {
-            for j in range {
-                for hh in 0..h {
-                    src(j, hh, &mut row);
-                    let part = part_mut(l, pool, table[j / bt], hh, t);
-                    let off = j % bt;
-                    for c0 in (0..d).step_by(g) {
-                        let (p, lo, hi) = group_params(row[c0..c0 + g].iter().copied(), &q);
-                        overflow(p, lo, hi, j, hh, c0)?;
-                        let i = tl.param_index(off, c0);
-                        write_param(&mut part[tl.scales_offset..], i, p.scale, q.scale);
-                        write_param(&mut part[tl.zeros_offset..], i, p.zero, q.scale);
-                        for c in c0..c0 + g {
-                            codes[c] = encode(row[c], p, q.max_code());
-                        }
+            for k in 0..unit {
+                let off = (j0 + k) % bt;
+                quant::pack(
+                    &codes[k * d..(k + 1) * d],
+                    q.bits,
+                    &mut part[off * wpt..(off + 1) * wpt],
+                );
+                if tl.outliers > 0 {
+                    let (idx, orig) = &outl[k];
+                    let mut corr = Vec::with_capacity(idx.len());
+                    for (&c, &o) in idx.iter().zip(orig) {
+                        let deq = dequantize(codes[k * d + c], params[k * d + c], &q);
+                        corr.push(codec.correction(o, deq).ok_or(Error::OutlierOverflow {
+                            tensor: t.name(),
+                            token: sinks + j0 + k,
+                            head: hh,
+                            channel: c,
+                            value: o - deq,
+                            dtype: s.dtype.name(),
+                        })?);
                     }
-                    quant::pack(&codes, q.bits, &mut part[off * wpt..(off + 1) * wpt]);
+                    let iw = &mut part[tl.outlier_idx_offset + off * tl.outlier_idx_words..][..tl.outlier_idx_words];
+                    for (w, pair) in iw.iter_mut().zip(idx.chunks(2)) {
+                        *w = pair[0] as u32 | (pair.get(1).map_or(0, |x| *x as u32) << 16);
+                    }
+                    let vw = &mut part[tl.outlier_val_offset + off * tl.outlier_val_words..][..tl.outlier_val_words];
+                    write_raw_row(vw, &corr, s.dtype);
                 }
             }
         }
@@ -649,6 +794,68 @@ pub struct SeqView<'a> {
 }
 
 impl<'a> SeqView<'a> {
+    /// Adds the stored outlier corrections of token `off` of a block part to
+    /// its decoded row (in the transformed domain).
+    fn add_outliers(&self, tl: &TensorLayout, part: &[u32], off: usize, row: &mut [f32]) {
+        for k in 0..tl.outliers {
+            let iw = part[tl.outlier_idx_offset + off * tl.outlier_idx_words + k / 2];
+            let c = ((iw >> (16 * (k % 2))) & 0xffff) as usize;
+            let vw = &part[tl.outlier_val_offset + off * tl.outlier_val_words..][..tl.outlier_val_words];
+            row[c] += read_raw(vw, k, self.cache.scheme.dtype);
+        }
+    }
+
+    /// The codec pipeline of tensor `t` (`None` for a `full` tensor).
+    pub fn codec(&self, t: Tensor) -> Option<&'a TensorCodec> {
+        self.cache.codec(t)
+    }
+
+    /// Quantized token `p` of tensor `t`, KV head `h`, decoded in the codec's
+    /// transformed domain: codes decoded and outlier corrections added, but
+    /// not un-rotated and without the means (what a kernel that rotates the
+    /// query instead consumes). `p` must be block-resident.
+    pub fn coded_row(&self, t: Tensor, p: usize, h: usize, out: &mut [f32]) {
+        let Loc::Block(b, off) = self.locate(t, p) else {
+            panic!("coded_row: token {p} is not quantized");
+        };
+        let part = self.block_part(b, h, t);
+        let tl = self.cache.layout.tensor(t);
+        let row = &part[off * tl.words_per_token..][..tl.words_per_token];
+        let Codec::Quant(q) = self.cache.scheme.codec(t) else {
+            panic!("coded_row: a full tensor has no codes");
+        };
+        match (q.axis, q.levels) {
+            // Token-axis Lloyd–Max (the common codec case): one norm per
+            // group, the table looked up once, codes unpacked word by word.
+            (Axis::Token, kivi_spec::Levels::LloydMax(_)) => {
+                let levels = kivi_spec::lloyd_max_levels(q.bits).expect("validated");
+                let (g, per, mask) = (q.group as usize, (32 / q.bits) as usize, (1u32 << q.bits) - 1);
+                for (gi, chunk) in out.chunks_mut(g).enumerate() {
+                    let s = params_at(tl, part, q, off, gi * g).scale;
+                    for (k, o) in chunk.iter_mut().enumerate() {
+                        let c = gi * g + k;
+                        let code = (row[c / per] >> ((c % per) as u32 * q.bits)) & mask;
+                        *o = s * levels[code as usize];
+                    }
+                }
+            }
+            _ => {
+                for (c, o) in out.iter_mut().enumerate() {
+                    let code = quant::unpack_one(row, q.bits, c);
+                    *o = dequantize(code, params_at(tl, part, q, off, c), q);
+                }
+            }
+        }
+        self.add_outliers(tl, part, off, out);
+    }
+
+    /// The centering means of tensor `t`, KV head `h` (`None` if the tensor
+    /// is not centered or its means are not known yet).
+    pub fn mean(&self, t: Tensor, h: usize) -> Option<&'a [f32]> {
+        let d = self.cache.shape.head_dim;
+        self.seq.means[ti(t)].as_ref().map(|m| &m[h * d..(h + 1) * d])
+    }
+
     pub fn tokens(&self) -> usize {
         self.seq.tokens
     }
@@ -724,7 +931,14 @@ impl<'a> SeqView<'a> {
                     Codec::Quant(q) => {
                         for (c, o) in out.iter_mut().enumerate() {
                             let code = quant::unpack_one(row, q.bits, c);
-                            *o = decode(code, params_at(tl, part, q, off, c));
+                            *o = dequantize(code, params_at(tl, part, q, off, c), q);
+                        }
+                        if let Some(codec) = self.cache.codec(t) {
+                            self.add_outliers(tl, part, off, out);
+                            let mean = self.seq.means[i]
+                                .as_ref()
+                                .map(|m| &m[h * tl.head_dim..(h + 1) * tl.head_dim]);
+                            codec.inverse(out, mean);
                         }
                     }
                 }

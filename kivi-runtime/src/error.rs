@@ -44,6 +44,15 @@ pub enum Error {
         bits: u32,
         dtype: &'static str,
     },
+    #[error("{tensor} outlier at token {token}, kv head {head}, channel {channel} needs a correction of {value}, which {dtype} cannot hold; use dtype f32")]
+    OutlierOverflow {
+        tensor: &'static str,
+        token: usize,
+        head: usize,
+        channel: usize,
+        value: f32,
+        dtype: &'static str,
+    },
     #[error("out of cache blocks: the append needs {need} more, {free} of {total} are free")]
     OutOfBlocks { need: usize, free: usize, total: usize },
     #[error("unknown sequence id {0}")]

@@ -6,11 +6,14 @@
 //! - [`cache`] — the paged cache with exact memory accounting.
 //! - [`cpu`] — fused dequantize + decode attention on the CPU.
 //! - [`backend`] — the interface every backend implements.
+//! - [`device`] — the device layer: the GPU path's host code, run on a GPU
+//!   ([`cuda`]) or on the simulated device ([`sim`]) alike.
 
 pub mod backend;
 pub mod cache;
 pub mod cpu;
 pub mod cuda;
+pub mod device;
 mod error;
 pub mod quant;
 pub mod reference;

@@ -2,7 +2,7 @@
 //! reference oracle and the paged cache both call these functions; the
 //! kernels (CPU fused path, generated CUDA) re-derive only what they must.
 
-use kivi_spec::{Dtype, Quant, ScaleDtype};
+use kivi_spec::{Dtype, Levels, Norm, Quant, ScaleDtype};
 
 /// Rounds `x` to the activation dtype (round to nearest, ties to even) and
 /// returns it as f32.
@@ -88,6 +88,262 @@ pub fn decode(c: u32, p: GroupParams) -> f32 {
     c as f32 * p.scale + p.zero
 }
 
+// ---------------------------------------------------------------------------
+// The codec pipeline (DESIGN.md §8): center, rotate, take out outliers, then
+// quantize with uniform or Lloyd–Max levels. Each step is one function here,
+// used by the oracle and the paged cache alike.
+// ---------------------------------------------------------------------------
+
+/// The ±1 sign of every channel for a Hadamard rotation with `seed`: bit 63
+/// of successive SplitMix64 outputs (state starting at `seed`), `-1` where
+/// it is set. The same vector for every head and layer.
+///
+/// ```
+/// let s = kivi_runtime::quant::sign_vector(7, 8);
+/// assert!(s.iter().all(|x| *x == 1.0 || *x == -1.0));
+/// assert_eq!(s, kivi_runtime::quant::sign_vector(7, 8));
+/// ```
+pub fn sign_vector(seed: u32, d: usize) -> Vec<f32> {
+    let mut state = seed as u64;
+    (0..d)
+        .map(|_| {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            if z >> 63 == 1 {
+                -1.0
+            } else {
+                1.0
+            }
+        })
+        .collect()
+}
+
+/// In-place normalised Walsh–Hadamard transform of every block of `block`
+/// channels of `x`: `y_i = sum_j (-1)^popcount(i & j) x_j / sqrt(block)`.
+/// Butterflies in f64, one rounding to f32 at the end (so the result does
+/// not depend on how a caller batches rows).
+fn fwht(x: &mut [f32], block: usize) {
+    let mut buf = vec![0f64; block];
+    let norm = 1.0 / (block as f64).sqrt();
+    for chunk in x.chunks_mut(block) {
+        for (b, v) in buf.iter_mut().zip(chunk.iter()) {
+            *b = *v as f64;
+        }
+        let mut h = 1;
+        while h < block {
+            for i in (0..block).step_by(2 * h) {
+                for j in i..i + h {
+                    let (a, b) = (buf[j], buf[j + h]);
+                    buf[j] = a + b;
+                    buf[j + h] = a - b;
+                }
+            }
+            h *= 2;
+        }
+        for (v, b) in chunk.iter_mut().zip(&buf) {
+            *v = (*b * norm) as f32;
+        }
+    }
+}
+
+/// The rotation `T = H D` of one row: the sign flip `D` (if any), then the
+/// blockwise normalised Hadamard `H`.
+pub fn rotate(x: &mut [f32], block: usize, signs: Option<&[f32]>) {
+    if let Some(s) = signs {
+        for (v, s) in x.iter_mut().zip(s) {
+            *v *= s;
+        }
+    }
+    fwht(x, block);
+}
+
+/// The inverse `T^-1 = D H` (H is symmetric and orthonormal, D its own
+/// inverse): what [`rotate`] did, undone.
+pub fn unrotate(x: &mut [f32], block: usize, signs: Option<&[f32]>) {
+    fwht(x, block);
+    if let Some(s) = signs {
+        for (v, s) in x.iter_mut().zip(s) {
+            *v *= s;
+        }
+    }
+}
+
+/// The per-channel mean of `rows` (each `D` long, already in the activation
+/// dtype), summed in f64 in order and rounded to the activation dtype.
+pub fn channel_mean<'a>(rows: impl IntoIterator<Item = &'a [f32]>, d: usize, dtype: Dtype) -> Vec<f32> {
+    let mut sum = vec![0f64; d];
+    let mut n = 0usize;
+    for r in rows {
+        for (s, x) in sum.iter_mut().zip(r) {
+            *s += *x as f64;
+        }
+        n += 1;
+    }
+    sum.iter()
+        .map(|s| round_to_dtype((s / n.max(1) as f64) as f32, dtype))
+        .collect()
+}
+
+/// Channels of the `k` entries of largest magnitude in `row`, ascending.
+/// Ties go to the lower channel.
+pub fn top_k_abs(row: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..row.len()).collect();
+    idx.sort_by(|&a, &b| row[b].abs().total_cmp(&row[a].abs()).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx.sort_unstable();
+    idx
+}
+
+/// Lloyd–Max code of `y` (a value already divided by its group's norm): the
+/// number of decision thresholds `t_i = (L_i + L_{i+1}) / 2` below `y`, so
+/// the nearest level, ties to the lower one.
+#[inline]
+pub fn lloyd_encode(y: f32, levels: &[f32]) -> u32 {
+    levels.windows(2).filter(|w| y > (w[0] + w[1]) * 0.5).count() as u32
+}
+
+/// The stored norm of a Lloyd–Max group and its codes.
+///
+/// `Rms`: `s = rms(x)` (f64, rounded to the scale dtype), codes of `x / s`
+/// (all codes of `0` when `s == 0`). `L2`: the same codes, then
+/// `s = ||x|| / ||L[c]||` so the decoded group keeps the input's norm.
+/// Decoding is `s * L[c]` ([`lloyd_decode`]).
+pub fn lloyd_group(values: &[f32], q: &Quant, codes: &mut [u32]) -> f32 {
+    let norm = match q.levels {
+        Levels::LloydMax(n) => n,
+        Levels::Uniform => unreachable!("lloyd_group on uniform levels"),
+    };
+    let levels = kivi_spec::lloyd_max_levels(q.bits).expect("validated: lloyd_max bits have a table");
+    let ss: f64 = values.iter().map(|x| (*x as f64) * (*x as f64)).sum();
+    let rms = round_to_scale((ss / values.len() as f64).sqrt() as f32, q.scale);
+    for (c, x) in codes.iter_mut().zip(values) {
+        *c = lloyd_encode(if rms == 0.0 { 0.0 } else { x / rms }, levels);
+    }
+    match norm {
+        Norm::Rms => rms,
+        Norm::L2 => {
+            let lc: f64 = codes.iter().map(|c| (levels[*c as usize] as f64).powi(2)).sum();
+            if lc == 0.0 || ss == 0.0 {
+                0.0
+            } else {
+                round_to_scale((ss / lc).sqrt() as f32, q.scale)
+            }
+        }
+    }
+}
+
+/// `x^ = s * L[c]`, in f32.
+#[inline]
+pub fn lloyd_decode(c: u32, s: f32, levels: &[f32]) -> f32 {
+    s * levels[c as usize]
+}
+
+/// Quantizes one group `values` with quantizer `q` (uniform or Lloyd–Max)
+/// into `codes`, returning the stored parameters (`zero` is 0 for
+/// Lloyd–Max) and the group's `(lo, hi)` for error messages.
+pub fn quantize_group(values: &[f32], q: &Quant, codes: &mut [u32]) -> (GroupParams, f32, f32) {
+    match q.levels {
+        Levels::Uniform => {
+            let (p, lo, hi) = group_params(values.iter().copied(), q);
+            for (c, x) in codes.iter_mut().zip(values) {
+                *c = encode(*x, p, q.max_code());
+            }
+            (p, lo, hi)
+        }
+        Levels::LloydMax(_) => {
+            let s = lloyd_group(values, q, codes);
+            let lo = values.iter().copied().fold(f32::INFINITY, f32::min);
+            let hi = values.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            (GroupParams { scale: s, zero: 0.0 }, lo, hi)
+        }
+    }
+}
+
+/// Decodes one code of quantizer `q` with its group's parameters.
+#[inline]
+pub fn dequantize(c: u32, p: GroupParams, q: &Quant) -> f32 {
+    match q.levels {
+        Levels::Uniform => decode(c, p),
+        Levels::LloydMax(_) => lloyd_decode(c, p.scale, kivi_spec::lloyd_max_levels(q.bits).expect("validated")),
+    }
+}
+
+/// Everything one tensor's codec needs to turn a token's row into what is
+/// quantized and back: its quantizer, rotation, outlier count and dtype.
+/// Built once per cache (or oracle call) from the scheme.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorCodec {
+    pub quant: Quant,
+    pub dtype: Dtype,
+    /// Hadamard block and sign vector, when rotated.
+    pub rotation: Option<(usize, Option<Vec<f32>>)>,
+    /// Sparse outliers per token (0 for none).
+    pub outliers: usize,
+    /// Tokens whose mean centers this tensor, when centered.
+    pub center: Option<usize>,
+}
+
+impl TensorCodec {
+    /// The codec of tensor `t` of a bound scheme; `None` for a `full` tensor.
+    pub fn of(s: &kivi_spec::Scheme, t: kivi_spec::Tensor, head_dim: usize) -> Option<TensorCodec> {
+        let quant = *s.codec(t).quant()?;
+        Some(TensorCodec {
+            quant,
+            dtype: s.dtype,
+            rotation: s
+                .rotation_of(t)
+                .map(|r| (r.block as usize, r.signs.map(|seed| sign_vector(seed, head_dim)))),
+            outliers: s.outliers_of(t),
+            center: s.center_of(t),
+        })
+    }
+
+    /// Step 1 and 2 of the pipeline, in place: subtract the mean, rotate.
+    pub fn forward(&self, row: &mut [f32], mean: Option<&[f32]>) {
+        if let Some(m) = mean {
+            for (x, m) in row.iter_mut().zip(m) {
+                *x -= m;
+            }
+        }
+        if let Some((block, signs)) = &self.rotation {
+            rotate(row, *block, signs.as_deref());
+        }
+    }
+
+    /// The inverse of [`Self::forward`]: un-rotate, add the mean back.
+    pub fn inverse(&self, row: &mut [f32], mean: Option<&[f32]>) {
+        if let Some((block, signs)) = &self.rotation {
+            unrotate(row, *block, signs.as_deref());
+        }
+        if let Some(m) = mean {
+            for (x, m) in row.iter_mut().zip(m) {
+                *x += m;
+            }
+        }
+    }
+
+    /// Step 3: takes the outliers out of a transformed row (sets them to 0)
+    /// and returns their channels and original values.
+    pub fn take_outliers(&self, row: &mut [f32]) -> (Vec<usize>, Vec<f32>) {
+        if self.outliers == 0 {
+            return (Vec::new(), Vec::new());
+        }
+        let idx = top_k_abs(row, self.outliers);
+        let vals = idx.iter().map(|&i| std::mem::replace(&mut row[i], 0.0)).collect();
+        (idx, vals)
+    }
+
+    /// The stored correction of an outlier: `x - x^` in the activation
+    /// dtype, or `None` when that dtype cannot hold it.
+    pub fn correction(&self, original: f32, decoded: f32) -> Option<f32> {
+        let c = round_to_dtype(original - decoded, self.dtype);
+        c.is_finite().then_some(c)
+    }
+}
+
 /// Packs `codes` (each `< 2^bits`) LSB first into `out`, `32 / bits` codes
 /// per word; codes never straddle words. `out` must hold
 /// `codes.len().div_ceil(32 / bits)` words; every word is overwritten.
@@ -139,6 +395,76 @@ mod tests {
     use super::*;
 
     #[test]
+    fn fast_hadamard_equals_the_matrix_and_inverts() {
+        for block in [2usize, 4, 16, 64, 256] {
+            let d = block * 2;
+            let x: Vec<f32> = (0..d).map(|i| ((i * 7919 % 113) as f32 - 56.0) / 9.0).collect();
+            let signs = sign_vector(3, d);
+            let mut y = x.clone();
+            rotate(&mut y, block, Some(&signs));
+            for b in 0..2 {
+                for i in 0..block {
+                    let mut want = 0f64;
+                    for j in 0..block {
+                        let h = if (i & j).count_ones() % 2 == 0 { 1.0 } else { -1.0 };
+                        want += h * (x[b * block + j] * signs[b * block + j]) as f64;
+                    }
+                    want /= (block as f64).sqrt();
+                    assert!((y[b * block + i] as f64 - want).abs() < 1e-5, "block {block}");
+                }
+            }
+            unrotate(&mut y, block, Some(&signs));
+            for (a, b) in y.iter().zip(&x) {
+                assert!((a - b).abs() < 1e-5);
+            }
+        }
+        // a few signs of each kind, not all the same
+        let s = sign_vector(1, 64);
+        assert!(s.iter().any(|x| *x < 0.0) && s.iter().any(|x| *x > 0.0));
+        assert_ne!(sign_vector(1, 64), sign_vector(2, 64));
+    }
+
+    #[test]
+    fn lloyd_codes_pick_the_nearest_level() {
+        let q = Quant {
+            bits: 2,
+            axis: kivi_spec::Axis::Token,
+            group: 4,
+            scale: ScaleDtype::F32,
+            levels: Levels::LloydMax(Norm::Rms),
+        };
+        let l = kivi_spec::lloyd_max_levels(2).unwrap();
+        assert_eq!(lloyd_encode(-5.0, l), 0);
+        assert_eq!(lloyd_encode(0.0, l), 1); // tie at the middle threshold: lower
+        assert_eq!(lloyd_encode(0.9, l), 2);
+        assert_eq!(lloyd_encode(0.99, l), 3);
+        let xs = [1.0f32, -1.0, 1.0, -1.0];
+        let mut c = [0u32; 4];
+        let (p, _, _) = quantize_group(&xs, &q, &mut c);
+        assert_eq!(p.scale, 1.0);
+        assert_eq!(c, [3, 0, 3, 0]);
+        // l2: the decoded group keeps the input's norm
+        let q2 = Quant {
+            levels: Levels::LloydMax(Norm::L2),
+            ..q
+        };
+        let (p2, _, _) = quantize_group(&xs, &q2, &mut c);
+        let n: f32 = c.iter().map(|c| dequantize(*c, p2, &q2).powi(2)).sum();
+        assert!((n - 4.0).abs() < 1e-5);
+        // an all-zero group decodes to zero
+        let (pz, _, _) = quantize_group(&[0.0; 4], &q2, &mut c);
+        assert_eq!(dequantize(c[0], pz, &q2), 0.0);
+    }
+
+    #[test]
+    fn top_k_and_means() {
+        assert_eq!(top_k_abs(&[0.5, -3.0, 2.0, 3.0, 0.1], 2), vec![1, 3]);
+        assert_eq!(top_k_abs(&[1.0, 1.0, 1.0], 2), vec![0, 1]);
+        let rows = [[1.0f32, 2.0], [3.0, -2.0]];
+        assert_eq!(channel_mean(rows.iter().map(|r| &r[..]), 2, Dtype::F32), vec![2.0, 0.0]);
+    }
+
+    #[test]
     fn pack_unpack_round_trip_every_width() {
         let mut seed = 0x9e3779b9u32;
         for bits in kivi_spec::ALLOWED_BITS {
@@ -166,12 +492,7 @@ mod tests {
 
     #[test]
     fn encode_decode_within_half_step() {
-        let q = Quant {
-            bits: 2,
-            axis: kivi_spec::Axis::Token,
-            group: 4,
-            scale: ScaleDtype::F32,
-        };
+        let q = Quant::uniform(2, kivi_spec::Axis::Token, 4, ScaleDtype::F32);
         let xs = [0.1f32, -0.7, 2.3, 1.1];
         let (p, lo, hi) = group_params(xs, &q);
         assert_eq!((lo, hi), (-0.7, 2.3));

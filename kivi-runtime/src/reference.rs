@@ -4,9 +4,9 @@
 //! variant — is checked against these functions.
 
 use crate::error::{Error, Result};
-use crate::quant::{decode, encode, group_params, round_to_dtype, GroupParams};
+use crate::quant::{channel_mean, dequantize, quantize_group, round_to_dtype, GroupParams, TensorCodec};
 use kivi_spec::layout::regions;
-use kivi_spec::{Axis, Codec, Scheme, Shape, Tensor};
+use kivi_spec::{Axis, Scheme, Shape, Tensor};
 
 /// Softmax scale and sliding window in effect for one call.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -58,6 +58,18 @@ pub fn round_inputs(s: &Scheme, tensor: &'static str, x: &[f32], heads: usize, d
 /// The cache's view of one tensor holding `x` (`[T, Hkv, D]`, f32): the
 /// rounded value for sinks and window tokens, the dequantized value for
 /// quantized tokens. Returns `[T, Hkv, D]`.
+///
+/// A quantized token goes through the codec pipeline (DESIGN.md §8), each
+/// step a function of `quant.rs`:
+/// 1. center: subtract the per-channel mean of the first `N` tokens of its
+///    head (a centered scheme quantizes nothing before `N` tokens exist);
+/// 2. rotate: `T = H D` (sign flip, then blockwise normalised Hadamard);
+/// 3. outliers: the `K` entries of largest magnitude are set aside and
+///    replaced by 0;
+/// 4. quantize the groups (uniform or Lloyd–Max) and decode them;
+/// 5. add each outlier's stored correction `x - x^` (activation dtype) at
+///    its channel;
+/// 6. un-rotate and add the mean back.
 pub fn cache_view(s: &Scheme, t: Tensor, x: &[f32]) -> Result<Vec<f32>> {
     let shape = shape_of(s)?;
     let (h, d) = (shape.kv_heads, shape.head_dim);
@@ -71,12 +83,13 @@ pub fn cache_view(s: &Scheme, t: Tensor, x: &[f32]) -> Result<Vec<f32>> {
     let tokens = x.len() / (h * d);
     let x = round_inputs(s, t.name(), x, h, d)?;
     let mut out = x.clone();
-    let q = match s.codec(t) {
-        Codec::Full => return Ok(out),
-        Codec::Quant(q) => *q,
+    let Some(codec) = TensorCodec::of(s, t, d) else {
+        return Ok(out);
     };
+    let q = codec.quant;
     let r = regions(s, t, tokens);
     let first = r.sinks; // first quantized token
+    let n = r.quantized;
     let at = |tok: usize, head: usize, ch: usize| (tok * h + head) * d + ch;
     let check = |p: GroupParams, lo: f32, hi: f32, tok: usize, head: usize, ch: usize| -> Result<()> {
         if p.is_finite() {
@@ -93,18 +106,46 @@ pub fn cache_view(s: &Scheme, t: Tensor, x: &[f32]) -> Result<Vec<f32>> {
             })
         }
     };
+    // 1. Per-head means of the first N tokens.
+    let means: Vec<Option<Vec<f32>>> = (0..h)
+        .map(|head| {
+            codec
+                .center
+                .filter(|_| n > 0)
+                .map(|c| channel_mean((0..c).map(|tok| &x[at(tok, head, 0)..at(tok, head, d)]), d, s.dtype))
+        })
+        .collect();
+    // 2-3. Transformed rows `y[j, head, :]` of quantized token `first + j`,
+    // outliers taken out.
+    let mut y = vec![0f32; n * h * d];
+    let mut outliers = vec![(Vec::new(), Vec::new()); n * h];
+    for j in 0..n {
+        for head in 0..h {
+            let row = &mut y[(j * h + head) * d..][..d];
+            row.copy_from_slice(&x[at(first + j, head, 0)..at(first + j, head, d)]);
+            codec.forward(row, means[head].as_deref());
+            outliers[j * h + head] = codec.take_outliers(row);
+        }
+    }
+    // 4. Quantize and decode each group, in place.
     let g = q.group as usize;
+    let mut vals = vec![0f32; g];
+    let mut codes = vec![0u32; g];
+    let yi = |j: usize, head: usize, ch: usize| (j * h + head) * d + ch;
     match q.axis {
         // A group: G consecutive tokens of one channel, counted from the
         // first token after the sinks.
         Axis::Channel => {
-            for g0 in (first..first + r.quantized).step_by(g) {
+            for j0 in (0..n).step_by(g) {
                 for head in 0..h {
                     for ch in 0..d {
-                        let (p, lo, hi) = group_params((g0..g0 + g).map(|tok| x[at(tok, head, ch)]), &q);
-                        check(p, lo, hi, g0, head, ch)?;
-                        for tok in g0..g0 + g {
-                            out[at(tok, head, ch)] = decode(encode(x[at(tok, head, ch)], p, q.max_code()), p);
+                        for k in 0..g {
+                            vals[k] = y[yi(j0 + k, head, ch)];
+                        }
+                        let (p, lo, hi) = quantize_group(&vals, &q, &mut codes);
+                        check(p, lo, hi, first + j0, head, ch)?;
+                        for k in 0..g {
+                            y[yi(j0 + k, head, ch)] = dequantize(codes[k], p, &q);
                         }
                     }
                 }
@@ -112,17 +153,38 @@ pub fn cache_view(s: &Scheme, t: Tensor, x: &[f32]) -> Result<Vec<f32>> {
         }
         // A group: G consecutive channels of one token.
         Axis::Token => {
-            for tok in first..first + r.quantized {
+            for j in 0..n {
                 for head in 0..h {
                     for c0 in (0..d).step_by(g) {
-                        let (p, lo, hi) = group_params((c0..c0 + g).map(|ch| x[at(tok, head, ch)]), &q);
-                        check(p, lo, hi, tok, head, c0)?;
-                        for ch in c0..c0 + g {
-                            out[at(tok, head, ch)] = decode(encode(x[at(tok, head, ch)], p, q.max_code()), p);
+                        vals.copy_from_slice(&y[yi(j, head, c0)..yi(j, head, c0 + g)]);
+                        let (p, lo, hi) = quantize_group(&vals, &q, &mut codes);
+                        check(p, lo, hi, first + j, head, c0)?;
+                        for k in 0..g {
+                            y[yi(j, head, c0 + k)] = dequantize(codes[k], p, &q);
                         }
                     }
                 }
             }
+        }
+    }
+    // 5-6. Outlier corrections, then back to the input's coordinates.
+    for j in 0..n {
+        for head in 0..h {
+            let row = &mut y[(j * h + head) * d..][..d];
+            let (idx, orig) = &outliers[j * h + head];
+            for (&i, &o) in idx.iter().zip(orig) {
+                let c = codec.correction(o, row[i]).ok_or(Error::OutlierOverflow {
+                    tensor: t.name(),
+                    token: first + j,
+                    head,
+                    channel: i,
+                    value: o - row[i],
+                    dtype: s.dtype.name(),
+                })?;
+                row[i] += c;
+            }
+            codec.inverse(row, means[head].as_deref());
+            out[at(first + j, head, 0)..at(first + j, head, d)].copy_from_slice(row);
         }
     }
     Ok(out)

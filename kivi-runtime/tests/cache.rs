@@ -30,9 +30,18 @@ fn fill(c: &mut PagedCache, k: &[f32], v: &[f32], row: usize, rng: &mut Rng, max
 
 #[test]
 fn streaming_equals_prefill_bit_for_bit_random_lengths() {
+    stream_prefill_oracle(schemes(), 60);
+}
+
+#[test]
+fn codec_pipelines_stream_equals_prefill_and_the_oracle() {
+    stream_prefill_oracle(codec_schemes(), 50);
+}
+
+fn stream_prefill_oracle(all: Vec<Scheme>, min_cases: usize) {
     let mut rng = Rng(0x5eed);
     let mut cases = 0;
-    for s in schemes() {
+    for s in all {
         for (heads, d) in layouts() {
             let Some(s) = bound(&s, heads, d) else { continue };
             let shape = s.shape().unwrap();
@@ -87,7 +96,7 @@ fn streaming_equals_prefill_bit_for_bit_random_lengths() {
             }
         }
     }
-    assert!(cases > 60, "only {cases} cases ran");
+    assert!(cases > min_cases, "only {cases} cases ran");
 }
 
 #[test]
@@ -197,7 +206,7 @@ fn blocks_are_reused_after_free_without_leaking() {
 #[test]
 fn memory_report_is_the_sum_of_allocations() {
     let mut rng = Rng(3);
-    for s in schemes() {
+    for s in schemes().into_iter().chain(codec_schemes()) {
         let Some(s) = bound(&s, Heads::Gqa { q: 8, kv: 4 }, 128) else {
             continue;
         };
@@ -225,15 +234,38 @@ fn memory_report_is_the_sum_of_allocations() {
         let m = c.memory();
         assert_eq!(
             m.blocks_in_use * c.layout().block_bytes(),
-            m.codes + m.scales + m.zeros,
+            m.codes + m.scales + m.zeros + m.outliers,
             "{}",
             s.name
         );
         assert_eq!(m.windows, want_windows, "{}", s.name);
         assert_eq!(m.tables, want_tables);
-        assert_eq!(m.total, m.codes + m.scales + m.zeros + m.windows + m.tables);
+        // Means: one D-row per KV head per centered tensor, for each
+        // sequence long enough to have them.
+        let centered = [Tensor::Key, Tensor::Value]
+            .iter()
+            .filter_map(|t| s.center_of(*t))
+            .map(|n| lens.iter().filter(|&&l| l >= n).count())
+            .sum::<usize>();
+        assert_eq!(
+            m.means,
+            centered * shape.kv_heads * shape.head_dim * s.dtype.bytes(),
+            "{}",
+            s.name
+        );
+        let lloyd: usize = [&s.key, &s.value]
+            .iter()
+            .filter_map(|c| c.quant())
+            .filter(|q| q.levels != Levels::Uniform)
+            .map(|q| 4 << q.bits)
+            .sum();
+        assert_eq!(m.codebooks, lloyd, "{}", s.name);
+        assert_eq!(
+            m.total,
+            m.codes + m.scales + m.zeros + m.outliers + m.means + m.codebooks + m.windows + m.tables
+        );
         let per_seq: usize = c.sequences().iter().map(|&i| c.sequence_memory(i).unwrap().total).sum();
-        assert_eq!(per_seq, m.total);
+        assert_eq!(per_seq + m.codebooks, m.total);
         assert_eq!(c.free_blocks() + m.blocks_in_use, c.max_blocks());
     }
 }

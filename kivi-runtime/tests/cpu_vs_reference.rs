@@ -6,7 +6,7 @@
 
 use kivi_runtime::cpu::Isa;
 use kivi_runtime::*;
-use kivi_spec::{presets, Axis, Codec, Dtype, Flush, Heads, Quant, ScaleDtype, Scheme};
+use kivi_spec::{presets, Axis, Codec, Dtype, Flush, Heads, Levels, Quant, ScaleDtype, Scheme};
 
 const LENGTHS: [usize; 6] = [1, 31, 33, 127, 1000, 4099];
 
@@ -178,6 +178,7 @@ fn quant(bits: u32, axis: Axis, group: u32, scale: ScaleDtype) -> Codec {
         axis,
         group,
         scale,
+        levels: Levels::Uniform,
     })
 }
 
@@ -369,6 +370,7 @@ fn fused_path_shapes() {
             axis,
             group,
             scale: ScaleDtype::F16,
+            levels: Levels::Uniform,
         })
     };
     let mut cases = 0;
@@ -426,4 +428,60 @@ fn fused_path_shapes() {
         }
     }
     assert!(cases >= 25, "{cases} cases");
+}
+
+/// The codec pipeline (rotation, Lloyd–Max levels, norms, outliers,
+/// centering, sinks) on the generic path, every instruction set, at odd
+/// lengths, MHA / GQA 4:1 / GQA 7:1 / MQA and head_dim 64, 128, 256. The
+/// fused AVX-512 path declines these schemes and `kernel_path` says so.
+#[test]
+fn codec_pipelines_odd_lengths_and_layouts() {
+    let texts = [
+        "kv_lloyd { key: quant(bits = 3, axis = token, group = 64, levels = lloyd_max, norm = l2),
+                    value: quant(bits = 2, axis = token, group = 64, levels = lloyd_max),
+                    rotation: hadamard(block = 64, apply = [key, value], signs = 3),
+                    outliers: sparse(per_token = 2, apply = [key]),
+                    center: channel_mean(tokens = 16, apply = [key]), residual: 16, sinks: 3 }",
+        "chan_rot { key: quant(bits = 2, axis = channel, group = 32), value: quant(bits = 2, axis = token, group = 32),
+                    rotation: hadamard(block = 32, apply = [key]), outliers: sparse(per_token = 1, apply = [value]), residual: 32 }",
+    ];
+    for (i, text) in texts.iter().enumerate() {
+        let s = kivi_spec::parse_scheme(text).unwrap();
+        for (j, heads) in layouts().into_iter().enumerate() {
+            check(
+                &s,
+                heads,
+                64,
+                &[1, 31, 33, 127, 1000],
+                &params_default(),
+                40 + (i * 4 + j) as u64,
+            );
+        }
+        for d in [128, 256] {
+            check(
+                &s,
+                Heads::Gqa { q: 8, kv: 2 },
+                d,
+                &[33, 1000],
+                &params_default(),
+                50 + i as u64,
+            );
+        }
+        let bound = s.with_shape(Heads::Mqa(4), 256).unwrap();
+        let cache = PagedCache::new(bound, CacheConfig::for_tokens(64)).unwrap();
+        for p in isas() {
+            let path = CpuBackend::new(p).unwrap().kernel_path(&cache);
+            assert!(path.ends_with("+codec"), "{path}");
+        }
+    }
+}
+
+/// The codec presets were chosen at Gemma 3's head_dim 256 (their 256-wide
+/// groups and Hadamard blocks bind to multiples of 256 only).
+#[test]
+fn codec_presets_at_the_gemma_shape() {
+    for s in kivi_spec::presets::pipeline() {
+        check(&s, Heads::Mqa(4), 256, &[1, 127, 1000], &params_default(), 60);
+        check(&s, Heads::Gqa { q: 8, kv: 2 }, 256, &[33, 1000], &params_default(), 61);
+    }
 }

@@ -26,6 +26,12 @@ fn compiler_or_skip(test: &str) -> Option<Compiler> {
     match Compiler::online() {
         Ok(c) => Some(c),
         Err(e) => {
+            // scripts/test.sh sets this after provisioning NVRTC: a skip
+            // there would hide a broken toolchain.
+            assert!(
+                std::env::var_os("KIVI_REQUIRE_NVRTC").is_none(),
+                "{test}: KIVI_REQUIRE_NVRTC is set but NVRTC is unavailable: {e}"
+            );
             println!("SKIP {test}: {e}");
             None
         }

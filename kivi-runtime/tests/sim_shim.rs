@@ -3,8 +3,11 @@
 //! reductions give CUDA's results, and what the shim cannot run fails with
 //! a message instead of hanging.
 
-use kivi_runtime::sim::{compile, launch, Arg};
+mod sim_raw;
+
+use kivi_runtime::sim::compile;
 use kivi_templates::{EntryLaunch, Generated, LaunchInfo, Param, ParamTy};
+use sim_raw::{launch, Arg};
 
 fn kernel(name: &str, source: &str, params: Vec<Param>, threads: u32) -> Generated {
     Generated {
@@ -43,7 +46,7 @@ extern "C" __global__ void convert(const float* __restrict__ x, unsigned int* __
 
 const REDUCE: &str = r#"
 extern "C" __global__ void reduce(const float* __restrict__ x, float* __restrict__ out) {
-  __shared__ float s[8];
+  KIVI_SHARED(float, s, [8]);
   const int t = threadIdx.x;
   float v = x[blockIdx.x * blockDim.x + t];
   float d = v;
@@ -155,6 +158,8 @@ fn shuffles_and_shared_memory_reduce_like_cuda() {
         ],
         128,
     );
+    let mut g = g;
+    g.launch.entries[0].shared_bytes = 32;
     let lib = compile(&[&g]).unwrap();
     let blocks = 5;
     let x: Vec<f32> = (0..blocks * 128).map(|i| (i % 97) as f32).collect();

@@ -10,6 +10,12 @@
 //! policy, heads, head_dim, dtype, softmax scale, sliding window, non-finite
 //! policy — and does **not** change with the scheme's name, its visibility,
 //! field order, spacing, or how the same head layout was spelled.
+//!
+//! The codec pipeline (`levels`/`norm` of a quant, `rotation`, `outliers`,
+//! `center`) is printed only where it differs from KIVI's plain uniform codes,
+//! so that every scheme written before it existed keeps its text and its
+//! hash (tuning decisions are keyed by the hash); when present, every one of
+//! their arguments is spelled out and hashed.
 
 use crate::model::*;
 use std::fmt::Write;
@@ -18,14 +24,18 @@ fn codec_text(c: &Codec) -> String {
     match c {
         Codec::Full => "full".into(),
         Codec::Quant(q) => format!(
-            "quant(bits = {}, axis = {}, group = {}, scale = {})",
+            "quant(bits = {}, axis = {}, group = {}, scale = {}{})",
             q.bits,
             match q.axis {
                 Axis::Channel => "channel",
                 Axis::Token => "token",
             },
             q.group,
-            q.scale.name()
+            q.scale.name(),
+            match q.levels {
+                Levels::Uniform => String::new(),
+                Levels::LloydMax(n) => format!(", levels = lloyd_max, norm = {}", n.name()),
+            }
         ),
     }
 }
@@ -69,6 +79,31 @@ pub fn canonical_body(s: &Scheme) -> String {
         }
     }
     let _ = writeln!(o, "    nonfinite: reject,");
+    if let Some(r) = &s.rotation {
+        let signs = r.signs.map_or("none".to_string(), |x| x.to_string());
+        let _ = writeln!(
+            o,
+            "    rotation: hadamard(block = {}, apply = {}, signs = {signs}),",
+            r.block,
+            r.apply.text()
+        );
+    }
+    if let Some(x) = &s.outliers {
+        let _ = writeln!(
+            o,
+            "    outliers: sparse(per_token = {}, apply = {}),",
+            x.per_token,
+            x.apply.text()
+        );
+    }
+    if let Some(c) = &s.center {
+        let _ = writeln!(
+            o,
+            "    center: channel_mean(tokens = {}, apply = {}),",
+            c.tokens,
+            c.apply.text()
+        );
+    }
     o
 }
 

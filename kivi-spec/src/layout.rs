@@ -23,6 +23,16 @@
 //! zero points are stored in the scale dtype, two f16 per word (the lower
 //! half first). A `full` tensor stores its rows in the activation dtype
 //! instead, with no parameters.
+//!
+//! Lloyd–Max levels store one norm per group in the scales section and no
+//! zero points (the zeros section is empty). A tensor with sparse outliers
+//! (`K` per token) adds two sections after the zeros: the channel indices,
+//! `[token][K]` as u16 (two per word, the lower half first, each token's
+//! list padded to whole words), then the corrections `x - x^` at those
+//! channels, `[token][K]` in the activation dtype (likewise padded per
+//! token). Centering means (`D` values per KV head per centered tensor, in
+//! the activation dtype) are per sequence, not per block, and the Lloyd–Max
+//! tables are program constants (`2^b` f32, in constant memory on a GPU).
 
 use crate::model::*;
 
@@ -102,17 +112,42 @@ pub struct TensorLayout {
     pub words_per_token: usize,
     /// Scales (and, equally many, zero points) per block; 0 for `full`.
     pub params_per_block: usize,
-    /// Words holding the scales (and the zero points, each).
+    /// Words holding the scales (or norms).
     pub param_words: usize,
-    /// Word offsets of the three sections within this tensor's part.
+    /// Words holding the zero points: `param_words`, or 0 for Lloyd–Max levels.
+    pub zero_words: usize,
+    /// Sparse outliers kept per token (0 for none).
+    pub outliers: usize,
+    /// Words of one token's outlier indices (u16) and corrections (activation dtype).
+    pub outlier_idx_words: usize,
+    pub outlier_val_words: usize,
+    /// Word offsets of the sections within this tensor's part.
     pub codes_offset: usize,
     pub scales_offset: usize,
     pub zeros_offset: usize,
+    pub outlier_idx_offset: usize,
+    pub outlier_val_offset: usize,
     /// Total words of this tensor per block per KV head.
     pub words: usize,
 }
 
 impl TensorLayout {
+    /// The layout of tensor `t` of scheme `s` (codec, outliers, dtype).
+    pub fn of(s: &Scheme, t: Tensor, head_dim: usize, block_tokens: usize) -> Self {
+        let mut l = TensorLayout::new(*s.codec(t), s.dtype, head_dim, block_tokens);
+        let k = s.outliers_of(t);
+        if k > 0 && l.params_per_block > 0 {
+            l.outliers = k;
+            l.outlier_idx_words = k.div_ceil(2);
+            l.outlier_val_words = (k * s.dtype.bytes()).div_ceil(4);
+            l.outlier_idx_offset = l.words;
+            l.outlier_val_offset = l.words + block_tokens * l.outlier_idx_words;
+            l.words = l.outlier_val_offset + block_tokens * l.outlier_val_words;
+        }
+        l
+    }
+
+    /// The layout of a codec without outliers.
     pub fn new(codec: Codec, dtype: Dtype, head_dim: usize, block_tokens: usize) -> Self {
         let (words_per_token, params_per_block, param_bytes) = match codec {
             Codec::Full => ((head_dim * dtype.bytes()).div_ceil(4), 0, 0),
@@ -130,7 +165,12 @@ impl TensorLayout {
             }
         };
         let param_words = param_bytes.div_ceil(4);
+        let zero_words = match codec {
+            Codec::Quant(q) if q.has_zeros() => param_words,
+            _ => 0,
+        };
         let codes = block_tokens * words_per_token;
+        let end = codes + param_words + zero_words;
         TensorLayout {
             codec,
             dtype,
@@ -139,10 +179,16 @@ impl TensorLayout {
             words_per_token,
             params_per_block,
             param_words,
+            zero_words,
+            outliers: 0,
+            outlier_idx_words: 0,
+            outlier_val_words: 0,
             codes_offset: 0,
             scales_offset: codes,
             zeros_offset: codes + param_words,
-            words: codes + 2 * param_words,
+            outlier_idx_offset: end,
+            outlier_val_offset: end,
+            words: end,
         }
     }
 
@@ -235,8 +281,8 @@ impl BlockLayout {
     /// The layout of `scheme` (which must have a shape) with `block_tokens`
     /// tokens per block.
     pub fn new(s: &Scheme, shape: Shape, block_tokens: usize) -> Self {
-        let key = TensorLayout::new(s.key, s.dtype, shape.head_dim, block_tokens);
-        let value = TensorLayout::new(s.value, s.dtype, shape.head_dim, block_tokens);
+        let key = TensorLayout::of(s, Tensor::Key, shape.head_dim, block_tokens);
+        let value = TensorLayout::of(s, Tensor::Value, shape.head_dim, block_tokens);
         let head_words = key.words + value.words;
         BlockLayout {
             shape,
@@ -275,15 +321,20 @@ impl BlockLayout {
 pub struct Footprint {
     /// Packed codes (or raw rows of `full` tensors) of quantized tokens.
     pub codes: usize,
+    /// Scales of uniform groups, norms of Lloyd–Max groups.
     pub scales: usize,
     pub zeros: usize,
+    /// Sparse outliers: channel indices and corrections.
+    pub outliers: usize,
+    /// Per-channel centering means (per sequence, once the means exist).
+    pub means: usize,
     /// Sink and recent-window tokens in the activation dtype.
     pub windows: usize,
 }
 
 impl Footprint {
     pub fn total(&self) -> usize {
-        self.codes + self.scales + self.zeros + self.windows
+        self.codes + self.scales + self.zeros + self.outliers + self.means + self.windows
     }
 
     /// The bytes `tokens` tokens occupy in this scheme, counting codes and
@@ -321,20 +372,33 @@ impl Footprint {
                         Axis::Token => r.quantized * (d / g),
                     };
                     f.scales += params * q.scale.bytes();
-                    f.zeros += params * q.scale.bytes();
+                    if q.has_zeros() {
+                        f.zeros += params * q.scale.bytes();
+                    }
+                    let k = s.outliers_of(t);
+                    if k > 0 {
+                        f.outliers += r.quantized * (k.div_ceil(2) + (k * s.dtype.bytes()).div_ceil(4)) * 4;
+                    }
+                }
+            }
+            if let Some(n) = s.center_of(t) {
+                if tokens >= n {
+                    f.means += d * s.dtype.bytes();
                 }
             }
         }
         f.codes *= shape.kv_heads;
         f.scales *= shape.kv_heads;
         f.zeros *= shape.kv_heads;
+        f.outliers *= shape.kv_heads;
+        f.means *= shape.kv_heads;
         f.windows *= shape.kv_heads;
         f
     }
 }
 
-/// Bytes per quantized token per KV head (keys plus values, codes plus
-/// parameters), as a fraction `(bytes, tokens)` so it stays exact even when
+/// Bytes per quantized token per KV head (keys plus values: codes,
+/// parameters and sparse outliers), as a fraction `(bytes, tokens)` so it stays exact even when
 /// a channel group's parameters do not divide evenly.
 ///
 /// # Panics
@@ -367,5 +431,30 @@ pub fn bytes_per_token_per_head(s: &Scheme) -> (usize, usize) {
         ..one
     };
     let f = Footprint::for_tokens(&no_windows, period);
-    (f.codes + f.scales + f.zeros, period)
+    (f.codes + f.scales + f.zeros + f.outliers, period)
+}
+
+/// All-in bits per element of a quantized token: everything a quantized
+/// token stores per KV head (codes, scales or norms, zero points, outlier
+/// indices and corrections; [`bytes_per_token_per_head`]) over its `2 D`
+/// key and value elements. Per-sequence constants (windows, centering
+/// means) and program constants (Lloyd–Max tables) are not per token and
+/// are reported separately. kivi2 at any head_dim: 3.0.
+///
+/// # Panics
+///
+/// If the scheme has no shape.
+///
+/// ```
+/// use kivi_spec::{presets, Heads, layout::bits_per_element};
+/// let s = presets::kivi2().with_shape(Heads::Mqa(4), 256).unwrap();
+/// assert_eq!(bits_per_element(&s), 3.0);
+/// ```
+pub fn bits_per_element(s: &Scheme) -> f64 {
+    let d = s
+        .shape()
+        .expect("bits_per_element needs a scheme with a shape")
+        .head_dim;
+    let (bytes, per) = bytes_per_token_per_head(s);
+    bytes as f64 * 8.0 / (per as f64 * 2.0 * d as f64)
 }

@@ -35,5 +35,5 @@ mod validate;
 pub use canonical::{canonical, canonical_body, fnv1a64, scheme_hash};
 pub use load::{load_scheme, resolve_scheme, LoadError, ResolvedScheme, SchemeSource};
 pub use model::*;
-pub use parse::{parse_scheme, parse_schemes, span_for, ParseError, SchemeDecl, SchemeList};
-pub use validate::{validate, Field, Invalid, ALLOWED_BITS};
+pub use parse::{parse_decls, parse_scheme, parse_schemes, span_for, ParseError, SchemeDecl, SchemeList};
+pub use validate::{validate, Field, Invalid, ALLOWED_BITS, LLOYD_MAX_BITS};

@@ -7,7 +7,7 @@
 //! 1. **Scheme text** — the argument contains `{`: it is parsed as scheme
 //!    text (`"x { key: full, value: full }"`).
 //! 2. **A preset** — the argument is a preset name (`kivi2`, see
-//!    [`crate::presets::all`]), or one of the extra names the caller adds
+//!    [`crate::presets::listed`]), or one of the extra names the caller adds
 //!    (the eval harness adds `f32`).
 //! 3. **A file** — anything else is the path of a file holding one scheme.
 //!
@@ -104,7 +104,10 @@ pub fn resolve_scheme(arg: &str, extra: &[Scheme]) -> Result<ResolvedScheme, Loa
             note: None,
         });
     }
-    let presets: Vec<Scheme> = crate::presets::all().into_iter().chain(extra.iter().cloned()).collect();
+    let presets: Vec<Scheme> = crate::presets::listed()
+        .into_iter()
+        .chain(extra.iter().cloned())
+        .collect();
     let path = Path::new(arg);
     if let Some(p) = presets.iter().find(|p| p.name == arg) {
         let note = path.is_file().then(|| {

@@ -62,23 +62,117 @@ impl ScaleDtype {
     }
 }
 
-/// An asymmetric min/max integer quantizer.
+/// A group quantizer: `bits`-bit codes for groups of `group` elements along
+/// `axis`, with per-group parameters in `scale` precision.
+///
+/// [`Levels::Uniform`] (KIVI) stores a scale and a zero point per group and
+/// decodes `c * s + z`; [`Levels::LloydMax`] stores one norm per group and
+/// decodes `s * L[c]` from a fixed table `L` (see [`lloyd_max_levels`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Quant {
-    /// Code width: 1, 2, 3, 4 or 8.
+    /// Code width: 1, 2, 3, 4 or 8 (1 to 4 for Lloyd–Max levels).
     pub bits: u32,
     pub axis: Axis,
     /// Group size `G` along `axis`.
     pub group: u32,
     pub scale: ScaleDtype,
+    /// What a code means.
+    pub levels: Levels,
 }
 
 impl Quant {
+    /// A uniform (min/max, KIVI) quantizer with the given parameters.
+    ///
+    /// ```
+    /// use kivi_spec::{Axis, Levels, Quant, ScaleDtype};
+    /// let q = Quant::uniform(2, Axis::Channel, 32, ScaleDtype::F16);
+    /// assert_eq!((q.max_code(), q.levels), (3, Levels::Uniform));
+    /// ```
+    pub fn uniform(bits: u32, axis: Axis, group: u32, scale: ScaleDtype) -> Quant {
+        Quant {
+            bits,
+            axis,
+            group,
+            scale,
+            levels: Levels::Uniform,
+        }
+    }
+
     /// Largest code, `2^bits - 1`.
     pub fn max_code(&self) -> u32 {
         (1u32 << self.bits) - 1
     }
+
+    /// Whether each group stores a zero point (uniform levels only).
+    pub fn has_zeros(&self) -> bool {
+        self.levels == Levels::Uniform
+    }
 }
+
+/// What the `2^b` codes of a quantizer stand for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Levels {
+    /// Evenly spaced between the group's min and max (scale + zero point).
+    Uniform,
+    /// The fixed MSE-optimal levels of a unit Gaussian at `b` bits
+    /// (Lloyd–Max), applied to each group after dividing it by its norm.
+    LloydMax(Norm),
+}
+
+/// The one parameter a Lloyd–Max group stores (in the scale dtype).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Norm {
+    /// `s = sqrt(mean(x^2))`: the group divided by `s` is about unit Gaussian.
+    Rms,
+    /// Codes are chosen as for `Rms`, but the stored `s` makes the decoded
+    /// group keep the input's L2 norm: `s = ||x|| / ||L[c]||` (the norm
+    /// correction of TurboQuant-style codecs).
+    L2,
+}
+
+impl Norm {
+    pub fn name(self) -> &'static str {
+        match self {
+            Norm::Rms => "rms",
+            Norm::L2 => "l2",
+        }
+    }
+}
+
+/// The Lloyd–Max levels of a unit Gaussian at `bits` (1 to 4), ascending;
+/// `None` for other widths.
+///
+/// These are the MSE-optimal `2^b`-level quantizers of N(0, 1), as tabulated
+/// by J. Max, "Quantizing for minimum distortion", IRE Trans. Inf. Theory
+/// 6(1), 1960 (Table I), here to 7 digits. The test
+/// `lloyd_max_tables_are_fixed_points` in `kivi-spec` recomputes them with a
+/// Lloyd iteration (centroid and midpoint conditions on the exact Gaussian)
+/// and checks every entry to 1e-5.
+///
+/// ```
+/// let l = kivi_spec::lloyd_max_levels(2).unwrap();
+/// assert_eq!(l.len(), 4);
+/// assert!((l[3] - 1.5104).abs() < 1e-4 && l[0] == -l[3]);
+/// ```
+pub fn lloyd_max_levels(bits: u32) -> Option<&'static [f32]> {
+    match bits {
+        1 => Some(&LLOYD_MAX_1),
+        2 => Some(&LLOYD_MAX_2),
+        3 => Some(&LLOYD_MAX_3),
+        4 => Some(&LLOYD_MAX_4),
+        _ => None,
+    }
+}
+
+const LLOYD_MAX_1: [f32; 2] = [-0.7978846, 0.7978846];
+const LLOYD_MAX_2: [f32; 4] = [-1.5104176, -0.45278, 0.45278, 1.5104176];
+const LLOYD_MAX_3: [f32; 8] = [
+    -2.1519457, -1.3439093, -0.7560053, -0.2450942, 0.2450942, 0.7560053, 1.3439093, 2.1519457,
+];
+const LLOYD_MAX_4: [f32; 16] = [
+    -2.7325896, -2.0690172, -1.6180464, -1.2562312, -0.9423405, -0.6567591, -0.3880483, -0.128395, 0.128395, 0.3880483,
+    0.6567591, 0.9423405, 1.2562312, 1.6180464, 2.0690172, 2.7325896,
+];
 
 /// How one tensor (K or V) is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -95,6 +189,74 @@ impl Codec {
             Codec::Quant(q) => Some(q),
         }
     }
+}
+
+/// Which tensors a transform or an extra applies to (`apply = [key, value]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Apply {
+    pub key: bool,
+    pub value: bool,
+}
+
+impl Apply {
+    /// Whether tensor `t` is in the list.
+    pub fn has(&self, t: Tensor) -> bool {
+        match t {
+            Tensor::Key => self.key,
+            Tensor::Value => self.value,
+        }
+    }
+    /// The list as the grammar spells it, e.g. `[key, value]`.
+    pub fn text(&self) -> String {
+        let v: Vec<&str> = [(self.key, "key"), (self.value, "value")]
+            .iter()
+            .filter(|(on, _)| *on)
+            .map(|(_, n)| *n)
+            .collect();
+        format!("[{}]", v.join(", "))
+    }
+}
+
+/// An orthogonal transform applied to each token's row before quantizing
+/// (`rotation: hadamard(block = B, apply = [...] [, signs = SEED])`).
+///
+/// Normalised Walsh–Hadamard on consecutive blocks of `block` channels,
+/// after an optional fixed sign flip of every channel (a ±1 vector drawn
+/// from `signs` as a seed, the same for every head and layer). Kernels
+/// never undo it per cached token: they rotate the query once per step
+/// (`q . k = (Tq) . (Tk)`) and un-rotate the value output once
+/// (`sum p_t T^-1 v_t = T^-1 sum p_t v_t`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Rotation {
+    /// Channels per Hadamard block (a power of two dividing head_dim).
+    pub block: u32,
+    /// Seed of the sign flip, or `None` for no flip.
+    pub signs: Option<u32>,
+    pub apply: Apply,
+}
+
+/// Dense-and-sparse outliers (`outliers: sparse(per_token = K, apply = [...])`):
+/// per token and KV head, the `K` entries of largest magnitude (after
+/// centering and rotation) are taken out before quantizing and stored with
+/// their channel index; the correction `x - x^` at those channels is kept in
+/// the activation dtype and added back to the decoded row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Outliers {
+    pub per_token: u32,
+    pub apply: Apply,
+}
+
+/// Per-channel centering (`center: channel_mean(tokens = N, apply = [...])`):
+/// per sequence and KV head, the mean of each channel over the first `N`
+/// tokens is stored (activation dtype) and subtracted before rotating and
+/// quantizing; decoding adds it back (for keys a kernel adds `q . m` to the
+/// score of every quantized token). Needs no calibration: `N` must not
+/// exceed `sinks + residual`, so the mean is known before the first token is
+/// quantized.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Center {
+    pub tokens: u32,
+    pub apply: Apply,
 }
 
 /// Query/KV head arrangement.
@@ -193,6 +355,12 @@ pub struct Scheme {
     /// Attend only to the last `W` tokens.
     pub sliding_window: Option<u32>,
     pub nonfinite: NonFinite,
+    /// Orthogonal transform before quantizing, if any.
+    pub rotation: Option<Rotation>,
+    /// Sparse exact outliers, if any.
+    pub outliers: Option<Outliers>,
+    /// Per-channel centering, if any.
+    pub center: Option<Center>,
 }
 
 /// Query heads, KV heads and head dimension of a bound scheme.
@@ -233,6 +401,32 @@ impl Scheme {
             Tensor::Key => &self.key,
             Tensor::Value => &self.value,
         }
+    }
+
+    /// The rotation applied to tensor `t`, if any.
+    pub fn rotation_of(&self, t: Tensor) -> Option<&Rotation> {
+        self.rotation.as_ref().filter(|r| r.apply.has(t))
+    }
+
+    /// Outliers kept per token of tensor `t` (0 when none).
+    pub fn outliers_of(&self, t: Tensor) -> usize {
+        self.outliers
+            .filter(|o| o.apply.has(t))
+            .map_or(0, |o| o.per_token as usize)
+    }
+
+    /// Tokens whose mean centers tensor `t`, if it is centered.
+    pub fn center_of(&self, t: Tensor) -> Option<usize> {
+        self.center.filter(|c| c.apply.has(t)).map(|c| c.tokens as usize)
+    }
+
+    /// Whether tensor `t` uses anything beyond KIVI's uniform codes on an
+    /// axis (a transform, Lloyd–Max levels, outliers or centering).
+    pub fn has_pipeline(&self, t: Tensor) -> bool {
+        self.rotation_of(t).is_some()
+            || self.outliers_of(t) > 0
+            || self.center_of(t).is_some()
+            || self.codec(t).quant().is_some_and(|q| q.levels != Levels::Uniform)
     }
 
     /// The bound shape, when both heads and head_dim are set.

@@ -9,13 +9,20 @@
 //!           | flush: eager|chunked | heads: heads | head_dim: INT
 //!           | dtype: f16|bf16|f32 | softmax_scale: NUMBER
 //!           | sliding_window: INT|none | nonfinite: reject
-//! codec    := full | quant(bits = INT, axis = channel|token, group = INT [, scale = f16|f32])
+//!           | rotation: hadamard(block = INT, apply = tensors [, signs = INT|none])
+//!           | outliers: sparse(per_token = INT, apply = tensors)
+//!           | center: channel_mean(tokens = INT, apply = tensors)
+//! codec    := full | quant(bits = INT, axis = channel|token, group = INT
+//!                          [, scale = f16|f32] [, levels = uniform|lloyd_max] [, norm = rms|l2])
+//! tensors  := [key] | [value] | [key, value]
 //! heads    := mha(INT) | gqa(q = INT, kv = INT) | mqa(q = INT)
 //! ```
 //!
-//! Names reserved for what comes next (`rope`, `rotation`, `codebook`,
-//! `outliers`, `mla`, ...) are recognised and rejected with "not supported
-//! yet" rather than ignored.
+//! A tensor's codec is a small pipeline: center (subtract per-channel
+//! means), rotate, take out the sparse outliers, quantize the rest with
+//! `quant(...)`. Names reserved for what comes next (`rope`, `codebook`,
+//! `low_rank`, `vq`, `mla`, `levels = nuq`, learned rotations, ...) are
+//! recognised and rejected with "not supported yet" rather than ignored.
 
 use crate::model::*;
 use crate::validate::{validate, Field};
@@ -42,10 +49,7 @@ pub struct SchemeList(pub Vec<SchemeDecl>);
 const FUTURE_FIELDS: &[(&str, &str)] = &[
     ("rope", "pre-RoPE keys with RoPE applied in the kernel"),
     ("pre_rope", "pre-RoPE keys with RoPE applied in the kernel"),
-    ("rotation", "Hadamard / learned rotations before quantization"),
-    ("hadamard", "Hadamard rotations before quantization"),
-    ("codebook", "non-uniform codebooks"),
-    ("outliers", "dense-and-sparse outlier storage"),
+    ("codebook", "calibrated non-uniform codebooks"),
     ("mla", "multi-head latent attention caches"),
     ("latent", "multi-head latent attention caches"),
     ("low_rank", "low-rank keys"),
@@ -54,10 +58,17 @@ const FUTURE_FIELDS: &[(&str, &str)] = &[
 ];
 
 /// Arguments of `quant(...)` planned but not implemented.
-const FUTURE_QUANT_ARGS: &[&str] = &["codebook", "symmetric", "outliers", "rotation", "clip", "nuq"];
+const FUTURE_QUANT_ARGS: &[&str] = &["codebook", "symmetric", "clip", "nuq"];
 
-const FIELDS: &str =
-    "key, value, residual, sinks, flush, heads, head_dim, dtype, softmax_scale, sliding_window, nonfinite";
+/// Arguments of `quant(...)` that are top-level fields instead, and where.
+const MISPLACED_QUANT_ARGS: &[(&str, &str)] = &[
+    ("outliers", "outliers: sparse(per_token = K, apply = [key])"),
+    ("rotation", "rotation: hadamard(block = B, apply = [key, value])"),
+    ("hadamard", "rotation: hadamard(block = B, apply = [key, value])"),
+    ("center", "center: channel_mean(tokens = N, apply = [key])"),
+];
+
+const FIELDS: &str = "key, value, residual, sinks, flush, heads, head_dim, dtype, softmax_scale, sliding_window, nonfinite, rotation, outliers, center";
 
 fn err<T>(span: Span, msg: impl std::fmt::Display) -> syn::Result<T> {
     Err(syn::Error::new(span, msg))
@@ -118,6 +129,9 @@ fn parse_codec(input: ParseStream, t: Tensor, spans: &mut HashMap<Field, Span>) 
     let content;
     parenthesized!(content in input);
     let (mut bits, mut axis, mut group, mut scale) = (None, None, None, None);
+    // `levels`: Some(true) for lloyd_max; `norm` with its span for errors.
+    let mut lloyd: Option<bool> = None;
+    let mut norm: Option<(Norm, Span)> = None;
     while !content.is_empty() {
         let arg: Ident = content.parse()?;
         let name = arg.to_string();
@@ -157,13 +171,47 @@ fn parse_codec(input: ParseStream, t: Tensor, spans: &mut HashMap<Field, Span>) 
                 spans.insert(Field::Scale(t), sp);
                 scale = Some(if v == "f16" { ScaleDtype::F16 } else { ScaleDtype::F32 });
             }
+            "levels" => {
+                dup(lloyd.is_some())?;
+                expect_eq(&content, &arg)?;
+                let id: Ident = content
+                    .parse()
+                    .map_err(|e| syn::Error::new(e.span(), "expected levels: one of uniform, lloyd_max"))?;
+                let v = id.to_string();
+                match v.as_str() {
+                    "uniform" => lloyd = Some(false),
+                    "lloyd_max" => lloyd = Some(true),
+                    "nuq" | "codebook" | "kmeans" | "learned" => {
+                        return err(
+                            id.span(),
+                            format!("levels = {v} is not supported yet (planned: calibrated codebooks); use uniform or lloyd_max"),
+                        )
+                    }
+                    _ => return err(id.span(), format!("unknown levels `{v}`; expected one of uniform, lloyd_max")),
+                }
+                spans.insert(Field::Levels(t), id.span());
+            }
+            "norm" => {
+                dup(norm.is_some())?;
+                expect_eq(&content, &arg)?;
+                let (v, sp) = parse_choice(&content, "norm", &["rms", "l2"])?;
+                spans.insert(Field::Norm(t), sp);
+                norm = Some((if v == "rms" { Norm::Rms } else { Norm::L2 }, sp));
+            }
             n if FUTURE_QUANT_ARGS.contains(&n) => {
                 return err(arg.span(), format!("quant argument `{n}` is not supported yet"));
+            }
+            n if MISPLACED_QUANT_ARGS.iter().any(|(a, _)| *a == n) => {
+                let (_, field) = MISPLACED_QUANT_ARGS.iter().find(|(a, _)| *a == n).expect("checked");
+                return err(
+                    arg.span(),
+                    format!("`{n}` is not a quant argument; it is a field of the scheme: `{field}`"),
+                );
             }
             n => {
                 return err(
                     arg.span(),
-                    format!("unknown quant argument `{n}`; expected bits, axis, group or scale"),
+                    format!("unknown quant argument `{n}`; expected bits, axis, group, scale, levels or norm"),
                 )
             }
         }
@@ -172,12 +220,198 @@ fn parse_codec(input: ParseStream, t: Tensor, spans: &mut HashMap<Field, Span>) 
         }
     }
     let missing = |what: &str| syn::Error::new(head.span(), format!("{} quant(...) is missing `{what}`", t.name()));
+    let levels = match (lloyd, norm) {
+        (Some(true), n) => Levels::LloydMax(n.map_or(Norm::Rms, |n| n.0)),
+        (_, Some((n, sp))) => {
+            return err(
+                sp,
+                format!(
+                    "norm = {} applies to lloyd_max levels; uniform levels store a scale and a zero point per group",
+                    n.name()
+                ),
+            )
+        }
+        _ => Levels::Uniform,
+    };
     Ok(Codec::Quant(Quant {
         bits: bits.ok_or_else(|| missing("bits"))?,
         axis: axis.ok_or_else(|| missing("axis"))?,
         group: group.ok_or_else(|| missing("group"))?,
         scale: scale.unwrap_or(ScaleDtype::F16),
+        levels,
     }))
+}
+
+/// `[key]`, `[value]` or `[key, value]` (either order, each at most once).
+fn parse_apply(input: ParseStream, field: Field, spans: &mut HashMap<Field, Span>) -> syn::Result<Apply> {
+    let content;
+    let bracket = syn::bracketed!(content in input);
+    spans.insert(field, bracket.span.join());
+    let mut a = Apply {
+        key: false,
+        value: false,
+    };
+    while !content.is_empty() {
+        let (v, sp) = parse_choice(&content, "tensor", &["key", "value"])?;
+        let slot = if v == "key" { &mut a.key } else { &mut a.value };
+        if *slot {
+            return err(sp, format!("`{v}` is listed twice in apply"));
+        }
+        *slot = true;
+        if !content.is_empty() {
+            content.parse::<Token![,]>()?;
+        }
+    }
+    if !(a.key || a.value) {
+        return err(
+            bracket.span.join(),
+            "apply lists no tensor; expected [key], [value] or [key, value]",
+        );
+    }
+    Ok(a)
+}
+
+/// The `name = value` arguments of a transform or an extra, each parsed by
+/// `arg` (which returns `false` for a name it does not know).
+fn parse_args(
+    input: ParseStream,
+    what: &str,
+    expected: &str,
+    mut arg: impl FnMut(&Ident, ParseStream) -> syn::Result<bool>,
+) -> syn::Result<Span> {
+    let content;
+    let paren = parenthesized!(content in input);
+    let mut seen: Vec<String> = Vec::new();
+    while !content.is_empty() {
+        let name: Ident = content.parse()?;
+        let n = name.to_string();
+        if seen.contains(&n) {
+            return err(name.span(), format!("duplicate {what} argument `{n}`"));
+        }
+        expect_eq(&content, &name)?;
+        if !arg(&name, &content)? {
+            return err(
+                name.span(),
+                format!("unknown {what} argument `{n}`; expected {expected}"),
+            );
+        }
+        seen.push(n);
+        if !content.is_empty() {
+            content.parse::<Token![,]>()?;
+        }
+    }
+    Ok(paren.span.join())
+}
+
+fn parse_rotation(input: ParseStream, spans: &mut HashMap<Field, Span>) -> syn::Result<Rotation> {
+    let kind: Ident = input
+        .parse()
+        .map_err(|e| syn::Error::new(e.span(), "expected a rotation: hadamard(block = B, apply = [...])"))?;
+    spans.insert(Field::Rotation, kind.span());
+    match kind.to_string().as_str() {
+        "hadamard" => {}
+        k @ ("learned" | "random" | "orthogonal" | "spin" | "permute") => {
+            return err(
+                kind.span(),
+                format!("`{k}` rotations are not supported yet (planned: calibrated rotations); use hadamard(...)"),
+            )
+        }
+        k => {
+            return err(
+                kind.span(),
+                format!("unknown rotation `{k}`; expected hadamard(block = B, apply = [...])"),
+            )
+        }
+    }
+    let (mut block, mut apply, mut signs) = (None, None, None);
+    let close = parse_args(input, "hadamard", "block, apply or signs", |name, c| {
+        match name.to_string().as_str() {
+            "block" => {
+                let (v, sp) = parse_u32(c, "block")?;
+                spans.insert(Field::RotationBlock, sp);
+                block = Some(v);
+            }
+            "apply" => apply = Some(parse_apply(c, Field::RotationApply, spans)?),
+            "signs" => {
+                if c.peek(Ident) {
+                    parse_choice(c, "signs", &["none"])?;
+                    signs = Some(None);
+                } else {
+                    signs = Some(Some(parse_u32(c, "signs")?.0));
+                }
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    })?;
+    let missing = |what: &str| syn::Error::new(close, format!("hadamard(...) is missing `{what}`"));
+    Ok(Rotation {
+        block: block.ok_or_else(|| missing("block"))?,
+        apply: apply.ok_or_else(|| missing("apply"))?,
+        signs: signs.flatten(),
+    })
+}
+
+fn parse_outliers(input: ParseStream, spans: &mut HashMap<Field, Span>) -> syn::Result<Outliers> {
+    let kind: Ident = input
+        .parse()
+        .map_err(|e| syn::Error::new(e.span(), "expected sparse(per_token = K, apply = [...])"))?;
+    spans.insert(Field::Outliers, kind.span());
+    if kind != "sparse" {
+        return err(
+            kind.span(),
+            format!("unknown outlier storage `{kind}`; expected sparse(per_token = K, apply = [...])"),
+        );
+    }
+    let (mut per_token, mut apply) = (None, None);
+    let close = parse_args(input, "sparse", "per_token or apply", |name, c| {
+        match name.to_string().as_str() {
+            "per_token" => {
+                let (v, sp) = parse_u32(c, "per_token")?;
+                spans.insert(Field::OutliersPerToken, sp);
+                per_token = Some(v);
+            }
+            "apply" => apply = Some(parse_apply(c, Field::OutliersApply, spans)?),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    })?;
+    let missing = |what: &str| syn::Error::new(close, format!("sparse(...) is missing `{what}`"));
+    Ok(Outliers {
+        per_token: per_token.ok_or_else(|| missing("per_token"))?,
+        apply: apply.ok_or_else(|| missing("apply"))?,
+    })
+}
+
+fn parse_center(input: ParseStream, spans: &mut HashMap<Field, Span>) -> syn::Result<Center> {
+    let kind: Ident = input
+        .parse()
+        .map_err(|e| syn::Error::new(e.span(), "expected channel_mean(tokens = N, apply = [...])"))?;
+    spans.insert(Field::Center, kind.span());
+    if kind != "channel_mean" {
+        return err(
+            kind.span(),
+            format!("unknown centering `{kind}`; expected channel_mean(tokens = N, apply = [...])"),
+        );
+    }
+    let (mut tokens, mut apply) = (None, None);
+    let close = parse_args(input, "channel_mean", "tokens or apply", |name, c| {
+        match name.to_string().as_str() {
+            "tokens" => {
+                let (v, sp) = parse_u32(c, "tokens")?;
+                spans.insert(Field::CenterTokens, sp);
+                tokens = Some(v);
+            }
+            "apply" => apply = Some(parse_apply(c, Field::CenterApply, spans)?),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    })?;
+    let missing = |what: &str| syn::Error::new(close, format!("channel_mean(...) is missing `{what}`"));
+    Ok(Center {
+        tokens: tokens.ok_or_else(|| missing("tokens"))?,
+        apply: apply.ok_or_else(|| missing("apply"))?,
+    })
 }
 
 fn parse_named_u32(
@@ -280,6 +514,7 @@ impl Parse for SchemeDecl {
         let mut softmax_scale = None;
         let mut sliding_window = None;
         let mut nonfinite = NonFinite::Reject;
+        let (mut rotation, mut outliers, mut center) = (None, None, None);
         while !body.is_empty() {
             let field: Ident = body.parse()?;
             let name = field.to_string();
@@ -347,6 +582,15 @@ impl Parse for SchemeDecl {
                     spans.insert(Field::NonFinite, sp);
                     nonfinite = NonFinite::Reject;
                 }
+                "rotation" => rotation = Some(parse_rotation(&body, &mut spans)?),
+                "outliers" => outliers = Some(parse_outliers(&body, &mut spans)?),
+                "center" => center = Some(parse_center(&body, &mut spans)?),
+                "hadamard" => {
+                    return err(
+                        field.span(),
+                        "`hadamard` is a kind of rotation; write `rotation: hadamard(block = B, apply = [key, value])`",
+                    )
+                }
                 other => {
                     return err(
                         field.span(),
@@ -373,6 +617,9 @@ impl Parse for SchemeDecl {
             softmax_scale,
             sliding_window,
             nonfinite,
+            rotation,
+            outliers,
+            center,
         };
         if let Err(e) = validate(&scheme) {
             let span = span_for(&spans, e.field).unwrap_or_else(|| ident.span());
@@ -391,7 +638,12 @@ impl Parse for SchemeDecl {
 /// The span that best points at `field`, falling back to its parent.
 pub fn span_for(spans: &HashMap<Field, Span>, field: Field) -> Option<Span> {
     let parent = match field {
-        Field::Bits(t) | Field::Axis(t) | Field::Group(t) | Field::Scale(t) => Some(Field::Codec(t)),
+        Field::Bits(t) | Field::Axis(t) | Field::Group(t) | Field::Scale(t) | Field::Levels(t) | Field::Norm(t) => {
+            Some(Field::Codec(t))
+        }
+        Field::RotationBlock | Field::RotationApply => Some(Field::Rotation),
+        Field::OutliersPerToken | Field::OutliersApply => Some(Field::Outliers),
+        Field::CenterTokens | Field::CenterApply => Some(Field::Center),
         Field::QHeads | Field::KvHeads => Some(Field::Heads),
         _ => None,
     };
@@ -434,12 +686,32 @@ impl std::fmt::Display for ParseError {
 impl std::error::Error for ParseError {}
 
 fn to_parse_error(e: syn::Error) -> ParseError {
-    let start = e.span().start();
-    ParseError {
-        message: e.to_string(),
-        line: start.line.max(1),
-        column: start.column + 1,
+    ParseError::at(e.span(), e.to_string())
+}
+
+impl ParseError {
+    /// An error at `span` of a text parsed at run time (line and column of
+    /// its start).
+    pub fn at(span: Span, message: impl Into<String>) -> ParseError {
+        let start = span.start();
+        ParseError {
+            message: message.into(),
+            line: start.line.max(1),
+            column: start.column + 1,
+        }
     }
+}
+
+/// Parses every declaration in `text`, with names, visibility and the span
+/// of every field (what the macro sees), for checks that run after parsing.
+pub fn parse_decls(text: &str) -> Result<Vec<SchemeDecl>, ParseError> {
+    let tokens: proc_macro2::TokenStream = text.parse().map_err(|e: proc_macro2::LexError| {
+        ParseError::at(
+            e.span(),
+            "the text is not valid scheme syntax (unbalanced brackets or a stray character)",
+        )
+    })?;
+    syn::parse2::<SchemeList>(tokens).map(|l| l.0).map_err(to_parse_error)
 }
 
 /// Parses every scheme in `text` (the same grammar as `kivi::scheme!`).
@@ -449,17 +721,7 @@ fn to_parse_error(e: syn::Error) -> ParseError {
 /// assert_eq!(s.len(), 2);
 /// ```
 pub fn parse_schemes(text: &str) -> Result<Vec<Scheme>, ParseError> {
-    let tokens: proc_macro2::TokenStream = text.parse().map_err(|e: proc_macro2::LexError| {
-        let start = e.span().start();
-        ParseError {
-            message: "the text is not valid scheme syntax (unbalanced brackets or a stray character)".into(),
-            line: start.line.max(1),
-            column: start.column + 1,
-        }
-    })?;
-    syn::parse2::<SchemeList>(tokens)
-        .map(|l| l.0.into_iter().map(|d| d.scheme).collect())
-        .map_err(to_parse_error)
+    Ok(parse_decls(text)?.into_iter().map(|d| d.scheme).collect())
 }
 
 /// Parses a text that holds exactly one scheme.

@@ -20,8 +20,13 @@ fn codec(c: &Codec) -> TokenStream {
                 ScaleDtype::F16 => quote!(::kivi::spec::ScaleDtype::F16),
                 ScaleDtype::F32 => quote!(::kivi::spec::ScaleDtype::F32),
             };
+            let levels = match q.levels {
+                Levels::Uniform => quote!(::kivi::spec::Levels::Uniform),
+                Levels::LloydMax(Norm::Rms) => quote!(::kivi::spec::Levels::LloydMax(::kivi::spec::Norm::Rms)),
+                Levels::LloydMax(Norm::L2) => quote!(::kivi::spec::Levels::LloydMax(::kivi::spec::Norm::L2)),
+            };
             quote!(::kivi::spec::Codec::Quant(::kivi::spec::Quant {
-                bits: #bits, axis: #axis, group: #group, scale: #scale
+                bits: #bits, axis: #axis, group: #group, scale: #scale, levels: #levels
             }))
         }
     }
@@ -32,6 +37,11 @@ fn opt<T: quote::ToTokens>(v: Option<T>) -> TokenStream {
         Some(v) => quote!(::core::option::Option::Some(#v)),
         None => quote!(::core::option::Option::None),
     }
+}
+
+fn apply(a: &Apply) -> TokenStream {
+    let (k, v) = (a.key, a.value);
+    quote!(::kivi::spec::Apply { key: #k, value: #v })
 }
 
 /// An expression of type `::kivi::spec::Scheme` equal to `s`.
@@ -58,6 +68,19 @@ pub fn scheme_expr(s: &Scheme) -> TokenStream {
     };
     let softmax_scale = opt(s.softmax_scale);
     let sliding_window = opt(s.sliding_window);
+    let rotation = opt(s.rotation.map(|r| {
+        let (block, a) = (r.block, apply(&r.apply));
+        let signs = opt(r.signs);
+        quote!(::kivi::spec::Rotation { block: #block, signs: #signs, apply: #a })
+    }));
+    let outliers = opt(s.outliers.map(|o| {
+        let (k, a) = (o.per_token, apply(&o.apply));
+        quote!(::kivi::spec::Outliers { per_token: #k, apply: #a })
+    }));
+    let center = opt(s.center.map(|c| {
+        let (n, a) = (c.tokens, apply(&c.apply));
+        quote!(::kivi::spec::Center { tokens: #n, apply: #a })
+    }));
     quote!(::kivi::spec::Scheme {
         name: ::std::string::String::from(#name),
         key: #key,
@@ -71,5 +94,8 @@ pub fn scheme_expr(s: &Scheme) -> TokenStream {
         softmax_scale: #softmax_scale,
         sliding_window: #sliding_window,
         nonfinite: ::kivi::spec::NonFinite::Reject,
+        rotation: #rotation,
+        outliers: #outliers,
+        center: #center,
     })
 }

@@ -14,6 +14,22 @@ pub enum Field {
     Axis(Tensor),
     Group(Tensor),
     Scale(Tensor),
+    /// `levels = ...` of a tensor's quant.
+    Levels(Tensor),
+    /// `norm = ...` of a tensor's quant.
+    Norm(Tensor),
+    /// The `rotation` field (its kind), its `block`, and its `apply` list.
+    Rotation,
+    RotationBlock,
+    RotationApply,
+    /// The `outliers` field, its `per_token` count, and its `apply` list.
+    Outliers,
+    OutliersPerToken,
+    OutliersApply,
+    /// The `center` field, its `tokens` count, and its `apply` list.
+    Center,
+    CenterTokens,
+    CenterApply,
     Residual,
     Sinks,
     Flush,
@@ -53,6 +69,8 @@ impl std::error::Error for Invalid {}
 
 /// Code widths the packer and the kernels implement.
 pub const ALLOWED_BITS: [u32; 5] = [1, 2, 3, 4, 8];
+/// Widths with a Lloyd–Max table ([`crate::lloyd_max_levels`]).
+pub const LLOYD_MAX_BITS: [u32; 4] = [1, 2, 3, 4];
 /// Upper bounds beyond which a value is a typo, not a scheme.
 pub const MAX_GROUP: u32 = 4096;
 pub const MAX_WINDOW: u32 = 1 << 20;
@@ -86,6 +104,16 @@ pub fn validate(s: &Scheme) -> Result<(), Invalid> {
                 return Err(Invalid::new(
                     Field::Group(t),
                     format!("{} group = {} must be between 1 and {MAX_GROUP}", t.name(), q.group),
+                ));
+            }
+            if q.levels != Levels::Uniform && !LLOYD_MAX_BITS.contains(&q.bits) {
+                return Err(Invalid::new(
+                    Field::Bits(t),
+                    format!(
+                        "{} bits = {} has no lloyd_max table; lloyd_max levels support 1, 2, 3 or 4 bits",
+                        t.name(),
+                        q.bits
+                    ),
                 ));
             }
             if let (Axis::Token, Some(d)) = (q.axis, s.head_dim) {
@@ -140,6 +168,7 @@ pub fn validate(s: &Scheme) -> Result<(), Invalid> {
             "full-precision windows have no effect when neither key nor value is quantized; set residual and sinks to 0",
         ));
     }
+    validate_pipeline(s)?;
     if s.flush == Flush::Chunked {
         if s.residual == 0 {
             return Err(Invalid::new(
@@ -210,6 +239,76 @@ pub fn validate(s: &Scheme) -> Result<(), Invalid> {
     }
     if s.name.is_empty() {
         return Err(Invalid::new(Field::Name, "a scheme needs a name"));
+    }
+    Ok(())
+}
+
+/// The transform and extras: each applies only to quantized tensors, and
+/// fits the shape once one is bound.
+fn validate_pipeline(s: &Scheme) -> Result<(), Invalid> {
+    let needs_quant = |apply: &Apply, field: Field, what: &str| -> Result<(), Invalid> {
+        for t in [Tensor::Key, Tensor::Value] {
+            if apply.has(t) && s.codec(t).quant().is_none() {
+                return Err(Invalid::new(
+                    field,
+                    format!(
+                        "{what} applies to the {} tensor, which is `full`; it only changes how quantized tokens are stored",
+                        t.name()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    };
+    if let Some(r) = &s.rotation {
+        needs_quant(&r.apply, Field::RotationApply, "rotation")?;
+        if r.block < 2 || !r.block.is_power_of_two() || r.block > MAX_HEAD_DIM {
+            return Err(Invalid::new(
+                Field::RotationBlock,
+                format!(
+                    "hadamard block = {} must be a power of two from 2 to {MAX_HEAD_DIM}",
+                    r.block
+                ),
+            ));
+        }
+        if let Some(d) = s.head_dim {
+            if d % r.block != 0 {
+                return Err(Invalid::new(
+                    Field::RotationBlock,
+                    format!(
+                        "hadamard block = {} does not divide head_dim {d}; each block rotates whole channels of one token",
+                        r.block
+                    ),
+                ));
+            }
+        }
+    }
+    if let Some(o) = &s.outliers {
+        needs_quant(&o.apply, Field::OutliersApply, "outliers")?;
+        let limit = s.head_dim.unwrap_or(MAX_HEAD_DIM);
+        if o.per_token == 0 || o.per_token >= limit {
+            return Err(Invalid::new(
+                Field::OutliersPerToken,
+                format!(
+                    "outliers per_token = {} must be between 1 and {}, fewer than the channels of a token",
+                    o.per_token,
+                    limit - 1
+                ),
+            ));
+        }
+    }
+    if let Some(c) = &s.center {
+        needs_quant(&c.apply, Field::CenterApply, "center")?;
+        if c.tokens == 0 || c.tokens > s.sinks + s.residual {
+            return Err(Invalid::new(
+                Field::CenterTokens,
+                format!(
+                    "center tokens = {} must be between 1 and sinks + residual ({}), so the means are known before the first token is quantized",
+                    c.tokens,
+                    s.sinks + s.residual
+                ),
+            ));
+        }
     }
     Ok(())
 }

@@ -190,6 +190,7 @@ fn footprint_and_windows_follow_design() {
             axis: Axis::Token,
             group: 32,
             scale: ScaleDtype::F16,
+            levels: Levels::Uniform,
         }),
         Dtype::F16,
         128,
@@ -220,10 +221,236 @@ fn channel_groups_that_no_block_can_hold_are_refused() {
             .contains("a block must hold a multiple of both (223552 tokens)"),
         "{e}"
     );
-    assert_eq!((e.line, e.column), (1, 103), "{e}"); // at `3493`
-                                                     // Groups where one divides the other are fine at any size.
+    // At `3493`.
+    assert_eq!((e.line, e.column), (1, 103), "{e}");
+    // Groups where one divides the other are fine at any size.
     kivi_spec::parse_scheme(
         "A2 { key: quant(bits = 4, axis = channel, group = 4096), value: quant(bits = 4, axis = channel, group = 64) }",
     )
     .unwrap();
+}
+
+/// A scheme using every part of the codec pipeline.
+const PIPELINE: &str = "Codecs {
+    key: quant(bits = 3, axis = token, group = 128, levels = lloyd_max, norm = l2),
+    value: quant(bits = 2, axis = token, group = 64, levels = lloyd_max),
+    rotation: hadamard(block = 64, apply = [value, key], signs = 7),
+    outliers: sparse(per_token = 2, apply = [key]),
+    center: channel_mean(tokens = 16, apply = [key]),
+    residual: 32,
+    sinks: 4,
+}";
+
+#[test]
+fn pipeline_grammar_parses_prints_and_hashes_every_field() {
+    let s = parse_scheme(PIPELINE).unwrap();
+    assert_eq!(
+        s.key.quant().unwrap().levels,
+        Levels::LloydMax(Norm::L2),
+        "norm = l2 as written"
+    );
+    assert_eq!(
+        s.value.quant().unwrap().levels,
+        Levels::LloydMax(Norm::Rms),
+        "rms is the default norm"
+    );
+    let r = s.rotation.unwrap();
+    assert_eq!(
+        (r.block, r.signs, r.apply),
+        (64, Some(7), Apply { key: true, value: true })
+    );
+    assert_eq!(s.outliers_of(Tensor::Key), 2);
+    assert_eq!(s.outliers_of(Tensor::Value), 0);
+    assert_eq!(s.center_of(Tensor::Key), Some(16));
+    assert!(s.has_pipeline(Tensor::Key) && s.has_pipeline(Tensor::Value));
+    assert!(!presets::kivi2().has_pipeline(Tensor::Key));
+    for s in [s.clone(), s.with_shape(Heads::Mqa(4), 256).unwrap()] {
+        let text = canonical(&s);
+        let back = parse_scheme(&text).unwrap_or_else(|e| panic!("{text}\n{e}"));
+        assert_eq!(back, s);
+        assert_eq!(canonical(&back), text);
+    }
+    // Every new field changes the hash.
+    let h = scheme_hash(&s);
+    let mut variants = Vec::new();
+    let mut m = s.clone();
+    m.rotation.as_mut().unwrap().block = 32;
+    variants.push(m);
+    let mut m = s.clone();
+    m.rotation.as_mut().unwrap().signs = None;
+    variants.push(m);
+    let mut m = s.clone();
+    m.rotation.as_mut().unwrap().apply.value = false;
+    variants.push(m);
+    let mut m = s.clone();
+    m.rotation = None;
+    variants.push(m);
+    let mut m = s.clone();
+    m.outliers.as_mut().unwrap().per_token = 3;
+    variants.push(m);
+    let mut m = s.clone();
+    m.outliers.as_mut().unwrap().apply.value = true;
+    variants.push(m);
+    let mut m = s.clone();
+    m.center.as_mut().unwrap().tokens = 8;
+    variants.push(m);
+    let mut m = s.clone();
+    m.center = None;
+    variants.push(m);
+    let mut m = s.clone();
+    m.key = Codec::Quant(Quant {
+        levels: Levels::LloydMax(Norm::Rms),
+        ..*s.key.quant().unwrap()
+    });
+    variants.push(m);
+    let mut m = s.clone();
+    m.key = Codec::Quant(Quant {
+        levels: Levels::Uniform,
+        ..*s.key.quant().unwrap()
+    });
+    variants.push(m);
+    for v in &variants {
+        validate(v).unwrap();
+        assert_ne!(scheme_hash(v), h, "{}", canonical(v));
+    }
+    // Schemes without a pipeline print (and hash) as before.
+    assert!(!canonical(&presets::kivi2()).contains("levels"));
+}
+
+#[test]
+fn lloyd_max_tables_are_fixed_points() {
+    // Max (1960): the levels are the centroids of their cells and the cell
+    // edges the midpoints of the levels. Recompute by Lloyd iteration on the
+    // exact unit Gaussian (density and CDF from erf) and compare.
+    fn erf(x: f64) -> f64 {
+        // Abramowitz-Stegun 7.1.26 is too coarse; integrate instead.
+        let n = 20_000;
+        let h = x / n as f64;
+        let f = |t: f64| (-t * t).exp();
+        let mut s = f(0.0) + f(x);
+        for i in 1..n {
+            s += f(i as f64 * h) * if i % 2 == 1 { 4.0 } else { 2.0 };
+        }
+        s * h / 3.0 * 2.0 / std::f64::consts::PI.sqrt()
+    }
+    let pdf = |x: f64| (-x * x / 2.0).exp() / (2.0 * std::f64::consts::PI).sqrt();
+    let cdf = |x: f64| 0.5 * (1.0 + erf(x / std::f64::consts::SQRT_2));
+    for bits in LLOYD_MAX_BITS {
+        let n = 1usize << bits;
+        let mut l: Vec<f64> = (0..n).map(|i| -2.0 + 4.0 * (i as f64 + 0.5) / n as f64).collect();
+        for _ in 0..300 {
+            let edges: Vec<f64> = (0..=n)
+                .map(|i| match i {
+                    0 => -12.0,
+                    i if i == n => 12.0,
+                    i => (l[i - 1] + l[i]) / 2.0,
+                })
+                .collect();
+            l = (0..n)
+                .map(|i| (pdf(edges[i]) - pdf(edges[i + 1])) / (cdf(edges[i + 1]) - cdf(edges[i])))
+                .collect();
+        }
+        let table = lloyd_max_levels(bits).unwrap();
+        assert_eq!(table.len(), n);
+        for (a, b) in table.iter().zip(&l) {
+            assert!((*a as f64 - b).abs() < 1e-5, "{bits} bits: table {a}, Lloyd {b}");
+        }
+    }
+    assert!(lloyd_max_levels(8).is_none());
+}
+
+#[test]
+fn pipeline_memory_is_exact() {
+    let s = parse_scheme(PIPELINE).unwrap().with_shape(Heads::Mqa(4), 256).unwrap();
+    // key: 3-bit codes (26 words = 104 B), 2 l2 norms (4 B), 2 outliers
+    // (1 index word + 1 f16 pair word = 8 B); value: 2-bit (64 B), 4 norms (8 B).
+    let (bytes, per) = layout::bytes_per_token_per_head(&s);
+    assert_eq!(bytes as f64 / per as f64, 104.0 + 4.0 + 8.0 + 64.0 + 8.0);
+    let f = layout::Footprint::for_tokens(&s, 100);
+    let rk = layout::regions(&s, Tensor::Key, 100);
+    assert_eq!(f.outliers, rk.quantized * 8);
+    assert_eq!(f.zeros, 0, "Lloyd–Max groups store no zero point");
+    assert_eq!(f.means, 256 * 2, "one f16 mean per key channel");
+    let bits = layout::bits_per_element(&s);
+    assert!((bits - 188.0 * 8.0 / 512.0).abs() < 1e-12);
+    let l = layout::BlockLayout::new(&s, s.shape().unwrap(), 64);
+    assert_eq!(l.key.zero_words, 0);
+    assert_eq!(l.key.outliers, 2);
+    assert_eq!(l.key.words, 64 * 26 + 64 * 2 / 2 + 64 + 64);
+}
+
+#[test]
+fn pipeline_rules() {
+    let ok = parse_scheme(PIPELINE).unwrap();
+    let bad = |f: &dyn Fn(&mut Scheme)| {
+        let mut s = ok.clone();
+        f(&mut s);
+        validate(&s).unwrap_err()
+    };
+    assert_eq!(
+        bad(&|s| s.rotation.as_mut().unwrap().block = 48).field,
+        Field::RotationBlock
+    );
+    assert_eq!(
+        bad(&|s| {
+            s.rotation.as_mut().unwrap().block = 256;
+            s.head_dim = Some(128);
+        })
+        .field,
+        Field::RotationBlock
+    );
+    assert_eq!(bad(&|s| s.value = Codec::Full).field, Field::RotationApply);
+    assert_eq!(
+        bad(&|s| s.outliers.as_mut().unwrap().per_token = 0).field,
+        Field::OutliersPerToken
+    );
+    assert_eq!(
+        bad(&|s| s.center.as_mut().unwrap().tokens = 37).field,
+        Field::CenterTokens
+    );
+    assert_eq!(
+        bad(&|s| s.key = Codec::Quant(Quant {
+            bits: 8,
+            ..*s.key.quant().unwrap()
+        }))
+        .field,
+        Field::Bits(Tensor::Key)
+    );
+}
+
+#[test]
+fn study_candidates_parse_and_fit_their_class() {
+    // eval/schemes/study.kivi: the codec study of docs/accuracy.md.
+    let all = parse_schemes(include_str!("../../eval/schemes/study.kivi")).unwrap();
+    assert!(all.len() >= 15);
+    for s in &all {
+        let b = layout::bits_per_element(&s.with_shape(Heads::Mqa(4), 256).unwrap());
+        println!("{:24} {b:.4}", s.name);
+        assert!(b <= 3.0 || s.name.starts_with("k2muHo4"), "{} has {b} bits", s.name);
+    }
+}
+
+#[test]
+fn codec_presets_fit_their_classes_and_round_trip() {
+    for p in presets::pipeline() {
+        assert!(presets::by_name(&p.name).is_some());
+        assert!(p.has_pipeline(Tensor::Key) || p.has_pipeline(Tensor::Value));
+        let b = p.with_shape(Heads::Mqa(4), 256).unwrap();
+        let text = canonical(&b);
+        assert_eq!(parse_scheme(&text).unwrap(), b);
+        let bits = layout::bits_per_element(&b);
+        let kivi2 = layout::bytes_per_token_per_head(&presets::kivi2().with_shape(Heads::Mqa(4), 256).unwrap());
+        let (bytes, per) = layout::bytes_per_token_per_head(&b);
+        match p.name.as_str() {
+            // the 2-bit class: at most kivi2's bytes per token per head
+            "codec2" => assert!(bytes * kivi2.1 <= kivi2.0 * per && bits <= 3.0, "{bits}"),
+            // the 1.5-bit class: at most 2.0 bits per element all-in
+            "codec15" => assert!(bits <= 2.0, "{bits}"),
+            n => panic!("unexpected pipeline preset {n}"),
+        }
+    }
+    assert_eq!(
+        presets::listed().len(),
+        presets::all().len() + presets::pipeline().len()
+    );
 }

@@ -21,6 +21,17 @@ enum { ACT_F16 = 0, ACT_BF16 = 1, ACT_F32 = 2 };
 
 #define KIVI_FULL_MASK 0xffffffffu
 
+// Shared arrays are declared with KIVI_SHARED(type, name, dims), never a bare
+// __shared__: under NVRTC it is exactly `__shared__ type name dims`; the sim
+// shim (which defines KIVI_SIM) also poisons the array at every block start
+// and counts it against the block's shared memory, and refuses bare
+// __shared__. Vector loads go through KIVI_LOAD_VECTOR, which the sim checks
+// for alignment.
+#ifndef KIVI_SIM
+#define KIVI_SHARED(T, name, dims) __shared__ T name dims
+#define KIVI_LOAD_VECTOR(V, p) (*reinterpret_cast<const V*>(p))
+#endif
+
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 __device__ __forceinline__ bool is_finite(float x) {
@@ -118,10 +129,10 @@ __device__ __forceinline__ RowRef<C> locate(int p, int quantized, const u32* __r
 // generator only offers widths every row and part offset is a multiple of).
 template <int W> __device__ __forceinline__ void load_words(const u32* p, u32 (&w)[W]) {
   if constexpr (W == 4) {
-    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    const uint4 v = KIVI_LOAD_VECTOR(uint4, p);
     w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
   } else if constexpr (W == 2) {
-    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    const uint2 v = KIVI_LOAD_VECTOR(uint2, p);
     w[0] = v.x; w[1] = v.y;
   } else {
     static_assert(W == 1, "load width must be 1, 2 or 4 words");

@@ -185,11 +185,11 @@ __device__ __forceinline__ void decode_kernel(
   constexpr int NWARPS = C::THREADS / 32;
   static_assert(C::GROUP_Q % H == 0, "heads per block divide the GQA group");
 
-  __shared__ float s_p[H][C::TILE];   // scores, then probabilities, of one tile
-  __shared__ float s_m[H];            // running max (base 2)
-  __shared__ float s_l[H];            // running sum of probabilities
-  __shared__ float s_corr[H];         // rescale of the accumulators for this tile
-  __shared__ float s_w[NWARPS][H][C::D];  // each warp's summed accumulators
+  KIVI_SHARED(float, s_p, [H][C::TILE]);   // scores, then probabilities, of one tile
+  KIVI_SHARED(float, s_m, [H]);            // running max (base 2)
+  KIVI_SHARED(float, s_l, [H]);            // running sum of probabilities
+  KIVI_SHARED(float, s_corr, [H]);         // rescale of the accumulators for this tile
+  KIVI_SHARED(float, s_w, [NWARPS][H][C::D]);  // each warp's summed accumulators
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;

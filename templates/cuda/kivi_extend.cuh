@@ -16,7 +16,8 @@
 // Parameters of a group are computed by one thread per group and staged in
 // shared memory; codes are packed by one thread per word, so no two threads
 // ever write one word. A scale or zero point that overflows its dtype sets
-// status[b] (PagedCache refuses such an append; so must the caller).
+// status[b] = 1, a non-finite input value status[b] = 2 (PagedCache refuses
+// such an append; so must the caller, and undo what the launch wrote).
 
 namespace kivi {
 
@@ -59,14 +60,20 @@ __device__ __forceinline__ void extend_tensor(u32* __restrict__ pool, const u32*
                                               int max_new, typename C::act_t* __restrict__ sinks,
                                               typename C::act_t* __restrict__ ring, int* __restrict__ status) {
   typedef typename C::act_t act_t;
-  __shared__ float s_s[C::D];  // scales of the group(s) being quantized
-  __shared__ float s_z[C::D];  // zero points
+  KIVI_SHARED(float, s_s, [C::D]);  // scales of the group(s) being quantized
+  KIVI_SHARED(float, s_z, [C::D]);  // zero points
   const int tid = threadIdx.x;
   const int q0 = quantized_tokens<C, T>(old);
   const int q1 = quantized_tokens<C, T>(old + n);
   auto x_at = [&](int j, int d) -> float {
     return Act<C::ACT>::load(extend_src<C, T>(j, d, b, h, old, max_new, fresh, ring));
   };
+  // Non-finite input is refused here too, whatever the host checked: the
+  // caller restores what this launch wrote (status 2).
+  for (int e = tid; e < n * C::D; e += C::THREADS) {
+    const float x = Act<C::ACT>::load(fresh[((u64)b * max_new + e / C::D) * C::HKV * C::D + (u64)h * C::D + e % C::D]);
+    if (!is_finite(x)) status[b] = 2;
+  }
 
   if constexpr (!T::QUANT) {
     // `full`: the rows go to the blocks as they are, two 16-bit values or

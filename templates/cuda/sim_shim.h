@@ -1,28 +1,73 @@
-// sim_shim.h — runs kivi's generated CUDA on the CPU (the `sim` backend).
+// sim_shim.h — runs kivi's generated CUDA on the CPU (the `sim` backend),
+// strictly enough that the kernel bugs a GPU would expose show up here.
 //
-// Compile a generated source as C++20 after this header (g++/clang++,
-// -ffp-contract=off). What it maps:
+// Compiled as C++17 (NVRTC's dialect) after this header; the flags are in
+// kivi-runtime/src/sim/compile.rs. What it maps:
 //
 //   __global__ __device__ __forceinline__ __launch_bounds__  -> plain C++
-//   __shared__            -> `static thread_local`: one copy per worker thread;
-//                            a worker runs one block at a time, so the block's
-//                            threads share it, as on the GPU
+//   KIVI_SHARED(T, name, dims) -> a block's shared array, poisoned (below)
 //   threadIdx blockIdx blockDim gridDim -> the running fiber / block
 //   __syncthreads()       -> a barrier of every thread of the block
-//   __shfl_xor/down/_sync -> a per-warp exchange slot + a warp barrier
-//   __syncwarp()          -> a warp barrier
+//   __shfl_xor/down/up/_sync, __syncwarp -> a per-warp exchange + barrier
+//   KIVI_LOAD_VECTOR(uint4, p) -> an alignment-checked vector load
 //   __half conversions, bit casts, __fdiv_rn & co, exp2f, rintf, ...
 //
-// The threads of a block are fibers (user-mode threads with their own
-// stacks) on one OS thread, switched only at barriers: deterministic, and
-// a barrier costs a few hundred nanoseconds where an OS-thread barrier of
-// 128 threads on two cores costs milliseconds. Blocks run one after another
-// on a few worker threads. A barrier that not every thread of the block (or
-// warp) reaches, a partial shuffle mask, a stack overflow or more than 1024
-// threads stops the launch with a message instead of hanging.
+// Execution. The threads of a block are fibers (user-mode threads with their
+// own stacks) on one OS thread, switched only at barriers and warp
+// collectives: deterministic, and a barrier costs a few hundred nanoseconds
+// where an OS-thread barrier of 128 threads on two cores costs milliseconds.
+// Blocks run one after another on a few worker threads.
 //
-// Anything else (atomics, dynamic shared memory, inline PTX, warp votes) is
-// not implemented: it fails to compile (static_assert or an unknown name).
+// Strictness (each check stops the launch with a message naming the block,
+// the thread and the source line; nothing aborts or hangs):
+//
+// * Schedules. A fiber runs until it blocks; the next to run is the first
+//   ready fiber of a priority order that is drawn afresh at every block-wide
+//   barrier: thread order, reverse thread order, or (seeded) a random order
+//   of whole warps or a random order of all threads, from (seed, block,
+//   barrier phase). A warp whose last lane arrives at a collective is
+//   released at once, so the first warp of the order runs as far ahead as
+//   the barriers let it. A missing __syncthreads therefore lets one thread
+//   read what another has not written yet (or overwrite what another has
+//   not read yet) under at least one of the orders, and the answer changes.
+//   The same (schedule, seed) gives the same run whatever the worker count.
+//
+// * Shared memory is poisoned at every block start (a byte chosen by the
+//   host: 0xff makes every float NaN, 0x7f a huge finite value that a max()
+//   does not ignore), so a read before a write shows. Design: `__shared__`
+//   is a storage class CUDA puts before the type, and the shim cannot attach
+//   work to a bare declaration, so the templates declare shared arrays with
+//   KIVI_SHARED(type, name, dims) — `__shared__ type name dims` under NVRTC,
+//   here a `static thread_local` array (a worker runs one block at a time,
+//   so the block's fibers share it, as on the GPU) plus a per-object note of
+//   the last block that touched it: the first thread of a block to pass the
+//   declaration poisons the array and adds its size to the block's shared
+//   total. That is sound because no thread can name the array before passing
+//   its declaration. A bare `__shared__` is a compile error here (a
+//   static_assert that says to use KIVI_SHARED), so no array escapes the
+//   poisoning. The block's total is checked against the architecture's
+//   static limit (48 KiB) and against the generator's EntryLaunch::shared_bytes.
+//
+// * Warp collectives: every lane of the warp must arrive at the same call
+//   (same kind, same source line, same mask) before any is released;
+//   otherwise the launch fails listing which lanes wait where. Only
+//   full-warp masks on full warps are implemented; anything else is an
+//   error, not a guess. __syncthreads() must be reached by every thread of
+//   the block at the same call site; lanes or threads that exited while
+//   others wait are reported the same way (a deadlock on a GPU).
+//
+// * Vector loads (KIVI_LOAD_VECTOR) check that the address is a multiple of
+//   the vector's size, as the GPU's ld.v2/ld.v4 require.
+//
+// * Arithmetic: compiled like NVRTC's --fmad=true (the host compiler may
+//   contract a*b+c into an FMA), except the __f*_rn intrinsics, which CUDA
+//   never fuses: an empty asm keeps their operands and results opaque, so
+//   the prefill/append quantization stays bit-exact with the host.
+//
+// Launch shapes (threads per block, block and grid dimensions, launch
+// bounds) are checked against the architecture before the call, on the
+// Rust side (SimLibrary::launch_raw). Anything else (atomics, dynamic shared
+// memory, inline PTX, warp votes) is not implemented: it fails to compile.
 
 #pragma once
 #define KIVI_SIM 1
@@ -31,6 +76,7 @@
 // headers would cost more to parse than the kernels.
 #include <math.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -46,30 +92,38 @@
 #define __noinline__
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
-#define __shared__ static thread_local
+// Bare __shared__ would escape the poisoning: refuse it (see above).
+#define __shared__                                                                                  \
+  static_assert(false, "sim_shim: declare shared memory with KIVI_SHARED(type, name, dims), not __shared__"); \
+  static thread_local
 #define __align__(n) alignas(n)
 
 struct uint3 { unsigned x, y, z; };
 struct dim3 { unsigned x, y, z; };
-struct uint2 { unsigned x, y; };
-struct uint4 { unsigned x, y, z, w; };
-struct int2 { int x, y; };
-struct float2 { float x, y; };
-struct float4 { float x, y, z, w; };
+// Vector types as aligned as CUDA's (the vector loads rely on it).
+struct alignas(8) uint2 { unsigned x, y; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(8) int2 { int x, y; };
+struct alignas(8) float2 { float x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
 
 // ---- bit casts and IEEE-rounded arithmetic ----
 inline float __int_as_float(int x) { float f; memcpy(&f, &x, 4); return f; }
 inline float __uint_as_float(unsigned x) { float f; memcpy(&f, &x, 4); return f; }
 inline int __float_as_int(float f) { int x; memcpy(&x, &f, 4); return x; }
 inline unsigned __float_as_uint(float f) { unsigned x; memcpy(&x, &f, 4); return x; }
-inline float __fdiv_rn(float a, float b) { return a / b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fmul_rn(float a, float b) { return a * b; }
+// CUDA never contracts the _rn intrinsics into FMAs; the library is built
+// with contraction on (like --fmad=true), so an empty asm hides their
+// operands and results from the optimizer: nothing fuses across them.
+#define KIVI_SIM_OPAQUE(x) __asm__("" : "+x"(x))
+inline float __fdiv_rn(float a, float b) { KIVI_SIM_OPAQUE(a); KIVI_SIM_OPAQUE(b); float r = a / b; KIVI_SIM_OPAQUE(r); return r; }
+inline float __fsub_rn(float a, float b) { KIVI_SIM_OPAQUE(a); KIVI_SIM_OPAQUE(b); float r = a - b; KIVI_SIM_OPAQUE(r); return r; }
+inline float __fadd_rn(float a, float b) { KIVI_SIM_OPAQUE(a); KIVI_SIM_OPAQUE(b); float r = a + b; KIVI_SIM_OPAQUE(r); return r; }
+inline float __fmul_rn(float a, float b) { KIVI_SIM_OPAQUE(a); KIVI_SIM_OPAQUE(b); float r = a * b; KIVI_SIM_OPAQUE(r); return r; }
+inline float __frcp_rn(float x) { KIVI_SIM_OPAQUE(x); float r = 1.0f / x; KIVI_SIM_OPAQUE(r); return r; }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float __expf(float x) { return expf(x); }
 inline float __exp2f(float x) { return exp2f(x); }
-inline float __frcp_rn(float x) { return 1.0f / x; }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
@@ -132,14 +186,55 @@ template <class T> unsigned __ballot_sync(unsigned, T) { static_assert(sizeof(T)
 // ---- fibers ----
 namespace kivi_sim {
 
-enum State { READY, AT_BLOCK, AT_WARP, DONE };
+enum State : unsigned { READY, AT_BLOCK, AT_WARP, DONE, FAILED };
+enum Kind : unsigned { SYNCTHREADS, SYNCWARP, SHFL_XOR, SHFL_DOWN, SHFL_UP, SHFL_IDX };
+
+inline const char* kind_name(unsigned k) {
+  switch (k) {
+    case SYNCTHREADS: return "__syncthreads";
+    case SYNCWARP: return "__syncwarp";
+    case SHFL_XOR: return "__shfl_xor_sync";
+    case SHFL_DOWN: return "__shfl_down_sync";
+    case SHFL_UP: return "__shfl_up_sync";
+    default: return "__shfl_sync";
+  }
+}
+
+// The call a fiber waits at.
+struct Site {
+  const char* file;
+  unsigned line;
+  unsigned kind;
+  unsigned mask;
+};
+
+inline bool same_site(const Site& a, const Site& b) {
+  return a.line == b.line && a.kind == b.kind && a.mask == b.mask &&
+         (a.file == b.file || strcmp(a.file, b.file) == 0);
+}
+
+// What the host passes to a launch; mirrored by `RawOptions` in
+// kivi-runtime/src/sim/compile.rs (#[repr(C)]), checked by `size`.
+struct Options {
+  unsigned size;             // sizeof(Options) as the caller knows it
+  unsigned schedule;         // 0 thread order, 1 reverse, 2 seeded
+  unsigned long long seed;   // for schedule 2
+  unsigned poison;           // byte written over shared memory at block start
+  unsigned max_shared;       // static shared memory a block may use (the arch's limit)
+  unsigned declared_shared;  // EntryLaunch::shared_bytes; 0xffffffff: unknown
+  unsigned workers;          // worker threads; 0: $KIVI_SIM_THREADS or the CPU count
+};
+
+enum { SCHED_IN_ORDER = 0, SCHED_REVERSE = 1, SCHED_SEEDED = 2 };
 
 struct Fiber {
-  void* sp;             // saved stack pointer while switched out
+  void* sp;        // saved stack pointer while switched out
   uint3 tid;
-  unsigned warp, lane;
-  unsigned phase;       // which of the two exchange buffers the next shuffle uses
+  unsigned index, warp, lane;
+  unsigned phase;  // which of the two exchange buffers the next shuffle uses
+  unsigned pos;    // place in this phase's priority order
   State state;
+  Site site;       // where it waits (AT_BLOCK / AT_WARP)
   char* stack;
 };
 
@@ -149,16 +244,29 @@ constexpr uint64_t CANARY = 0x6b6976695f73696dull;
 struct Worker {
   void* sched_sp = nullptr;
   Fiber* fibers = nullptr;
-  unsigned nfibers = 0;
-  uint64_t* exch = nullptr;  // [warp][2][32] shuffle slots
+  unsigned nfibers = 0, nwarps = 0;
+  unsigned* order = nullptr;         // order[pos] = fiber index
+  unsigned* warp_arrived = nullptr;  // lanes waiting at a collective, per warp
+  unsigned block_arrived = 0;        // threads waiting at __syncthreads
+  unsigned cursor = 0;               // no ready fiber sits before this position
+  unsigned round = 0;                // block-wide barriers passed in this block
+  uint64_t* exch = nullptr;          // [warp][2][32] shuffle slots
   dim3 block_dim{1, 1, 1}, grid_dim{1, 1, 1};
   uint3 block{0, 0, 0};
+  unsigned long long block_linear = 0;
+  unsigned long long epoch = 0;        // unique per block run, for the shared-memory poisoning
+  unsigned long long shared_used = 0;  // bytes of shared memory this block has touched
+  const Options* opts = nullptr;
   void (*body)(void*) = nullptr;
   void* ctx = nullptr;
-  char error[256] = {0};
+  bool failed = false;
+  char error[1024] = {0};
   ~Worker() {
-    for (unsigned i = 0; i < nfibers; ++i) free(fibers[i].stack);
+    if (fibers != nullptr)
+      for (unsigned i = 0; i < nfibers; ++i) free(fibers[i].stack);
     free(fibers);
+    free(order);
+    free(warp_arrived);
     free(exch);
   }
 };
@@ -209,7 +317,176 @@ __asm__(
 
 namespace kivi_sim {
 
-inline void switch_from(Fiber* f);
+// ---- messages ----
+
+// Appends printf-style text to `buf` (of `cap` bytes), truncating.
+inline void append(char* buf, size_t cap, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
+inline void append(char* buf, size_t cap, const char* fmt, ...) {
+  const size_t used = strlen(buf);
+  if (used + 1 >= cap) return;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf + used, cap - used, fmt, ap);
+  va_end(ap);
+}
+
+inline void append_site(char* buf, size_t cap, const Site& s) {
+  append(buf, cap, "%s (%s:%u", kind_name(s.kind), s.file, s.line);
+  if (s.kind != SYNCTHREADS && s.mask != 0xffffffffu) append(buf, cap, ", mask %#x", s.mask);
+  append(buf, cap, ")");
+}
+
+// Lists where the fibers [lo, hi) are, runs of equal state and site merged:
+// "threads 0-6 wait at __syncthreads (f.cu:12); threads 7-63 exited".
+inline void append_where(char* buf, size_t cap, const Worker& w, unsigned lo, unsigned hi) {
+  unsigned i = lo;
+  bool first = true;
+  while (i < hi) {
+    const Fiber& a = w.fibers[i];
+    unsigned j = i + 1;
+    while (j < hi && w.fibers[j].state == a.state &&
+           (a.state != AT_BLOCK && a.state != AT_WARP ? true : same_site(w.fibers[j].site, a.site)))
+      ++j;
+    append(buf, cap, "%s", first ? "" : "; ");
+    first = false;
+    if (j - i == 1) append(buf, cap, "thread %u ", i);
+    else append(buf, cap, "threads %u-%u ", i, j - 1);
+    switch (a.state) {
+      case AT_BLOCK:
+      case AT_WARP:
+        append(buf, cap, "wait at ");
+        append_site(buf, cap, a.site);
+        break;
+      case DONE: append(buf, cap, "exited"); break;
+      case FAILED: append(buf, cap, "failed"); break;
+      default: append(buf, cap, "are runnable"); break;
+    }
+    i = j;
+  }
+}
+
+// ---- scheduling ----
+
+inline uint64_t splitmix(uint64_t& s) {
+  uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// The priority order of this barrier phase (see the header comment).
+inline void draw_order(Worker& w) {
+  const unsigned n = w.nfibers;
+  unsigned* o = w.order;
+  switch (w.opts->schedule) {
+    case SCHED_IN_ORDER:
+      for (unsigned p = 0; p < n; ++p) o[p] = p;
+      break;
+    case SCHED_REVERSE:
+      for (unsigned p = 0; p < n; ++p) o[p] = n - 1 - p;
+      break;
+    default: {
+      uint64_t s = w.opts->seed;
+      s = splitmix(s) ^ (w.block_linear * 0xd1b54a32d192ed03ull);
+      s = splitmix(s) ^ ((uint64_t)w.round * 0x8cb92ba72f3d8dd7ull);
+      splitmix(s);
+      if (splitmix(s) & 1) {  // every thread for itself
+        for (unsigned p = 0; p < n; ++p) o[p] = p;
+        for (unsigned p = n; p > 1; --p) {
+          const unsigned q = (unsigned)(splitmix(s) % p);
+          const unsigned t = o[p - 1];
+          o[p - 1] = o[q];
+          o[q] = t;
+        }
+      } else {  // whole warps in a random order, lanes up, down or shuffled
+        unsigned warps[32];
+        const unsigned nw = w.nwarps;
+        for (unsigned k = 0; k < nw; ++k) warps[k] = k;
+        for (unsigned k = nw; k > 1; --k) {
+          const unsigned q = (unsigned)(splitmix(s) % k);
+          const unsigned t = warps[k - 1];
+          warps[k - 1] = warps[q];
+          warps[q] = t;
+        }
+        unsigned p = 0;
+        for (unsigned k = 0; k < nw; ++k) {
+          const unsigned lo = warps[k] * 32, hi = lo + 32 < n ? lo + 32 : n;
+          const unsigned p0 = p;
+          const unsigned how = (unsigned)(splitmix(s) % 3);
+          for (unsigned i = lo; i < hi; ++i) o[p++] = how == 1 ? hi - 1 - (i - lo) : i;
+          if (how == 2) {
+            for (unsigned m = hi - lo; m > 1; --m) {
+              const unsigned q = p0 + (unsigned)(splitmix(s) % m);
+              const unsigned t = o[p0 + m - 1];
+              o[p0 + m - 1] = o[q];
+              o[q] = t;
+            }
+          }
+        }
+      }
+    }
+  }
+  for (unsigned p = 0; p < n; ++p) w.fibers[o[p]].pos = p;
+  w.cursor = 0;
+}
+
+inline Fiber* next_ready(Worker& w) {
+  for (unsigned p = w.cursor; p < w.nfibers; ++p) {
+    Fiber* g = &w.fibers[w.order[p]];
+    if (g->state == READY) {
+      w.cursor = p;
+      return g;
+    }
+  }
+  w.cursor = w.nfibers;
+  return nullptr;
+}
+
+inline void make_ready(Worker& w, Fiber& g) {
+  g.state = READY;
+  if (g.pos < w.cursor) w.cursor = g.pos;
+}
+
+// Leaves fiber `f` (its state already set) for the first ready fiber of the
+// order — `f` itself when a barrier it completed made it the first — or for
+// the scheduler when none is ready.
+inline void switch_from(Fiber* f) {
+  Worker& w = *worker;
+  Fiber* g = next_ready(w);
+  if (g == f) return;
+  if (g != nullptr) {
+    current = g;
+    kivi_sim_swap(&f->sp, g->sp);
+  } else {
+    kivi_sim_swap(&f->sp, w.sched_sp);
+  }
+}
+
+// Stops the block: the message is already in worker->error.
+[[noreturn]] inline void stop() {
+  Worker& w = *worker;
+  Fiber* f = current;
+  w.failed = true;
+  f->state = FAILED;
+  kivi_sim_swap(&f->sp, w.sched_sp);
+  __builtin_unreachable();  // a failed fiber is never resumed
+}
+
+// Stops the block with a message about the running thread.
+[[noreturn]] inline void fail(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+[[noreturn]] inline void fail(const char* fmt, ...) {
+  Worker& w = *worker;
+  const Fiber* f = current;
+  w.error[0] = 0;
+  append(w.error, sizeof w.error, "thread (%u, %u, %u) (warp %u, lane %u): ", f->tid.x, f->tid.y, f->tid.z, f->warp,
+         f->lane);
+  const size_t used = strlen(w.error);
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(w.error + used, sizeof w.error - used, fmt, ap);
+  va_end(ap);
+  stop();
+}
 
 inline void fiber_main(Fiber* f) {
   worker->body(worker->ctx);
@@ -236,97 +513,175 @@ inline void fiber_reset(Fiber& f) {
   f.phase = 0;
 }
 
-// Leaves fiber `f` (its state already set): straight into the next ready
-// fiber of this round, or back to the scheduler when there is none.
-inline void switch_from(Fiber* f) {
+inline unsigned warp_lanes(const Worker& w, unsigned warp) {
+  const unsigned lo = warp * 32;
+  return w.nfibers - lo < 32 ? w.nfibers - lo : 32;
+}
+
+// The running fiber waits at __syncthreads; the last to arrive checks that
+// everyone called the same one and releases the block into a new phase.
+inline void arrive_block(const char* file, unsigned line) {
   Worker& w = *worker;
-  Fiber* end = w.fibers + w.nfibers;
-  for (Fiber* g = f + 1; g < end; ++g) {
-    if (g->state == READY) {
-      current = g;
-      kivi_sim_swap(&f->sp, g->sp);
+  Fiber* f = current;
+  f->state = AT_BLOCK;
+  f->site = Site{file, line, SYNCTHREADS, 0xffffffffu};
+  if (++w.block_arrived == w.nfibers) {
+    for (unsigned i = 0; i < w.nfibers; ++i) {
+      if (!same_site(w.fibers[i].site, f->site)) {
+        snprintf(w.error, sizeof w.error, "divergent __syncthreads(): the threads of the block wait at different calls: ");
+        append_where(w.error, sizeof w.error, w, 0, w.nfibers);
+        stop();
+      }
+    }
+    w.block_arrived = 0;
+    ++w.round;
+    draw_order(w);
+    for (unsigned i = 0; i < w.nfibers; ++i) w.fibers[i].state = READY;
+  }
+  switch_from(f);
+}
+
+// The running fiber waits at a warp collective; the last lane of the warp
+// to arrive checks that all called the same one and releases the warp.
+inline void arrive_warp(unsigned kind, unsigned mask, const char* file, unsigned line) {
+  Worker& w = *worker;
+  Fiber* f = current;
+  if (mask != 0xffffffffu) {
+    fail("%s (%s:%u) with mask %#x: only full-warp masks are implemented", kind_name(kind), file, line, mask);
+  }
+  const unsigned lanes = warp_lanes(w, f->warp);
+  if (lanes != 32) {
+    fail("%s (%s:%u) with mask %#x names lanes %u-31 of warp %u, which do not exist (the block has %u threads)",
+         kind_name(kind), file, line, mask, lanes, f->warp, w.nfibers);
+  }
+  f->state = AT_WARP;
+  f->site = Site{file, line, kind, mask};
+  if (++w.warp_arrived[f->warp] == lanes) {
+    const unsigned lo = f->warp * 32;
+    for (unsigned i = lo; i < lo + lanes; ++i) {
+      if (!same_site(w.fibers[i].site, f->site)) {
+        snprintf(w.error, sizeof w.error, "the lanes of warp %u wait at different warp collectives: ", f->warp);
+        append_where(w.error, sizeof w.error, w, lo, lo + lanes);
+        stop();
+      }
+    }
+    w.warp_arrived[f->warp] = 0;
+    for (unsigned i = lo; i < lo + lanes; ++i) make_ready(w, w.fibers[i]);
+  }
+  switch_from(f);
+}
+
+// Why no fiber can run although some have not finished.
+inline void describe_deadlock(Worker& w) {
+  const unsigned n = w.nfibers;
+  w.error[0] = 0;
+  for (unsigned wp = 0; wp < w.nwarps; ++wp) {
+    const unsigned lo = wp * 32, hi = lo + warp_lanes(w, wp);
+    unsigned at = 0;
+    for (unsigned i = lo; i < hi; ++i) at += w.fibers[i].state == AT_WARP;
+    if (at != 0) {
+      append(w.error, sizeof w.error,
+             "a warp shuffle or __syncwarp was reached by %u of the %u lanes of warp %u "
+             "(the others exited or wait elsewhere): ",
+             at, hi - lo, wp);
+      append_where(w.error, sizeof w.error, w, lo, hi);
       return;
     }
   }
-  kivi_sim_swap(&f->sp, w.sched_sp);
+  unsigned at = 0;
+  for (unsigned i = 0; i < n; ++i) at += w.fibers[i].state == AT_BLOCK;
+  append(w.error, sizeof w.error, "__syncthreads() was reached by %u of %u threads; the others exited: ", at, n);
+  append_where(w.error, sizeof w.error, w, 0, n);
 }
 
-inline void yield_to_scheduler(State s) {
-  Fiber* f = current;
-  f->state = s;
-  switch_from(f);
+inline unsigned long long next_epoch() {
+  static unsigned long long counter = 0;
+  return __atomic_add_fetch(&counter, 1ull, __ATOMIC_RELAXED);
 }
 
 // Runs one block to completion; false (and worker->error) if it cannot.
 inline bool run_block(Worker& w) {
   const unsigned n = w.nfibers;
-  Fiber* fs = w.fibers;
-  for (unsigned i = 0; i < n; ++i) fiber_reset(fs[i]);
-  const unsigned warps = (n + 31) / 32;
-  for (;;) {
-    for (unsigned i = 0; i < n; ++i) {
-      if (fs[i].state == READY) {  // runs this fiber and every ready one after it
-        current = &fs[i];
-        kivi_sim_swap(&w.sched_sp, fs[i].sp);
-      }
-    }
-    current = nullptr;
-    // Everyone is at a barrier or done. Release whole warps first.
-    bool released = false;
-    for (unsigned wp = 0; wp < warps; ++wp) {
-      const unsigned lo = wp * 32, hi = lo + 32 < n ? lo + 32 : n;
-      unsigned at = 0;
-      for (unsigned i = lo; i < hi; ++i) at += fs[i].state == AT_WARP;
-      if (at == 0) continue;
-      if (at != hi - lo) {
-        snprintf(w.error, sizeof w.error,
-                 "a warp shuffle or __syncwarp was reached by %u of the %u lanes of warp %u "
-                 "(the others exited or wait at __syncthreads)",
-                 at, hi - lo, wp);
-        return false;
-      }
-      for (unsigned i = lo; i < hi; ++i) fs[i].state = READY;
-      released = true;
-    }
-    if (released) continue;
-    unsigned at = 0, done = 0;
-    for (unsigned i = 0; i < n; ++i) {
-      at += fs[i].state == AT_BLOCK;
-      done += fs[i].state == DONE;
-    }
-    if (done == n) {
-      for (unsigned i = 0; i < n; ++i) {
-        if (memcmp(fs[i].stack, &CANARY, sizeof CANARY) != 0) {
-          snprintf(w.error, sizeof w.error, "thread %u overflowed its 256 KiB simulated stack", i);
-          return false;
-        }
-      }
-      return true;
-    }
-    if (at == n) {
-      for (unsigned i = 0; i < n; ++i) fs[i].state = READY;
-      continue;
-    }
-    snprintf(w.error, sizeof w.error, "__syncthreads() was reached by %u of %u threads; the others exited", at, n);
+  for (unsigned i = 0; i < n; ++i) fiber_reset(w.fibers[i]);
+  for (unsigned k = 0; k < w.nwarps; ++k) w.warp_arrived[k] = 0;
+  w.block_arrived = 0;
+  w.round = 0;
+  w.failed = false;
+  w.error[0] = 0;
+  w.epoch = next_epoch();
+  w.shared_used = 0;
+  draw_order(w);
+  Fiber* g = next_ready(w);
+  current = g;
+  kivi_sim_swap(&w.sched_sp, g->sp);
+  // Back here when no fiber is ready: all done, one failed, or a deadlock.
+  current = nullptr;
+  if (w.failed) return false;
+  unsigned done = 0;
+  for (unsigned i = 0; i < n; ++i) done += w.fibers[i].state == DONE;
+  if (done != n) {
+    describe_deadlock(w);
     return false;
+  }
+  for (unsigned i = 0; i < n; ++i) {
+    if (memcmp(w.fibers[i].stack, &CANARY, sizeof CANARY) != 0) {
+      snprintf(w.error, sizeof w.error, "thread %u overflowed its 256 KiB simulated stack", i);
+      return false;
+    }
+  }
+  return true;
+}
+
+// ---- shared memory and loads ----
+
+// The first thread of a block to pass a KIVI_SHARED declaration poisons the
+// array and counts it against the block's shared memory.
+inline void shared_reached(void* p, size_t bytes, unsigned long long& seen, const char* name, const char* file,
+                           unsigned line) {
+  Worker& w = *worker;
+  if (seen == w.epoch) return;
+  seen = w.epoch;
+  memset(p, (int)(w.opts->poison & 0xffu), bytes);
+  w.shared_used += bytes;
+  if (w.shared_used > w.opts->max_shared) {
+    fail("static shared memory: `%s` (%zu bytes, %s:%u) brings this block to %llu bytes, over the %u-byte limit "
+         "of the architecture",
+         name, bytes, file, line, w.shared_used, w.opts->max_shared);
+  }
+  if (w.opts->declared_shared != 0xffffffffu && w.shared_used > w.opts->declared_shared) {
+    fail("static shared memory: `%s` (%zu bytes, %s:%u) brings this block to %llu bytes, more than the %u bytes "
+         "the kernel's EntryLaunch::shared_bytes declares",
+         name, bytes, file, line, w.shared_used, w.opts->declared_shared);
   }
 }
 
-template <class T> inline T shuffle(unsigned mask, T v, unsigned src, const char* what) {
-  static_assert(sizeof(T) <= 8, "sim_shim: shuffles of more than 8 bytes are not implemented");
-  if (mask != 0xffffffffu) {
-    fprintf(stderr, "sim_shim: %s with mask %#x: only full-warp masks are implemented\n", what, mask);
-    abort();
+template <class V> inline V vector_load(const void* p, const char* file, unsigned line) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  if (a % sizeof(V) != 0) {
+    fail("misaligned %zu-byte vector load at %s:%u: address %p is %zu bytes past a multiple of %zu", sizeof(V), file,
+         line, p, (size_t)(a % sizeof(V)), sizeof(V));
   }
+  V v;
+  memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+// ---- collectives ----
+
+template <class T>
+inline T shuffle(unsigned kind, unsigned mask, T v, unsigned src, const char* file, unsigned line) {
+  static_assert(sizeof(T) <= 8, "sim_shim: shuffles of more than 8 bytes are not implemented");
   Fiber* f = current;
   uint64_t* slots = &worker->exch[(f->warp * 2 + f->phase) * 32];
   f->phase ^= 1;  // double buffering: one barrier per shuffle is enough
   memcpy(&slots[f->lane], &v, sizeof(T));
-  yield_to_scheduler(AT_WARP);
+  arrive_warp(kind, mask, file, line);
   T r;
   memcpy(&r, &slots[src & 31], sizeof(T));
   return r;
 }
+
+// ---- launches ----
 
 template <size_t... I> struct Seq {};
 template <size_t N, size_t... I> struct MakeSeq : MakeSeq<N - 1, N - 1, I...> {};
@@ -350,9 +705,11 @@ template <class... A> struct Launch {
   }
 };
 
-inline unsigned workers_wanted(unsigned long long blocks) {
-  long n = sysconf(_SC_NPROCESSORS_ONLN);
-  if (const char* e = getenv("KIVI_SIM_THREADS")) n = atol(e);
+inline unsigned workers_wanted(unsigned long long blocks, unsigned asked) {
+  long n = asked != 0 ? (long)asked : sysconf(_SC_NPROCESSORS_ONLN);
+  if (asked == 0) {
+    if (const char* e = getenv("KIVI_SIM_THREADS")) n = atol(e);
+  }
   if (n < 1) n = 1;
   if ((unsigned long long)n > blocks) n = (long)blocks;
   return n < 1 ? 1u : (unsigned)n;
@@ -362,12 +719,14 @@ inline unsigned workers_wanted(unsigned long long blocks) {
 struct Job {
   void (*body)(void*);
   void* ctx;
+  const Options* opts;
   dim3 grid, block;
   unsigned long long blocks;
-  unsigned long long next;  // atomically incremented
+  unsigned long long next;         // atomically incremented
+  unsigned long long error_block;  // the block that reported job.error
   int stop;
   pthread_mutex_t lock;
-  char error[320];
+  char error[1200];
 };
 
 inline void* work(void* arg) {
@@ -378,14 +737,19 @@ inline void* work(void* arg) {
   w.grid_dim = job.grid;
   w.body = job.body;
   w.ctx = job.ctx;
+  w.opts = job.opts;
   w.nfibers = threads;
+  w.nwarps = (threads + 31) / 32;
   w.fibers = static_cast<Fiber*>(calloc(threads, sizeof(Fiber)));
-  w.exch = static_cast<uint64_t*>(calloc(((threads + 31) / 32) * 64, sizeof(uint64_t)));
+  w.order = static_cast<unsigned*>(calloc(threads, sizeof(unsigned)));
+  w.warp_arrived = static_cast<unsigned*>(calloc(w.nwarps, sizeof(unsigned)));
+  w.exch = static_cast<uint64_t*>(calloc((size_t)w.nwarps * 64, sizeof(uint64_t)));
   for (unsigned i = 0; i < threads; ++i) {
     Fiber& f = w.fibers[i];
     f.stack = static_cast<char*>(malloc(STACK));
     memcpy(f.stack, &CANARY, sizeof CANARY);
     f.tid = uint3{i % job.block.x, (i / job.block.x) % job.block.y, i / (job.block.x * job.block.y)};
+    f.index = i;
     f.warp = i / 32;
     f.lane = i % 32;
   }
@@ -395,10 +759,14 @@ inline void* work(void* arg) {
     if (bi >= job.blocks || __atomic_load_n(&job.stop, __ATOMIC_RELAXED)) break;
     w.block = uint3{(unsigned)(bi % job.grid.x), (unsigned)((bi / job.grid.x) % job.grid.y),
                     (unsigned)(bi / ((unsigned long long)job.grid.x * job.grid.y))};
+    w.block_linear = bi;
     if (!run_block(w)) {
       pthread_mutex_lock(&job.lock);
-      if (job.error[0] == 0)
+      // The lowest failing block reports, so the message does not depend on the worker count.
+      if (job.error[0] == 0 || bi < job.error_block) {
+        job.error_block = bi;
         snprintf(job.error, sizeof job.error, "block (%u, %u, %u): %s", w.block.x, w.block.y, w.block.z, w.error);
+      }
       pthread_mutex_unlock(&job.lock);
       __atomic_store_n(&job.stop, 1, __ATOMIC_RELAXED);
       break;
@@ -410,25 +778,33 @@ inline void* work(void* arg) {
 
 // dims = {grid x, y, z, block x, y, z}. Returns 0, or 1 with a message in err.
 template <class... A>
-inline int launch(void (*kernel)(A...), const unsigned* dims, void** args, char* err, int errlen) {
+inline int launch(void (*kernel)(A...), const unsigned* dims, void** args, const Options* opts, char* err,
+                  int errlen) {
+  if (opts == nullptr || opts->size != sizeof(Options)) {
+    snprintf(err, (size_t)errlen, "launch options of %u bytes; this library expects %zu (a stale library?)",
+             opts == nullptr ? 0u : opts->size, sizeof(Options));
+    return 1;
+  }
   Launch<A...> l{kernel, args};
   Job job;
   job.body = &Launch<A...>::run;
   job.ctx = &l;
+  job.opts = opts;
   job.grid = dim3{dims[0], dims[1], dims[2]};
   job.block = dim3{dims[3], dims[4], dims[5]};
   job.blocks = (unsigned long long)dims[0] * dims[1] * dims[2];
   job.next = 0;
+  job.error_block = 0;
   job.stop = 0;
   job.error[0] = 0;
-  pthread_mutex_init(&job.lock, nullptr);
   const unsigned long long threads = (unsigned long long)dims[3] * dims[4] * dims[5];
   if (threads == 0 || threads > 1024) {
     snprintf(err, (size_t)errlen, "a block of %llu threads; expected 1 to 1024", threads);
     return 1;
   }
   if (job.blocks == 0) return 0;
-  const unsigned nw = workers_wanted(job.blocks);
+  pthread_mutex_init(&job.lock, nullptr);
+  const unsigned nw = workers_wanted(job.blocks, opts->workers);
   pthread_t pool[64];
   unsigned started = 0;
   for (unsigned i = 1; i < nw && i < 64; ++i) {
@@ -446,42 +822,60 @@ inline int launch(void (*kernel)(A...), const unsigned* dims, void** args, char*
 
 }  // namespace kivi_sim
 
-inline void __syncthreads() { kivi_sim::yield_to_scheduler(kivi_sim::AT_BLOCK); }
-inline void __syncwarp(unsigned mask = 0xffffffffu) {
-  if (mask != 0xffffffffu) {
-    fprintf(stderr, "sim_shim: __syncwarp with a partial mask is not implemented\n");
-    abort();
-  }
-  kivi_sim::yield_to_scheduler(kivi_sim::AT_WARP);
+// ---- the CUDA names ----
+
+#define KIVI_SHARED(T, name, dims)                         \
+  static thread_local T name dims;                         \
+  static thread_local unsigned long long kivi_seen_##name; \
+  ::kivi_sim::shared_reached(&name, sizeof(name), kivi_seen_##name, #name, __FILE__, __LINE__)
+
+#define KIVI_LOAD_VECTOR(V, p) (::kivi_sim::vector_load<V>((p), __FILE__, __LINE__))
+
+inline void __syncthreads(const char* file = __builtin_FILE(), unsigned line = __builtin_LINE()) {
+  kivi_sim::arrive_block(file, line);
 }
-template <class T> inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+inline void __syncwarp(unsigned mask = 0xffffffffu, const char* file = __builtin_FILE(),
+                       unsigned line = __builtin_LINE()) {
+  kivi_sim::arrive_warp(kivi_sim::SYNCWARP, mask, file, line);
+}
+template <class T>
+inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32, const char* file = __builtin_FILE(),
+                         unsigned line = __builtin_LINE()) {
   const unsigned lane = kivi_sim::current->lane;
   unsigned src = lane ^ (unsigned)lane_mask;
   if ((src & ~(unsigned)(width - 1)) != (lane & ~(unsigned)(width - 1))) src = lane;
-  return kivi_sim::shuffle(mask, v, src, "__shfl_xor_sync");
+  return kivi_sim::shuffle(kivi_sim::SHFL_XOR, mask, v, src, file, line);
 }
-template <class T> inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+template <class T>
+inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32, const char* file = __builtin_FILE(),
+                          unsigned line = __builtin_LINE()) {
   const unsigned lane = kivi_sim::current->lane;
   unsigned src = lane + delta;
   if ((src & ~(unsigned)(width - 1)) != (lane & ~(unsigned)(width - 1))) src = lane;
-  return kivi_sim::shuffle(mask, v, src, "__shfl_down_sync");
+  return kivi_sim::shuffle(kivi_sim::SHFL_DOWN, mask, v, src, file, line);
 }
-template <class T> inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+template <class T>
+inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32, const char* file = __builtin_FILE(),
+                        unsigned line = __builtin_LINE()) {
   const unsigned lane = kivi_sim::current->lane;
   const unsigned seg = lane & ~(unsigned)(width - 1);
   const unsigned src = lane - seg >= delta ? lane - delta : lane;
-  return kivi_sim::shuffle(mask, v, src, "__shfl_up_sync");
+  return kivi_sim::shuffle(kivi_sim::SHFL_UP, mask, v, src, file, line);
 }
-template <class T> inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
+template <class T>
+inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32, const char* file = __builtin_FILE(),
+                     unsigned line = __builtin_LINE()) {
   const unsigned lane = kivi_sim::current->lane;
   const unsigned src = (lane & ~(unsigned)(width - 1)) + ((unsigned)src_lane & (unsigned)(width - 1));
-  return kivi_sim::shuffle(mask, v, src, "__shfl_sync");
+  return kivi_sim::shuffle(kivi_sim::SHFL_IDX, mask, v, src, file, line);
 }
 
 // The entry point the sim backend calls for kernel `name` (defined after it):
-//   extern "C" int <symbol>(const unsigned* dims, void** args, char* err, int errlen)
-#define KIVI_SIM_EXPORT(symbol, name)                                                  \
-  extern "C" __attribute__((visibility("default"))) int symbol(const unsigned* dims, void** args, char* err, \
-                                                               int errlen) {           \
-    return ::kivi_sim::launch(name, dims, args, err, errlen);                           \
+//   extern "C" int <symbol>(const unsigned* dims, void** args,
+//                           const kivi_sim::Options* opts, char* err, int errlen)
+#define KIVI_SIM_EXPORT(symbol, name)                                                                   \
+  extern "C" __attribute__((visibility("default"))) int symbol(const unsigned* dims, void** args,        \
+                                                               const ::kivi_sim::Options* opts, char* err, \
+                                                               int errlen) {                             \
+    return ::kivi_sim::launch(name, dims, args, opts, err, errlen);                                      \
   }

@@ -301,7 +301,7 @@ pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant)
     for (file, text) in TEMPLATES {
         let wanted = match file {
             "kivi_common.cuh" => true,
-            "kivi_decode.cuh" => matches!(kernel, Kernel::Decode | Kernel::Combine),
+            "kivi_decode.cuh" => kernel == Kernel::Decode,
             _ => matches!(kernel, Kernel::Prefill | Kernel::Append),
         };
         if wanted {
@@ -352,7 +352,7 @@ pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant)
     let mut entry_points = Vec::new();
     let f32s = |n: usize| (n * 4) as u32;
     match kernel {
-        Kernel::Decode | Kernel::Combine => {
+        Kernel::Decode => {
             let h = v.heads_per_block as usize;
             if kernel == Kernel::Decode {
                 entry(

@@ -71,10 +71,10 @@ pub enum Kernel {
     /// One decode step: store the new token, flush what leaves the window.
     Append,
     /// Fused dequantize + decode attention, split over the sequence; its
-    /// source also holds the combine kernel.
+    /// source also holds the combine kernel that merges the splits (one
+    /// combine per decode variant, launched right after it: there is no
+    /// separate combine source, so nothing is generated that nothing runs).
     Decode,
-    /// Merges the per-split partial results of [`Kernel::Decode`].
-    Combine,
 }
 
 impl Kernel {
@@ -84,7 +84,6 @@ impl Kernel {
             Kernel::Prefill => "prefill",
             Kernel::Append => "append",
             Kernel::Decode => "decode",
-            Kernel::Combine => "combine",
         }
     }
 
@@ -94,13 +93,12 @@ impl Kernel {
             "prefill" => Ok(Kernel::Prefill),
             "append" => Ok(Kernel::Append),
             "decode" => Ok(Kernel::Decode),
-            "combine" => Ok(Kernel::Combine),
             _ => Err(GenError::BadKernel(s.to_string())),
         }
     }
 
     /// Every kernel.
-    pub const ALL: [Kernel; 4] = [Kernel::Prefill, Kernel::Append, Kernel::Decode, Kernel::Combine];
+    pub const ALL: [Kernel; 3] = [Kernel::Prefill, Kernel::Append, Kernel::Decode];
 }
 
 impl fmt::Display for Kernel {
@@ -121,10 +119,13 @@ pub enum GenError {
     InvalidVariant { variant: String, why: String },
     /// A `--variant` name that does not parse.
     BadVariantName(String),
-    /// A kernel name that is not `prefill`, `append`, `decode` or `combine`.
+    /// A kernel name that is not `prefill`, `append` or `decode`.
     BadKernel(String),
     /// A block size the scheme cannot use.
     BlockTokens(String),
+    /// A codec the templates cannot instantiate yet (see [`check_supported`]):
+    /// what it is, and the part of the scheme that asks for it.
+    Unsupported { what: String, field: kivi_spec::Field },
 }
 
 impl fmt::Display for GenError {
@@ -140,8 +141,15 @@ impl fmt::Display for GenError {
                 f,
                 "`{n}` is not a variant name; expected e.g. `t128.tile32.s8.h4.w1.u1`"
             ),
-            GenError::BadKernel(k) => write!(f, "unknown kernel `{k}`; expected prefill, append, decode or combine"),
+            GenError::BadKernel(k) => write!(
+                f,
+                "unknown kernel `{k}`; expected prefill, append or decode (the combine kernel is part of every decode source)"
+            ),
             GenError::BlockTokens(m) => write!(f, "{m}"),
+            GenError::Unsupported { what, .. } => write!(
+                f,
+                "the CUDA templates cannot generate {what} yet; the CPU backend and the reference run it"
+            ),
         }
     }
 }
@@ -254,8 +262,57 @@ pub struct GenOptions {
     pub block_tokens: Option<usize>,
 }
 
+/// Whether the templates can instantiate every part of `scheme`'s codecs.
+/// They implement KIVI's uniform codes on an axis; the codec pipeline
+/// (Hadamard rotations, Lloyd–Max levels, sparse outliers, centering) runs on
+/// the reference and CPU backends only for now, and is refused here by name
+/// rather than generated wrong.
+///
+/// ```
+/// use kivi_spec::{parse_scheme, presets};
+/// assert!(kivi_templates::check_supported(&presets::kivi2()).is_ok());
+/// let s = parse_scheme("R { key: quant(bits = 2, axis = channel, group = 32), value: quant(bits = 2, axis = token, group = 32),
+///     rotation: hadamard(block = 64, apply = [key]) }").unwrap();
+/// let e = kivi_templates::check_supported(&s).unwrap_err();
+/// assert!(e.to_string().contains("Hadamard rotation"), "{e}");
+/// ```
+pub fn check_supported(scheme: &Scheme) -> Result<(), GenError> {
+    use kivi_spec::{Field, Levels, Tensor};
+    let unsupported = |what: String, field: Field| Err(GenError::Unsupported { what, field });
+    if let Some(r) = &scheme.rotation {
+        return unsupported(
+            format!("a Hadamard rotation (`rotation: hadamard(block = {})`)", r.block),
+            Field::Rotation,
+        );
+    }
+    if let Some(o) = &scheme.outliers {
+        return unsupported(
+            format!("sparse outliers (`outliers: sparse(per_token = {})`)", o.per_token),
+            Field::Outliers,
+        );
+    }
+    if let Some(c) = &scheme.center {
+        return unsupported(
+            format!("per-channel centering (`center: channel_mean(tokens = {})`)", c.tokens),
+            Field::Center,
+        );
+    }
+    for t in [Tensor::Key, Tensor::Value] {
+        if let Some(q) = scheme.codec(t).quant() {
+            if q.levels != Levels::Uniform {
+                return unsupported(
+                    format!("Lloyd–Max levels (`{} levels = lloyd_max`)", t.name()),
+                    Field::Levels(t),
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 fn layout_of(scheme: &Scheme, opts: GenOptions) -> Result<BlockLayout, GenError> {
     kivi_spec::validate(scheme).map_err(|e| GenError::Scheme(e.message))?;
+    check_supported(scheme)?;
     let shape = scheme.shape().ok_or_else(|| GenError::Unbound(scheme.name.clone()))?;
     let bt = opts.block_tokens.unwrap_or_else(|| default_block_tokens(scheme));
     kivi_spec::layout::check_block_tokens(scheme, bt).map_err(GenError::BlockTokens)?;
@@ -290,6 +347,57 @@ pub fn default_variant(scheme: &Scheme, kernel: Kernel) -> Variant {
         .into_iter()
         .next()
         .unwrap_or_else(|| variant::space_fallback(kernel))
+}
+
+/// Why [`default_kernels`] failed: the message `kivi::scheme!` reports, and
+/// the part of the scheme it is about, where the generator names one.
+pub type KernelError = (String, Option<kivi_spec::Field>);
+
+/// `(name, source)` of the default variant of the prefill, append and
+/// decode kernels of a scheme with a shape (none without one): what
+/// `kivi::scheme!` embeds. On failure, the message the macro reports and
+/// the part of the scheme it is about, where the generator names one.
+pub fn default_kernels(s: &Scheme) -> Result<Vec<(String, String)>, KernelError> {
+    if s.shape().is_none() {
+        return Ok(Vec::new());
+    }
+    [Kernel::Prefill, Kernel::Append, Kernel::Decode]
+        .into_iter()
+        .map(|k| {
+            generate(s, k, &default_variant(s, k))
+                .map(|g| (g.name, g.source))
+                .map_err(|e| {
+                    let field = match &e {
+                        GenError::Unsupported { field, .. } => Some(*field),
+                        _ => None,
+                    };
+                    (format!("cannot generate the {k} kernel of `{}`: {e}", s.name), field)
+                })
+        })
+        .collect()
+}
+
+/// Everything `kivi::scheme!` checks, at run time: parse and validate every
+/// declaration in `text`, then generate the default kernels of those with a
+/// shape. Errors carry the line and column the macro would point at.
+///
+/// ```
+/// let text = "A { key: quant(bits = 2, axis = channel, group = 32), value: full,
+///     outliers: sparse(per_token = 1, apply = [key]), heads: mha(2), head_dim: 64 }";
+/// assert!(kivi_spec::parse_scheme(text).is_ok()); // a valid scheme...
+/// let e = kivi_templates::check_declarations(text).unwrap_err(); // ...the templates cannot do yet
+/// assert_eq!((e.line, e.column), (2, 15));
+/// ```
+pub fn check_declarations(text: &str) -> Result<(), kivi_spec::ParseError> {
+    for d in kivi_spec::parse_decls(text)? {
+        if let Err((msg, field)) = default_kernels(&d.scheme) {
+            let span = field
+                .and_then(|f| kivi_spec::span_for(&d.spans, f))
+                .unwrap_or_else(|| d.ident.span());
+            return Err(kivi_spec::ParseError::at(span, msg));
+        }
+    }
+    Ok(())
 }
 
 /// Generates the source of `kernel` for `scheme` (which must have a shape)

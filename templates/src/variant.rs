@@ -112,9 +112,6 @@ impl Variant {
         if self.splits == 0 || self.splits > 256 {
             return invalid(format!("{} splits is out of range; expected 1 to 256", self.splits));
         }
-        if kernel == Kernel::Combine {
-            return Ok(());
-        }
         if self.tile_tokens == 0 || self.tile_tokens > 256 {
             return invalid(format!(
                 "a tile of {} tokens is out of range; expected 1 to 256",
@@ -250,10 +247,6 @@ pub(crate) fn space(layout: &BlockLayout, kernel: Kernel) -> Vec<Variant> {
         Kernel::Prefill | Kernel::Append => [128, 64, 256]
             .into_iter()
             .map(|threads| Variant { threads, ..base })
-            .collect(),
-        Kernel::Combine => [8, 1, 32]
-            .into_iter()
-            .map(|splits| Variant { splits, ..base })
             .collect(),
         Kernel::Decode => {
             let pairs = head_width_pairs(layout);

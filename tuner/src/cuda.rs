@@ -6,17 +6,19 @@
 //!   estimates occupancy from the architecture's limits, prunes what
 //!   cannot run well, and ranks the rest. `kivi tune` prints it where no
 //!   GPU is usable.
-//! - [`CudaTarget`] tunes on a real GPU: the same pruning, then the shared
-//!   methodology of [`crate::tune`] with CUDA events on the kernel's stream
-//!   and L2 flushed before every timed launch (`Device::time`).
+//! - [`CudaTarget`] tunes on a device: a real GPU (the same pruning, then
+//!   the shared methodology of [`crate::tune`] with CUDA events on the
+//!   kernel's stream and L2 flushed before every timed launch) or the
+//!   simulated device, which runs the same host code on the CPU.
 
 use crate::bucket::Bucket;
-use crate::cpu::{build_inputs, compare};
+use crate::cpu::{build_inputs, check_inputs, compare};
 use crate::fingerprint::{Fingerprint, Toolchain};
 use crate::tune::{Candidate, Method, Target, Workload};
 use kivi_runtime::cuda::ptxas::Resources;
-use kivi_runtime::cuda::{Arch, Compiler, CudaBackend, Device, DeviceCache, NvrtcOptions};
-use kivi_runtime::{AttnParams, PagedCache, SeqId};
+use kivi_runtime::cuda::{Arch, Compiler, CudaDevice, NvrtcOptions};
+use kivi_runtime::device::{Device, DeviceCache, DeviceKind};
+use kivi_runtime::AttnParams;
 use kivi_spec::Scheme;
 use kivi_templates::{generate, variants, Generated, Kernel, Variant};
 use rayon::prelude::*;
@@ -218,10 +220,50 @@ pub fn static_ranking(
     Ok(rows)
 }
 
-/// The CUDA backend on a real GPU as a tuning target.
+/// What keys a device's tuning decisions: its kind (`cuda` or `sim`), name
+/// and hardware facts — never the ordinal.
+pub fn device_fingerprint(dev: &dyn Device) -> Fingerprint {
+    let i = dev.info();
+    let mut facts = BTreeMap::new();
+    facts.insert("cc".to_string(), i.arch.name());
+    facts.insert("sm_count".to_string(), i.sms.to_string());
+    facts.insert("l2".to_string(), i.l2_bytes.to_string());
+    facts.insert("mem_clock_khz".to_string(), i.mem_clock_khz.to_string());
+    facts.insert("bus_width_bits".to_string(), i.bus_width_bits.to_string());
+    facts.insert("total_mem".to_string(), i.total_mem.to_string());
+    facts.insert("driver".to_string(), i.driver_version.to_string());
+    Fingerprint {
+        backend: dev.kind().name().into(),
+        name: i.name.clone(),
+        facts,
+    }
+}
+
+/// The toolchain half of a device's decision key: NVRTC's version on a GPU,
+/// the host C++ compiler on the simulated device.
+pub fn device_toolchain(dev: &dyn Device, compiler: Option<&Compiler>) -> Toolchain {
+    let c = match (compiler, dev.kind()) {
+        (Some(c), DeviceKind::Cuda) => format!("nvrtc {}", c.version()),
+        (_, DeviceKind::Sim) => format!(
+            "sim {}",
+            kivi_runtime::sim::find_compiler().unwrap_or_else(|_| "no C++ compiler".into())
+        ),
+        (None, DeviceKind::Cuda) => "nvrtc (unknown)".into(),
+    };
+    Toolchain::current(&c)
+}
+
+/// The generated kernels on a [`Device`] as a tuning target: a GPU through
+/// cudarc, or the simulated device (`kivi tune --backend sim`), which runs
+/// exactly this code — candidates, correctness gate, timing loop — on the
+/// CPU, so none of it is GPU-only. Simulated timings rank nothing useful;
+/// they exist so the path is exercised.
 pub struct CudaTarget {
     scheme: Scheme,
-    dev: Arc<Device>,
+    dev: Arc<dyn Device>,
+    /// NVRTC for the device's architecture (ptxas resources for pruning):
+    /// the GPU's own; on the simulated device, NVRTC when it is provisioned.
+    compiler: Option<Compiler>,
     limits: SmLimits,
     /// Generated sources by variant name, canonical order.
     gens: Vec<(Variant, Generated)>,
@@ -229,10 +271,26 @@ pub struct CudaTarget {
 }
 
 impl CudaTarget {
-    /// GPU 0 and the generated decode variants of `scheme` (bound to a shape).
+    /// GPU 0 and the generated decode variants of `scheme` (bound to a
+    /// shape). Without a GPU this is an error that says why: `kivi tune
+    /// --backend cuda` never tunes something else instead.
     pub fn new(scheme: &Scheme) -> Result<CudaTarget, String> {
-        let be = CudaBackend::new().map_err(|e| e.to_string())?;
-        let dev = be.device().clone();
+        let dev = CudaDevice::new(0).map_err(|e| e.to_string())?;
+        let compiler = Some(dev.compiler().clone());
+        CudaTarget::with_device(scheme, Arc::new(dev), compiler)
+    }
+
+    /// The simulated device (an `sm_90` with 132 SMs unless `dev` says otherwise).
+    pub fn sim(scheme: &Scheme, dev: Arc<dyn Device>) -> Result<CudaTarget, String> {
+        CudaTarget::with_device(scheme, dev, Compiler::new().ok())
+    }
+
+    /// Any device, with an optional NVRTC for static resource checks.
+    pub fn with_device(
+        scheme: &Scheme,
+        dev: Arc<dyn Device>,
+        compiler: Option<Compiler>,
+    ) -> Result<CudaTarget, String> {
         let info = dev.info();
         let limits = SmLimits::of(info.arch, info.sms.max(1) as u32);
         let mut gens = Vec::new();
@@ -246,12 +304,8 @@ impl CudaTarget {
                 scheme.name
             ));
         }
-        Ok(CudaTarget {
-            scheme: scheme.clone(),
-            dev,
-            limits,
-            gens,
-            method: Method {
+        let method = match dev.kind() {
+            DeviceKind::Cuda => Method {
                 // Every launch is timed by CUDA events with L2 flushed
                 // before it; a sample is the median of enough launches to
                 // span 0.5 ms (at most 20), which amortises the flush
@@ -263,7 +317,29 @@ impl CudaTarget {
                 max_samples: 25,
                 ..Method::default()
             },
+            // Simulated launches take milliseconds to seconds: few samples.
+            DeviceKind::Sim => Method {
+                warmup_s: 0.0,
+                min_sample_s: 0.0,
+                max_iters: 1,
+                first_round: 2,
+                max_samples: 3,
+                ..Method::default()
+            },
+        };
+        Ok(CudaTarget {
+            scheme: scheme.clone(),
+            dev,
+            compiler,
+            limits,
+            gens,
+            method,
         })
+    }
+
+    /// The device tuned on.
+    pub fn device_handle(&self) -> &Arc<dyn Device> {
+        &self.dev
     }
 
     /// The variant behind a candidate name.
@@ -282,26 +358,13 @@ impl CudaTarget {
 
 impl Target for CudaTarget {
     fn backend(&self) -> &'static str {
-        "cuda"
+        self.dev.kind().name()
     }
     fn device(&self) -> Fingerprint {
-        let i = self.dev.info();
-        let mut facts = BTreeMap::new();
-        facts.insert("cc".to_string(), i.arch.name());
-        facts.insert("sm_count".to_string(), i.sms.to_string());
-        facts.insert("l2".to_string(), i.l2_bytes.to_string());
-        facts.insert("mem_clock_khz".to_string(), i.mem_clock_khz.to_string());
-        facts.insert("bus_width_bits".to_string(), i.bus_width_bits.to_string());
-        facts.insert("total_mem".to_string(), i.total_mem.to_string());
-        facts.insert("driver".to_string(), i.driver_version.to_string());
-        Fingerprint {
-            backend: "cuda".into(),
-            name: i.name.clone(),
-            facts,
-        }
+        device_fingerprint(self.dev.as_ref())
     }
     fn toolchain(&self) -> Toolchain {
-        Toolchain::current(&format!("nvrtc {}", self.dev.compiler().version()))
+        device_toolchain(self.dev.as_ref(), self.compiler.as_ref())
     }
     fn candidates(&self, bucket: &Bucket) -> Vec<Candidate> {
         self.gens
@@ -320,10 +383,11 @@ impl Target for CudaTarget {
     }
     fn check(&self, c: &Candidate, bucket: &Bucket) -> Result<(), String> {
         let g = self.generated(&c.name)?;
-        let compiled = self
-            .dev
-            .compiler()
-            .compile(&g.name, &g.source, &NvrtcOptions::for_arch(self.dev.arch()))
+        let Some(compiler) = &self.compiler else {
+            return Ok(()); // the simulator without NVRTC: launch limits only, checked at launch
+        };
+        let compiled = compiler
+            .compile(&g.name, &g.source, &NvrtcOptions::for_arch(self.dev.info().arch))
             .map_err(|e| format!("compile failed: {e}"))?;
         let (threads, _, _) = decode_launch(g, bucket.batch);
         if let Some(r) = compiled
@@ -340,15 +404,19 @@ impl Target for CudaTarget {
     fn workload<'a>(&'a self, bucket: &Bucket, _prep: f64) -> Result<Box<dyn Workload + 'a>, String> {
         let (cache, seqs, q, attn, want) = build_inputs(&self.scheme, bucket)?;
         let dc = DeviceCache::upload(self.dev.clone(), &cache, &seqs).map_err(|e| e.to_string())?;
+        let (ccache, cseqs, cq, cattn, cwant) = check_inputs(&self.scheme, bucket)?;
+        let check = DeviceCache::upload(self.dev.clone(), &ccache, &cseqs).map_err(|e| e.to_string())?;
         let bytes = dc.decode_bytes() as u64;
+        // Load every candidate at once (the simulator builds one library).
+        let names: Vec<Variant> = self.gens.iter().map(|(v, _)| *v).collect();
+        dc.decode_modules(&names).map_err(|e| e.to_string())?;
         Ok(Box::new(CudaWorkload {
             target: self,
-            _cache: cache,
-            _seqs: seqs,
             dc,
             q,
             attn,
             want,
+            check: (check, cq, cattn, cwant),
             bytes,
         }))
     }
@@ -362,12 +430,12 @@ impl Target for CudaTarget {
 
 struct CudaWorkload<'a> {
     target: &'a CudaTarget,
-    _cache: PagedCache,
-    _seqs: Vec<SeqId>,
     dc: DeviceCache,
     q: Vec<f32>,
     attn: AttnParams,
     want: Vec<f32>,
+    /// The second input set of the correctness gate (edge lengths).
+    check: (DeviceCache, Vec<f32>, AttnParams, Vec<f32>),
     bytes: u64,
 }
 
@@ -381,7 +449,12 @@ impl Workload for CudaWorkload<'_> {
             .dc
             .decode(&self.q, self.attn, Some(v))
             .map_err(|e| format!("failed: {e}"))?;
-        compare(&got, &self.want)
+        compare(&got, &self.want)?;
+        let (dc, q, attn, want) = &self.check;
+        let got = dc
+            .decode(q, *attn, Some(v))
+            .map_err(|e| format!("failed on the edge-length inputs: {e}"))?;
+        compare(&got, want).map_err(|e| format!("edge-length inputs: {e}"))
     }
     fn sample(&mut self, c: &Candidate, iters: u32) -> Result<f64, String> {
         // Compile and load happen outside timing (the module is cached by
@@ -392,13 +465,15 @@ impl Workload for CudaWorkload<'_> {
             .dc
             .prepare_decode(&m, &self.q, self.attn)
             .map_err(|e| e.to_string())?;
-        // The median of `iters` flushed, event-timed launches.
+        // The median of `iters` flushed, timed launches.
         let t = run.time(0, iters.max(1) as usize).map_err(|e| e.to_string())?;
         Ok(t.median_ms / 1e3)
     }
     fn describe(&self) -> String {
-        "CUDA events on the kernel's stream, L2 flushed (2x L2 cleared) before every launch, one launch per sample"
-            .into()
+        match self.target.dev.kind() {
+            DeviceKind::Cuda => "CUDA events on the kernel's stream, L2 flushed (2x L2 cleared) before every launch, one launch per sample".into(),
+            DeviceKind::Sim => "simulated device: host clock around each simulated launch (not a GPU timing; exercises the tuning path)".into(),
+        }
     }
 }
 
@@ -457,6 +532,10 @@ mod tests {
     fn static_ranking_with_nvrtc_reads_ptxas_resources() {
         // Only where NVRTC is provisioned (.cache/nvidia or KIVI_CUDA_HOME).
         let Ok(compiler) = Compiler::new() else {
+            assert!(
+                std::env::var_os("KIVI_REQUIRE_NVRTC").is_none(),
+                "KIVI_REQUIRE_NVRTC is set but NVRTC is unavailable"
+            );
             eprintln!("skipped: no NVRTC on this machine");
             return;
         };

@@ -41,6 +41,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod decisions;
 pub mod fingerprint;
+pub mod gpu_bench;
 pub mod plot;
 pub mod progress;
 pub mod select;

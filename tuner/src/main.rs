@@ -5,7 +5,32 @@
 mod cli;
 mod npy;
 
+use clap::error::ErrorKind;
 use clap::{Parser, Subcommand};
+
+/// clap's error as one line: its first line without the `error: ` prefix,
+/// and the valid values when it lists them.
+fn usage_line(e: &clap::Error) -> String {
+    let text = e.render().to_string();
+    let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
+    let first = lines.next().unwrap_or("invalid arguments");
+    let first = first.strip_prefix("error: ").unwrap_or(first);
+    match lines.find(|l| l.starts_with("[possible values:")) {
+        Some(values) => format!("{first} {values}"),
+        None => match e.kind() {
+            ErrorKind::MissingRequiredArgument => {
+                let missing: Vec<&str> = text
+                    .lines()
+                    .skip(1)
+                    .map(str::trim)
+                    .filter(|l| l.starts_with('-') || l.starts_with('<'))
+                    .collect();
+                format!("{first} {}", missing.join(", "))
+            }
+            _ => first.to_string(),
+        },
+    }
+}
 
 #[derive(Parser)]
 #[command(name = "kivi", version, about = "Quantized KV caches: declare, generate, tune, run")]
@@ -55,7 +80,17 @@ fn default_sigpipe() {}
 
 fn main() {
     default_sigpipe();
-    let cli = Cli::parse();
+    // Usage errors follow the CLI's rule too: one line on stderr, exit 2
+    // (clap's own report spans several lines); help and version print as usual.
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => e.exit(),
+        Err(e) if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => e.exit(),
+        Err(e) => {
+            eprintln!("kivi: error: {}", usage_line(&e));
+            std::process::exit(2);
+        }
+    };
     let result = match cli.cmd {
         Command::Schemes(a) => cli::schemes::run(a),
         Command::Show(a) => cli::show::run(a),

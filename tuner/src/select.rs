@@ -252,7 +252,7 @@ pub fn select_cpu(scheme: &Scheme, bucket: Bucket, opts: &SelectOptions) -> Resu
 }
 
 /// [`select_or_tune`] on CUDA, returning the decode variant to pass to
-/// `kivi_runtime::cuda::CudaBackend::with_variant`.
+/// `kivi_runtime::device::DeviceBackend::with_variant`.
 pub fn select_cuda(
     scheme: &Scheme,
     bucket: Bucket,

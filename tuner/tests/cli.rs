@@ -173,7 +173,7 @@ fn paths(s: &Scratch) -> [String; 4] {
 #[test]
 fn schemes_lists_every_preset_with_summary_and_hash() {
     let out = ok(&["schemes"]);
-    for p in presets::all() {
+    for p in presets::listed() {
         let line = out
             .lines()
             .find(|l| l.split_whitespace().next() == Some(p.name.as_str()))
@@ -183,9 +183,9 @@ fn schemes_lists_every_preset_with_summary_and_hash() {
         assert!(line.contains(&format!("residual: {}", p.residual)), "{line}");
     }
     let json: serde_json::Value = serde_json::from_str(&ok(&["schemes", "--json"])).unwrap();
-    assert_eq!(json.as_array().unwrap().len(), presets::all().len());
+    assert_eq!(json.as_array().unwrap().len(), presets::listed().len());
     // The canonical text parses back to the preset.
-    for (p, j) in presets::all().iter().zip(json.as_array().unwrap()) {
+    for (p, j) in presets::listed().iter().zip(json.as_array().unwrap()) {
         assert_eq!(&kivi_spec::parse_scheme(j["canonical"].as_str().unwrap()).unwrap(), p);
     }
 }
@@ -193,7 +193,16 @@ fn schemes_lists_every_preset_with_summary_and_hash() {
 #[test]
 fn show_reports_exact_bytes() {
     let out = ok(&["show", "kivi2", "--heads", "gqa:32:8", "--head-dim", "128"]);
-    assert!(out.contains("key          48 = codes 32 + scales 8 + zeros 8"), "{out}");
+    assert!(
+        out.contains("key          48 = codes 32 + scales 8 + zeros 8 + outliers 0"),
+        "{out}"
+    );
+    let codec = ok(&["show", "codec2", "--heads", "mqa:4", "--head-dim", "256"]);
+    assert!(
+        codec.contains("key         122 = codes 104 + scales 2 + zeros 0 + outliers 16"),
+        "{codec}"
+    );
+    assert!(codec.contains("all-in 2.9375 bits per element"), "{codec}");
     assert!(out.contains("total        96"), "{out}");
     assert!(out.contains("heads: gqa(q = 32, kv = 8),"), "{out}");
     let j: serde_json::Value = serde_json::from_str(&ok(&["show", "kivi2", "--context", "1000", "--json"])).unwrap();
@@ -580,4 +589,78 @@ fn writes_to_a_closed_pipe_do_not_panic() {
     drop(child.stdout.take());
     let out = child.wait_with_output().unwrap();
     assert!(!stderr(&out).contains("panicked"), "{}", stderr(&out));
+}
+
+/// `kivi attend --backend sim` runs the generated CUDA kernels on the
+/// simulated device (through the same device cache and launches as a GPU)
+/// and agrees with `--backend reference` on random inputs with outlier
+/// channels, in a batch of odd lengths, with and without a window.
+#[test]
+fn attend_on_the_simulated_device_agrees_with_the_reference() {
+    let s = Scratch::new("attend-sim");
+    let (b, t, hq, hkv, d) = (3, 130, 8, 2, 64);
+    let mut seed = 7u64;
+    let q = random(b * hq * d, &mut seed);
+    let k: Vec<f32> = random(b * t * hkv * d, &mut seed)
+        .iter()
+        .enumerate()
+        .map(|(i, x)| if i % d == 5 { x * 8.0 } else { *x })
+        .collect();
+    let v = random(b * t * hkv * d, &mut seed);
+    let p = paths(&s);
+    npy_f32(&p[0], &[b, hq, d], &q);
+    npy_f32(&p[1], &[b, t, hkv, d], &k);
+    npy_f32(&p[2], &[b, t, hkv, d], &v);
+    for window in [None, Some("37")] {
+        let mut outs = Vec::new();
+        for backend in ["reference", "sim"] {
+            let mut a = vec![
+                "--scheme",
+                "kivi2",
+                "--backend",
+                backend,
+                "--lens",
+                "1,33,127",
+                "--json",
+            ];
+            if let Some(w) = window {
+                a.extend(["--window", w]);
+            }
+            let out = ok(&attend_args(&p, &a));
+            let j: serde_json::Value = serde_json::from_str(&out).unwrap();
+            assert_eq!(j["backend"], backend);
+            outs.push(npy_read(&p[3]).1);
+        }
+        let scale = outs[0].iter().fold(0f32, |m, x| m.max(x.abs()));
+        assert!(scale > 0.1, "the reference output is not trivial");
+        let err = outs[0]
+            .iter()
+            .zip(&outs[1])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            err <= 1e-4 * scale,
+            "window {window:?}: sim differs from the reference by {err}"
+        );
+    }
+}
+
+/// `--backend cuda` without a GPU fails with one line that says why, and
+/// points at `--backend sim`.
+#[test]
+fn attend_on_cuda_without_a_gpu_fails_clearly() {
+    if kivi_runtime::cuda::CudaDevice::new(0).is_ok() {
+        println!("a GPU is present; nothing to check");
+        return;
+    }
+    let s = Scratch::new("attend-nogpu");
+    let (q, k, v) = problem(&s, 20, 4, 1, 32);
+    let _ = (q, k, v);
+    let p = paths(&s);
+    let err = fails(
+        &attend_args(&p, &["--scheme", "kivi2", "--backend", "cuda"]),
+        "unavailable",
+    );
+    assert!(err.contains("--backend sim"), "{err}");
+    assert!(!std::path::Path::new(&p[3]).exists(), "no output written");
 }

@@ -215,3 +215,78 @@ fn show_and_tune_load_the_same_scheme_when_a_file_shadows_a_preset() {
         }
     }
 }
+
+/// `kivi tune --backend sim` tunes the generated CUDA variants on the
+/// simulated device (every candidate checked against the reference), its
+/// decisions export as a bundle (`kivi inspect --export --backend sim`)
+/// and import into another cache, where `inspect` shows them.
+#[test]
+fn tune_on_the_simulated_device_and_round_trip_its_bundle() {
+    let d = dir("sim");
+    let args = vec![
+        "tune",
+        "--scheme",
+        "kivi2",
+        "--backend",
+        "sim",
+        "--cache-dir",
+        &d,
+        "--heads",
+        "gqa:4:2",
+        "--head-dim",
+        "32",
+        "--contexts",
+        "100",
+        "--batch",
+        "1",
+        "--budget",
+        "30",
+    ];
+    let (ok, out, err) = kivi(&args);
+    assert!(ok, "{err}\n{out}");
+    assert!(out.contains("backend sim"), "{out}");
+    assert!(out.contains("chosen "), "{out}");
+    assert!(
+        out.contains("static ranking") && out.contains("simulated device"),
+        "{out}"
+    );
+    let bundle = format!("{d}/bundle.json");
+    let (ok, out, err) = kivi(&["inspect", "--cache-dir", &d, "--export", &bundle, "--backend", "sim"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("exported 1 decisions"), "{out}");
+    let other = dir("sim-import");
+    let (ok, out, err) = kivi(&["tune", "--scheme", "kivi2", "--import", &bundle, "--cache-dir", &other]);
+    assert!(ok, "{err}");
+    assert!(out.contains("imported 1 decisions"), "{out}");
+    let (ok, out, err) = kivi(&["inspect", "--cache-dir", &other, "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let files = v.as_array().unwrap();
+    assert_eq!(files.len(), 1, "{out}");
+    assert_eq!(files[0]["file"]["device"]["backend"], "sim", "{out}");
+    // The imported decision is a hit: nothing is measured again.
+    let (ok, out, err) = kivi(&[&args[..5], &["--cache-dir", &other], &args[7..]].concat());
+    assert!(ok, "{err}");
+    assert!(out.contains("cached (nothing measured)"), "{out}");
+}
+
+/// Asked for CUDA by name on a machine without a GPU, `kivi tune` fails and
+/// says why; it never tunes the cpu instead.
+#[test]
+fn tune_on_cuda_without_a_gpu_fails() {
+    if kivi_runtime::cuda::CudaDevice::new(0).is_ok() {
+        println!("a GPU is present; nothing to check");
+        return;
+    }
+    let d = dir("nogpu");
+    let mut args = vec!["tune", "--scheme", "kivi2", "--backend", "cuda", "--cache-dir", &d];
+    args.extend_from_slice(SMALL);
+    let (ok, out, err) = kivi(&args);
+    assert!(!ok, "{out}");
+    assert!(err.contains("--backend cuda") && err.contains("unavailable"), "{err}");
+    assert!(!out.contains("chosen"), "{out}");
+    assert!(
+        std::fs::read_dir(&d).map_or(true, |mut r| r.next().is_none()),
+        "nothing written"
+    );
+}

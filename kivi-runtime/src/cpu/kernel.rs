@@ -34,6 +34,12 @@ enum Kind {
     Tok { bits: u32, gshift: u32 },
     /// Anything else: the cache's own row reader into an f32 tile.
     Generic,
+    /// A codec pipeline (rotation, Lloyd–Max, outliers, centering), consumed
+    /// on the query side: rows are decoded in the transformed domain
+    /// (`SeqView::coded_row`), keys are scored against the rotated query plus
+    /// `q . m`, values accumulate in the rotated domain and the output is
+    /// un-rotated (and `sum p * m` added) once per split.
+    Codec,
 }
 
 /// Per-call decisions shared by every task.
@@ -51,6 +57,8 @@ pub(crate) struct Plan {
     scale: [ScaleDtype; 2],
     /// The AVX-512 fast path's parameters, where the scheme has its shape.
     fast: Option<Fast>,
+    /// Some tensor runs a codec pipeline through the generic row reader.
+    codec_rows: bool,
 }
 
 fn kind_of(codec: &Codec, t: Tensor, isa: Isa) -> Kind {
@@ -80,7 +88,16 @@ impl Plan {
         let s = cache.scheme();
         let shape = cache.shape();
         let l = cache.layout();
-        let kinds = [kind_of(&s.key, Tensor::Key, isa), kind_of(&s.value, Tensor::Value, isa)];
+        // Codec pipelines (rotation, Lloyd–Max levels, outliers, centering)
+        // take the generic row reader, which runs the whole pipeline.
+        let kind = |t: Tensor| {
+            if s.has_pipeline(t) {
+                Kind::Codec
+            } else {
+                kind_of(s.codec(t), t, isa)
+            }
+        };
+        let kinds = [kind(Tensor::Key), kind(Tensor::Value)];
         let scale = [
             s.key.quant().map_or(ScaleDtype::F16, |q| q.scale),
             s.value.quant().map_or(ScaleDtype::F16, |q| q.scale),
@@ -132,15 +149,24 @@ impl Plan {
             layouts: [l.key, l.value],
             scale,
             fast,
+            codec_rows: s.has_pipeline(Tensor::Key) || s.has_pipeline(Tensor::Value),
         }
     }
 }
 
 impl Plan {
-    /// `avx512-fused` where the fast path applies, else the ISA's name.
+    /// `avx512-fused` where the fast path applies, `<isa>+codec` where a
+    /// codec pipeline (rotation, Lloyd–Max, outliers, centering) sends a
+    /// tensor through the generic row reader, else the ISA's name.
     pub fn path_name(&self) -> &'static str {
         if self.fast.is_some() {
             "avx512-fused"
+        } else if self.codec_rows {
+            match self.isa {
+                Isa::Avx512 => "avx512+codec",
+                Isa::Avx2 => "avx2+codec",
+                Isa::Scalar => "scalar+codec",
+            }
         } else {
             self.isa.name()
         }
@@ -202,6 +228,14 @@ struct Scratch {
     tz: Vec<f32>,
     /// Dequantized rows for the generic path.
     rows: Vec<f32>,
+    /// Codec keys: the rotated query of each head and `q_h . m` (the key
+    /// means of this KV head), added to the score of every quantized token.
+    qrot: Vec<f32>,
+    qm: Vec<f32>,
+    /// Codec values: the weighted sum of quantized rows in the rotated
+    /// domain, and the weight it holds, per head.
+    acc_rot: Vec<f32>,
+    psum: Vec<f32>,
 }
 
 /// Runs `op` over rows `0..n`, applying the instruction set of the plan.
@@ -281,7 +315,7 @@ fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: us
                 let tl = &plan.layouts[i];
                 let wpt = tl.words_per_token;
                 let scales = &part[tl.scales_offset..tl.scales_offset + tl.param_words];
-                let zeros = &part[tl.zeros_offset..tl.zeros_offset + tl.param_words];
+                let zeros = &part[tl.zeros_offset..tl.zeros_offset + tl.zero_words];
                 let base = off * wpt;
                 match plan.kinds[i] {
                     Kind::Full => {
@@ -451,6 +485,43 @@ fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: us
                             ),
                         }
                     }
+                    Kind::Codec => {
+                        sc.rows.resize(len * d, 0.0);
+                        for r in 0..len {
+                            view.coded_row(t, p + r, h, &mut sc.rows[r * d..(r + 1) * d]);
+                        }
+                        let rows = F32Rows {
+                            data: &sc.rows,
+                            base: 0,
+                            stride: d,
+                        };
+                        match &mut sub {
+                            Op::Score { out, .. } => {
+                                let mut rotated = Op::Score {
+                                    q: &sc.qrot,
+                                    out: &mut out[..],
+                                };
+                                apply(plan, &rows, len, &mut rotated);
+                                for r in 0..len {
+                                    for (o, m) in out[r * g..(r + 1) * g].iter_mut().zip(&sc.qm) {
+                                        *o += m;
+                                    }
+                                }
+                            }
+                            Op::Accum { p: pr, .. } => {
+                                let mut rotated = Op::Accum {
+                                    p: &pr[..],
+                                    acc: &mut sc.acc_rot,
+                                };
+                                apply(plan, &rows, len, &mut rotated);
+                                for r in 0..len {
+                                    for (s, w) in sc.psum.iter_mut().zip(&pr[r * g..(r + 1) * g]) {
+                                        *s += w;
+                                    }
+                                }
+                            }
+                        }
+                    }
                     Kind::Generic => {
                         sc.rows.resize(len * d, 0.0);
                         for r in 0..len {
@@ -516,6 +587,10 @@ impl Scratch {
             ts: Vec::new(),
             tz: Vec::new(),
             rows: Vec::new(),
+            qrot: Vec::new(),
+            qm: vec![0.0; g],
+            acc_rot: vec![0.0; g * d],
+            psum: vec![0.0; g],
         }
     }
 }
@@ -530,6 +605,18 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
     let tile = plan.tile.max(1);
     let mut scores = vec![0f32; tile * g];
     let mut sc = Scratch::new(plan);
+    if plan.kinds[0] == Kind::Codec {
+        // The query, rotated once per split like the keys were; the key
+        // means' contribution `q . m` once per head.
+        sc.qrot = q.to_vec();
+        let codec = view.codec(Tensor::Key).expect("a codec kind has a codec");
+        let mean = view.mean(Tensor::Key, h);
+        for hh in 0..g {
+            let qh = &mut sc.qrot[hh * d..(hh + 1) * d];
+            codec.forward(qh, None);
+            sc.qm[hh] = mean.map_or(0.0, |m| q[hh * d..(hh + 1) * d].iter().zip(m).map(|(a, b)| a * b).sum());
+        }
+    }
     let mut fs = plan.fast.map(|f| fused::State::new(f, g, d, tile, q));
     let mut t0 = a;
     while t0 < z {
@@ -576,6 +663,12 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
                 for x in &mut acc[hh * d..(hh + 1) * d] {
                     *x *= corr;
                 }
+                if plan.kinds[1] == Kind::Codec {
+                    sc.psum[hh] *= corr;
+                    for x in &mut sc.acc_rot[hh * d..(hh + 1) * d] {
+                        *x *= corr;
+                    }
+                }
                 if let Some(st) = fs.as_mut() {
                     st.rescale(hh, corr);
                 }
@@ -607,6 +700,19 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
     }
     if let Some(st) = fs.as_mut() {
         st.flush(&mut l);
+    }
+    if plan.kinds[1] == Kind::Codec {
+        // Back from the rotated domain once: T^-1 (sum p v') + (sum p) m.
+        let codec = view.codec(Tensor::Value).expect("a codec kind has a codec");
+        let mean = view.mean(Tensor::Value, h);
+        for hh in 0..g {
+            let v = &mut sc.acc_rot[hh * d..(hh + 1) * d];
+            codec.inverse(v, None);
+            let w = sc.psum[hh];
+            for (c, (a, x)) in acc[hh * d..(hh + 1) * d].iter_mut().zip(v.iter()).enumerate() {
+                *a += x + mean.map_or(0.0, |m| w * m[c]);
+            }
+        }
     }
     Partial { m, l, acc }
 }

@@ -23,7 +23,14 @@
 //!   (codes * s + z, f16/bf16 -> f32) and consumed at once;
 //! - rare combinations (1- and 3-bit codes, channel-axis values, groups that
 //!   are not a power of two) take a generic path that dequantizes a tile
-//!   with the cache's own row reader.
+//!   with the cache's own row reader;
+//! - tensors with a codec pipeline (Hadamard rotation, Lloyd–Max levels,
+//!   sparse outliers, centering) are consumed on the query side: rows are
+//!   decoded in the transformed domain (codes and outlier corrections, no
+//!   un-rotation), keys are scored against the query rotated once per split
+//!   plus `q . m` for the key means, and values are summed in the rotated
+//!   domain and un-rotated once per split, with `(sum p) m` added for the
+//!   value means. `kernel_path` reports these as `<isa>+codec`.
 //!
 //! The inner loops exist three times: AVX-512F and AVX2 + FMA + F16C (chosen
 //! at run time with `is_x86_feature_detected!`) and a portable scalar
@@ -46,6 +53,32 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 pub use probe::{compute_ceiling, ComputeCeiling};
 pub use simd::Isa;
+
+/// A hash of the CPU kernels' source code (this module's files), fixed at
+/// build time. Tuning decisions for the CPU backend are keyed by it, so a
+/// changed kernel is measured again instead of trusted.
+pub const KERNEL_HASH: u64 = {
+    const PARTS: [&str; 5] = [
+        include_str!("mod.rs"),
+        include_str!("kernel.rs"),
+        include_str!("fused.rs"),
+        include_str!("simd.rs"),
+        include_str!("../quant.rs"),
+    ];
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut p = 0;
+    while p < PARTS.len() {
+        let b = PARTS[p].as_bytes();
+        let mut i = 0;
+        while i < b.len() {
+            h ^= b[i] as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+            i += 1;
+        }
+        p += 1;
+    }
+    h
+};
 
 /// Tunable parameters of the CPU kernel (the tuner searches these).
 ///
@@ -182,7 +215,9 @@ impl CpuBackend {
     /// Which inner loops decoding `cache` runs on this machine: `avx512-fused`
     /// (the fast path: channel-axis 2/4-bit or token-axis 2/4/8-bit keys with
     /// token-axis values, GQA groups of a multiple of four heads), or
-    /// `avx512`, `avx2`, `scalar` (the generic loops).
+    /// `avx512`, `avx2`, `scalar` (the generic loops), with `+codec` when a
+    /// tensor's codec pipeline is consumed on the query side (the fused path
+    /// declines those).
     ///
     /// ```
     /// use kivi_runtime::{CacheConfig, CpuBackend, CpuParams, PagedCache};

@@ -1,12 +1,23 @@
-//! One GPU: its context and stream, the modules loaded on it (compiled for
-//! its exact `sm_XX` and loaded as CUBIN, so the driver never JITs), and
-//! CUDA-event timing.
+//! One GPU as a [`Device`]: its context and stream, the modules loaded on it
+//! (compiled for its exact `sm_XX` and loaded as CUBIN, so the driver never
+//! JITs), launches and CUDA-event timing.
+//!
+//! This file is the thin cudarc layer: the only code of the project that
+//! runs on a GPU and nowhere else. Everything above it (`device::DeviceCache`,
+//! the kernel argument structs, the tuner, the CLI, the GPU benchmark) is
+//! shared with the simulated device and runs in CI.
 
 use super::compile::{Arch, Compiler, NvrtcOptions};
 use super::toolkit::{self, guarded};
+use crate::device::{
+    check_launch, check_range, Buffer, Device, DeviceInfo, DeviceKind, Elem, KernelArg, Mem, Module, ModuleInner,
+    Timing,
+};
 use crate::error::{Error, Result};
 use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DriverError};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
+};
 use kivi_templates::Generated;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -18,102 +29,41 @@ pub(crate) fn driver_err(what: &str) -> impl Fn(DriverError) -> Error + '_ {
     }
 }
 
-/// What a device is, for reports and decision keys (never the ordinal alone).
-#[derive(Clone, Debug, PartialEq)]
-pub struct DeviceInfo {
-    pub ordinal: usize,
-    pub name: String,
-    pub arch: Arch,
-    pub sms: i32,
-    pub l2_bytes: i32,
-    /// Memory clock (kHz) and bus width (bits) as the driver reports them
-    /// (0 where the driver no longer reports them).
-    pub mem_clock_khz: i32,
-    pub bus_width_bits: i32,
-    pub total_mem: usize,
-    pub driver_version: i32,
-}
-
-impl DeviceInfo {
-    /// Peak DRAM bandwidth in GB/s: from clock and bus width (double data
-    /// rate), or from the datasheet for GPUs whose driver hides them.
-    pub fn peak_bandwidth_gbs(&self) -> Option<f64> {
-        if self.mem_clock_khz > 0 && self.bus_width_bits > 0 {
-            return Some(2.0 * self.mem_clock_khz as f64 * 1e3 * self.bus_width_bits as f64 / 8.0 / 1e9);
-        }
-        let n = self.name.to_ascii_uppercase();
-        [
-            ("H200", 4800.0),
-            ("H100 NVL", 3900.0),
-            ("H100", 3350.0),
-            ("A100", 2039.0),
-            ("L40S", 864.0),
-        ]
-        .iter()
-        .find(|(k, _)| n.contains(k))
-        .map(|(_, v)| *v)
-    }
-}
-
-/// A module loaded on the device with its kernels.
-pub struct Loaded {
-    pub generated: Generated,
+/// The kernels of a module loaded on a GPU.
+pub(crate) struct CudaModuleFns {
     functions: HashMap<String, CudaFunction>,
     _module: Arc<CudaModule>,
 }
 
-impl Loaded {
-    /// The kernel `entry` (an entry point of the generated source).
-    pub fn function(&self, entry: &str) -> Result<&CudaFunction> {
-        self.functions
-            .get(entry)
-            .ok_or_else(|| Error::Config(format!("`{}` has no entry point `{entry}`", self.generated.name)))
+fn cuda_slice(b: &Buffer) -> Result<&CudaSlice<u8>> {
+    match &b.mem {
+        Mem::Cuda(s) => Ok(s),
+        Mem::Host(_) => Err(Error::Config(format!(
+            "{b:?} belongs to the simulated device, not a GPU"
+        ))),
     }
 }
 
-/// Median and quantiles of repeated timings, milliseconds.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Timing {
-    pub median_ms: f64,
-    pub p20_ms: f64,
-    pub p80_ms: f64,
-    pub samples: usize,
-}
-
-impl Timing {
-    /// From samples (any order).
-    pub fn of(mut ms: Vec<f64>) -> Timing {
-        ms.sort_by(|a, b| a.total_cmp(b));
-        let q = |p: f64| {
-            if ms.is_empty() {
-                return f64::NAN;
-            }
-            // nearest rank: simple, and exact for the median of odd counts
-            let i = ((ms.len() - 1) as f64 * p).round() as usize;
-            ms[i]
-        };
-        Timing {
-            median_ms: q(0.5),
-            p20_ms: q(0.2),
-            p80_ms: q(0.8),
-            samples: ms.len(),
-        }
+fn cuda_slice_mut(b: &mut Buffer) -> Result<&mut CudaSlice<u8>> {
+    match &mut b.mem {
+        Mem::Cuda(s) => Ok(s),
+        Mem::Host(_) => Err(Error::Config("a simulated-device buffer was passed to a GPU".into())),
     }
 }
 
 /// A GPU with a compiler for its architecture.
-pub struct Device {
-    pub(crate) ctx: Arc<CudaContext>,
-    pub(crate) stream: Arc<CudaStream>,
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
     info: DeviceInfo,
     compiler: Compiler,
-    modules: Mutex<HashMap<u64, Arc<Loaded>>>,
+    modules: Mutex<HashMap<u64, Arc<Module>>>,
 }
 
-impl Device {
+impl CudaDevice {
     /// Opens GPU `ordinal`. Returns [`Error::Unavailable`] (never panics)
     /// when there is no driver, no such GPU, or no way to compile kernels.
-    pub fn new(ordinal: usize) -> Result<Device> {
+    pub fn new(ordinal: usize) -> Result<CudaDevice> {
         if toolkit::disabled("driver") || !toolkit::driver_present() {
             return Err(Error::Unavailable {
                 backend: "cuda",
@@ -152,7 +102,7 @@ impl Device {
                 total_mem: ctx.total_mem().unwrap_or(0),
                 driver_version,
             };
-            Ok(Device {
+            Ok(CudaDevice {
                 ctx,
                 stream,
                 info,
@@ -162,27 +112,18 @@ impl Device {
         })
     }
 
-    pub fn info(&self) -> &DeviceInfo {
-        &self.info
-    }
     pub fn arch(&self) -> Arch {
         self.info.arch
     }
+    /// NVRTC for this GPU's architecture.
     pub fn compiler(&self) -> &Compiler {
         &self.compiler
     }
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
-    }
 
-    /// Compiles (or reads from the artifact cache) and loads a generated
-    /// source; loaded once per process per source.
-    pub fn load(&self, g: &Generated) -> Result<Arc<Loaded>> {
+    fn load_one(&self, g: &Generated) -> Result<Arc<Module>> {
         let opts = NvrtcOptions::for_arch(self.info.arch);
-        let key = self.compiler.key(&g.source, &opts);
-        let id = (key.0 as u64) ^ ((key.0 >> 64) as u64);
-        if let Some(l) = self.modules.lock().expect("module map").get(&id) {
-            return Ok(l.clone());
+        if let Some(m) = self.modules.lock().unwrap_or_else(|e| e.into_inner()).get(&g.hash) {
+            return Ok(m.clone());
         }
         let compiled = self.compiler.compile(&g.name, &g.source, &opts)?;
         let image = if compiled.artifact.cubin.is_empty() {
@@ -190,7 +131,7 @@ impl Device {
         } else {
             cudarc::nvrtc::Ptx::from_binary(compiled.artifact.cubin.clone())
         };
-        let loaded = guarded("loading a module", || {
+        let module = guarded("loading a module", || {
             let module = self
                 .ctx
                 .load_module(image)
@@ -202,35 +143,160 @@ impl Device {
                     .map_err(driver_err(&format!("kernel `{e}` of `{}`", g.name)))?;
                 functions.insert(e.clone(), f);
             }
-            Ok(Arc::new(Loaded {
+            Ok(Arc::new(Module {
                 generated: g.clone(),
-                functions,
-                _module: module,
+                inner: ModuleInner::Cuda(Box::new(CudaModuleFns {
+                    functions,
+                    _module: module,
+                })),
             }))
         })?;
-        self.modules.lock().expect("module map").insert(id, loaded.clone());
-        Ok(loaded)
+        self.modules
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(g.hash, module.clone());
+        Ok(module)
     }
+}
 
-    /// Waits for the stream.
-    pub fn sync(&self) -> Result<()> {
-        self.stream.synchronize().map_err(driver_err("synchronizing"))
+impl Device for CudaDevice {
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Cuda
     }
-
-    /// Times `f` (which enqueues work on this device's stream) with CUDA
-    /// events recorded on that stream: `warmup` untimed runs, then `iters`
-    /// timed ones. With `flush` set, a buffer of twice the L2 size is
-    /// cleared before every run (outside the events) so the data `f` reads
-    /// comes from DRAM, as in serving.
-    pub fn time(&self, warmup: usize, iters: usize, flush: bool, mut f: impl FnMut() -> Result<()>) -> Result<Timing> {
+    fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+    fn describe(&self) -> String {
+        format!(
+            "{} ({}, {} SMs, NVRTC {})",
+            self.info.name,
+            self.info.arch,
+            self.info.sms,
+            self.compiler.version()
+        )
+    }
+    fn alloc(&self, elem: Elem, len: usize) -> Result<Buffer> {
+        let len = len.max(1);
+        let bytes = len
+            .checked_mul(elem.size())
+            .ok_or_else(|| Error::Config(format!("an allocation of {len} {elem:?} elements is too large")))?;
+        let s = guarded("allocating", || {
+            self.stream.alloc_zeros::<u8>(bytes).map_err(driver_err("allocating"))
+        })?;
+        Ok(Buffer {
+            elem,
+            len,
+            mem: Mem::Cuda(s),
+        })
+    }
+    fn write(&self, dst: &mut Buffer, at: usize, src: &[u8]) -> Result<()> {
+        let size = dst.elem().size();
+        if !src.len().is_multiple_of(size) {
+            return Err(Error::Config(format!("writing {} bytes into {dst:?}", src.len())));
+        }
+        check_range(dst, at, src.len() / size, "write")?;
+        let s = cuda_slice_mut(dst)?;
+        guarded("uploading", || {
+            let mut view = s.slice_mut(at * size..at * size + src.len());
+            self.stream.memcpy_htod(src, &mut view).map_err(driver_err("uploading"))
+        })
+    }
+    fn read(&self, src: &Buffer, at: usize, len: usize) -> Result<Vec<u8>> {
+        check_range(src, at, len, "read")?;
+        let size = src.elem().size();
+        let s = cuda_slice(src)?;
+        guarded("downloading", || {
+            let view = s.slice(at * size..(at + len) * size);
+            self.stream.clone_dtoh(&view).map_err(driver_err("downloading"))
+        })
+    }
+    fn copy(&self, src: &Buffer, src_at: usize, dst: &mut Buffer, dst_at: usize, len: usize) -> Result<()> {
+        if src.elem() != dst.elem() {
+            return Err(Error::Config(format!("copying {src:?} into {dst:?}")));
+        }
+        check_range(src, src_at, len, "copy source")?;
+        check_range(dst, dst_at, len, "copy destination")?;
+        let size = src.elem().size();
+        let s = cuda_slice(src)?;
+        let d = cuda_slice_mut(dst)?;
+        guarded("copying on the device", || {
+            let from = s.slice(src_at * size..(src_at + len) * size);
+            let mut to = d.slice_mut(dst_at * size..(dst_at + len) * size);
+            self.stream
+                .memcpy_dtod(&from, &mut to)
+                .map_err(driver_err("copying on the device"))
+        })
+    }
+    fn load_many(&self, gens: &[&Generated]) -> Result<Vec<Arc<Module>>> {
+        gens.iter().map(|g| self.load_one(g)).collect()
+    }
+    fn launch(&self, m: &Module, entry: &str, grid: [u32; 3], args: &mut [KernelArg<'_>]) -> Result<()> {
+        let block = check_launch(m, entry, args)?;
+        let ModuleInner::Cuda(fns) = &m.inner else {
+            return Err(Error::Config(format!(
+                "`{}` was loaded on the simulated device, not this GPU",
+                m.generated.name
+            )));
+        };
+        let f = fns
+            .functions
+            .get(entry)
+            .ok_or_else(|| Error::Config(format!("`{}` has no entry point `{entry}`", m.generated.name)))?;
+        // Scalars need a home that outlives the builder.
+        let ints: Vec<i32> = args
+            .iter()
+            .map(|a| if let KernelArg::I32(x) = a { *x } else { 0 })
+            .collect();
+        let floats: Vec<f32> = args
+            .iter()
+            .map(|a| if let KernelArg::F32(x) = a { *x } else { 0.0 })
+            .collect();
+        let cfg = LaunchConfig {
+            grid_dim: (grid[0], grid[1], grid[2]),
+            block_dim: (block[0], block[1], block[2]),
+            // The templates use static shared memory only.
+            shared_mem_bytes: 0,
+        };
+        guarded("launching", || {
+            let mut b = self.stream.launch_builder(f);
+            for (i, a) in args.iter_mut().enumerate() {
+                match a {
+                    KernelArg::In(buf) => {
+                        b.arg(cuda_slice(buf)?);
+                    }
+                    KernelArg::Out(buf) => {
+                        b.arg(cuda_slice_mut(buf)?);
+                    }
+                    KernelArg::I32(_) => {
+                        b.arg(&ints[i]);
+                    }
+                    KernelArg::F32(_) => {
+                        b.arg(&floats[i]);
+                    }
+                }
+            }
+            // SAFETY: the arguments match the entry point's parameter list in
+            // order and type (check_launch), and the typed argument structs of
+            // `device::args` checked every buffer against what the launch reads.
+            unsafe { b.launch(cfg) }
+                .map(|_| ())
+                .map_err(driver_err(&format!("launching `{entry}` of `{}`", m.generated.name)))
+        })
+    }
+    fn sync(&self) -> Result<()> {
+        guarded("synchronizing", || {
+            self.stream.synchronize().map_err(driver_err("synchronizing"))
+        })
+    }
+    fn time(&self, warmup: usize, iters: usize, flush: bool, f: &mut dyn FnMut() -> Result<()>) -> Result<Timing> {
         let mut scrub: Option<CudaSlice<u8>> = None;
         if flush {
             let bytes = (self.info.l2_bytes.max(8 << 20) as usize) * 2;
-            scrub = Some(
+            scrub = Some(guarded("L2 flush buffer", || {
                 self.stream
                     .alloc_zeros::<u8>(bytes)
-                    .map_err(driver_err("L2 flush buffer"))?,
-            );
+                    .map_err(driver_err("L2 flush buffer"))
+            })?);
         }
         let ev = || {
             self.ctx
@@ -253,40 +319,5 @@ impl Device {
             ms.push(start.elapsed_ms(&end).map_err(driver_err("event timing"))? as f64);
         }
         Ok(Timing::of(ms))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn quantiles() {
-        let t = Timing::of(vec![5.0, 1.0, 3.0, 2.0, 4.0]);
-        assert_eq!((t.median_ms, t.p20_ms, t.p80_ms, t.samples), (3.0, 2.0, 4.0, 5));
-        assert!(Timing::of(vec![]).median_ms.is_nan());
-    }
-
-    #[test]
-    fn bandwidth_from_attributes_or_table() {
-        let mut i = DeviceInfo {
-            ordinal: 0,
-            name: "NVIDIA H200".into(),
-            arch: Arch::SM90,
-            sms: 132,
-            l2_bytes: 60 << 20,
-            mem_clock_khz: 0,
-            bus_width_bits: 0,
-            total_mem: 0,
-            driver_version: 13000,
-        };
-        assert_eq!(i.peak_bandwidth_gbs(), Some(4800.0));
-        i.mem_clock_khz = 2_619_000;
-        i.bus_width_bits = 6144;
-        let bw = i.peak_bandwidth_gbs().unwrap();
-        assert!((bw - 4022.8).abs() < 1.0, "{bw}");
-        i.mem_clock_khz = 0;
-        i.name = "mystery".into();
-        assert_eq!(i.peak_bandwidth_gbs(), None);
     }
 }

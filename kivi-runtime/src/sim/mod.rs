@@ -1,7 +1,7 @@
 //! The `sim` backend: runs the *generated CUDA source itself* on the CPU.
 //!
 //! [`compile`] builds generated sources (many variants per library) as
-//! C++20 against `templates/cuda/sim_shim.h`, which maps the CUDA subset the
+//! C++17 against `templates/cuda/sim_shim.h`, which maps the CUDA subset the
 //! templates use onto host code: the threads of a block become fibers on one
 //! OS thread, switched at `__syncthreads` and warp shuffles, and blocks run
 //! one after another on a few worker threads. Libraries are cached on disk
@@ -29,17 +29,21 @@
 
 mod compile;
 
-pub use compile::{cache_dir, compile, find_compiler, translation_unit, SimLibrary};
+pub use compile::{
+    cache_dir, check_launch, compile, compile_flags, find_compiler, translation_unit, ArchLimits, Schedule, SimLibrary,
+    SimOptions,
+};
 
 use crate::backend::{check_batch, Backend};
-use crate::cache::{PagedCache, RawRows, SeqId, SeqView};
+use crate::cache::{PagedCache, RawRows, SeqId};
+use crate::device::args::ExtendArgs;
+use crate::device::{download, upload, Buffer, DeviceCache, Elem, Module, SimDevice};
 use crate::error::{Error, Result};
 use crate::quant::{round_to_dtype, to_bits_16};
 use crate::reference::AttnParams;
 use kivi_spec::layout::{regions, window_capacity};
 use kivi_spec::{Dtype, Scheme, Shape, Tensor};
-use kivi_templates::{generate_with, GenOptions, Generated, Kernel, ParamTy, Variant};
-use std::ffi::{c_char, c_void};
+use kivi_templates::{generate_with, GenOptions, Generated, Kernel, Variant};
 use std::sync::Arc;
 
 /// A buffer of activation elements as a kernel reads them.
@@ -102,107 +106,13 @@ impl ActBuf {
         }
         Ok(())
     }
-    fn ptr(&self) -> *mut c_void {
-        match self {
-            ActBuf::Bits16(v) => v.as_ptr() as *mut c_void,
-            ActBuf::F32(v) => v.as_ptr() as *mut c_void,
-        }
-    }
-    fn ptr_mut(&mut self) -> *mut c_void {
-        match self {
-            ActBuf::Bits16(v) => v.as_mut_ptr() as *mut c_void,
-            ActBuf::F32(v) => v.as_mut_ptr() as *mut c_void,
-        }
-    }
-}
-
-/// One kernel argument; checked against the entry point's parameter list.
-pub enum Arg<'a> {
-    U32s(&'a [u32]),
-    U32sMut(&'a mut [u32]),
-    I32s(&'a [i32]),
-    I32sMut(&'a mut [i32]),
-    Act(&'a ActBuf),
-    ActMut(&'a mut ActBuf),
-    F32s(&'a [f32]),
-    F32sMut(&'a mut [f32]),
-    I32(i32),
-    F32(f32),
-}
-
-impl Arg<'_> {
-    fn fits(&self, ty: ParamTy) -> bool {
-        matches!(
-            (self, ty),
-            (Arg::U32s(_), ParamTy::PtrU32)
-                | (Arg::U32sMut(_), ParamTy::PtrU32Mut)
-                | (Arg::I32s(_), ParamTy::PtrI32)
-                | (Arg::I32sMut(_), ParamTy::PtrI32Mut)
-                | (Arg::Act(_), ParamTy::PtrAct)
-                | (Arg::ActMut(_), ParamTy::PtrActMut)
-                | (Arg::F32s(_), ParamTy::PtrF32)
-                | (Arg::F32sMut(_), ParamTy::PtrF32Mut)
-                | (Arg::I32(_), ParamTy::I32)
-                | (Arg::F32(_), ParamTy::F32)
-        )
-    }
-}
-
-/// Launches entry point `entry` of `g` (compiled into `lib`) on `grid`
-/// blocks, like `cuLaunchKernel`.
-///
-/// # Safety
-/// The buffers must be as large as the kernel indexes them for this grid
-/// (the kernel argument docs of [`kivi_templates`] say how large); only the
-/// argument types are checked.
-pub unsafe fn launch(lib: &SimLibrary, g: &Generated, entry: &str, grid: [u32; 3], args: &mut [Arg<'_>]) -> Result<()> {
-    let f = lib.get(g, entry)?;
-    let el = g
-        .launch
-        .entry(entry)
-        .ok_or_else(|| Error::Config(format!("{} has no entry point `{entry}`", g.name)))?;
-    if el.params.len() != args.len() || !el.params.iter().zip(args.iter()).all(|(p, a)| a.fits(p.ty)) {
-        return Err(Error::Config(format!(
-            "arguments of `{entry}` do not match its parameter list {:?}",
-            el.params
-        )));
-    }
-    // Storage the void** array points into: a pointer or a scalar per argument.
-    let mut slots: Vec<[u64; 1]> = vec![[0]; args.len()];
-    for (slot, a) in slots.iter_mut().zip(args.iter_mut()) {
-        let bits: u64 = match a {
-            Arg::U32s(v) => v.as_ptr() as u64,
-            Arg::U32sMut(v) => v.as_mut_ptr() as u64,
-            Arg::I32s(v) => v.as_ptr() as u64,
-            Arg::I32sMut(v) => v.as_mut_ptr() as u64,
-            Arg::Act(v) => v.ptr() as u64,
-            Arg::ActMut(v) => v.ptr_mut() as u64,
-            Arg::F32s(v) => v.as_ptr() as u64,
-            Arg::F32sMut(v) => v.as_mut_ptr() as u64,
-            Arg::I32(x) => *x as u32 as u64,
-            Arg::F32(x) => x.to_bits() as u64,
-        };
-        slot[0] = bits;
-    }
-    // Little-endian: an int or float argument is the low bytes of its slot.
-    let mut ptrs: Vec<*mut c_void> = slots.iter_mut().map(|s| s.as_mut_ptr() as *mut c_void).collect();
-    let dims = [grid[0], grid[1], grid[2], el.block[0], el.block[1], el.block[2]];
-    let mut err = vec![0 as c_char; 1024];
-    let rc = f(dims.as_ptr(), ptrs.as_mut_ptr(), err.as_mut_ptr(), err.len() as i32);
-    if rc != 0 {
-        let msg = std::ffi::CStr::from_ptr(err.as_ptr()).to_string_lossy().into_owned();
-        return Err(Error::Config(format!("sim: {} `{entry}` failed: {msg}", g.name)));
-    }
-    Ok(())
 }
 
 /// Decode attention by a generated kernel variant, run on the CPU.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct SimBackend {
     scheme: Scheme,
-    shape: Shape,
-    generated: Generated,
-    lib: Arc<SimLibrary>,
+    module: Arc<Module>,
 }
 
 impl SimBackend {
@@ -231,17 +141,20 @@ impl SimBackend {
                 return Err(Error::Config(format!("sim library lacks `{e}` of {}", g.name)));
             }
         }
+        let _ = shape;
         Ok(SimBackend {
             scheme: scheme.clone(),
-            shape,
-            generated: g,
-            lib,
+            module: Arc::new(Module::sim(g, lib)),
         })
     }
 
     /// The kernel this backend runs.
     pub fn generated(&self) -> &Generated {
-        &self.generated
+        &self.module.generated
+    }
+
+    fn module(&self) -> Arc<Module> {
+        self.module.clone()
     }
 }
 
@@ -254,115 +167,27 @@ pub fn generate_decode(scheme: &Scheme, variant: Option<&Variant>, opts: GenOpti
     generate_with(scheme, Kernel::Decode, &v, opts).map_err(|e| Error::Config(e.to_string()))
 }
 
-/// Raw rows of every sequence's buffer, stacked `[batch][slots][Hkv][D]`.
-fn stack<'a>(views: &[SeqView<'a>], dtype: Dtype, f: impl Fn(&SeqView<'a>) -> RawRows<'a>) -> Result<ActBuf> {
-    let mut out = ActBuf::zeros(dtype, 0);
-    for v in views {
-        out.extend_from(&ActBuf::from_raw(f(v)))?;
-    }
-    if out.is_empty() {
-        out = ActBuf::zeros(dtype, 1); // never read; keeps the pointer valid
-    }
-    Ok(out)
-}
-
 impl Backend for SimBackend {
     fn name(&self) -> &'static str {
         "sim"
     }
 
     fn decode(&self, cache: &PagedCache, seqs: &[SeqId], q: &[f32], attn: AttnParams) -> Result<Vec<f32>> {
-        let per = check_batch(cache, seqs, q)?;
+        check_batch(cache, seqs, q)?;
         if kivi_spec::scheme_hash(cache.scheme()) != kivi_spec::scheme_hash(&self.scheme)
-            || cache.layout().block_tokens != self.generated.block_tokens
+            || cache.layout().block_tokens != self.module.generated.block_tokens
         {
             return Err(Error::Config(format!(
                 "the sim kernel {} was generated for another scheme or block size than this cache's",
-                self.generated.name
+                self.module.generated.name
             )));
         }
-        let batch = seqs.len();
-        if batch == 0 {
+        if seqs.is_empty() {
             return Ok(Vec::new());
         }
-        let d = self.shape.head_dim;
-        let dtype = self.scheme.dtype;
-        let mut qa = ActBuf::zeros(dtype, 0);
-        for (b, chunk) in q.chunks(per).enumerate() {
-            let r = ActBuf::round(dtype, chunk, "query").map_err(|e| match e {
-                Error::NonFinite { value, channel, .. } => Error::NonFinite {
-                    tensor: "query",
-                    value,
-                    token: b,
-                    head: channel / d,
-                    channel: channel % d,
-                    policy: "reject",
-                },
-                e => e,
-            })?;
-            qa.extend_from(&r)?;
-        }
-        let views: Vec<SeqView> = seqs.iter().map(|&s| cache.view(s)).collect::<Result<_>>()?;
-        let stride = views.iter().map(|v| v.table().len()).max().unwrap_or(0).max(1);
-        let mut tables = vec![0u32; batch * stride];
-        for (b, v) in views.iter().enumerate() {
-            tables[b * stride..b * stride + v.table().len()].copy_from_slice(v.table());
-        }
-        let lens: Vec<i32> = views
-            .iter()
-            .map(|v| i32::try_from(v.tokens()).map_err(|_| Error::Config("a sequence longer than 2^31 tokens".into())))
-            .collect::<Result<_>>()?;
-        let sinks_k = stack(&views, dtype, |v| v.sinks_raw(Tensor::Key))?;
-        let sinks_v = stack(&views, dtype, |v| v.sinks_raw(Tensor::Value))?;
-        let ring_k = stack(&views, dtype, |v| v.ring_raw(Tensor::Key))?;
-        let ring_v = stack(&views, dtype, |v| v.ring_raw(Tensor::Value))?;
-        let window = match attn.window {
-            None => -1,
-            Some(w) => i32::try_from(w).unwrap_or(i32::MAX),
-        };
-        let g = &self.generated;
-        let mut part_ml = vec![0f32; g.launch.part_ml_len(batch)];
-        let mut part_acc = vec![0f32; g.launch.part_acc_len(batch)];
-        let mut out = vec![0f32; batch * self.shape.q_heads * d];
-        let max_tokens = lens.iter().copied().max().unwrap_or(0) as u32;
-        let grid = |e: &str| {
-            g.launch
-                .entry(e)
-                .map(|l| l.grid(batch as u32, max_tokens))
-                .unwrap_or([0; 3])
-        };
-        // SAFETY: every buffer is sized as the decode/combine argument docs require.
-        unsafe {
-            launch(
-                &self.lib,
-                g,
-                "kivi_decode",
-                grid("kivi_decode"),
-                &mut [
-                    Arg::U32s(cache.pool()),
-                    Arg::U32s(&tables),
-                    Arg::I32(stride as i32),
-                    Arg::I32s(&lens),
-                    Arg::Act(&qa),
-                    Arg::Act(&sinks_k),
-                    Arg::Act(&sinks_v),
-                    Arg::Act(&ring_k),
-                    Arg::Act(&ring_v),
-                    Arg::F32(attn.softmax_scale),
-                    Arg::I32(window),
-                    Arg::F32sMut(&mut part_ml),
-                    Arg::F32sMut(&mut part_acc),
-                ],
-            )?;
-            launch(
-                &self.lib,
-                g,
-                "kivi_combine",
-                grid("kivi_combine"),
-                &mut [Arg::F32s(&part_ml), Arg::F32s(&part_acc), Arg::F32sMut(&mut out)],
-            )?;
-        }
-        Ok(out)
+        // The same host path as a GPU's: upload, then the typed launches.
+        let dc = DeviceCache::upload(SimDevice::shared(), cache, seqs)?;
+        dc.decode_on(&self.module(), q, attn)
     }
 }
 
@@ -564,41 +389,50 @@ impl SimExtend {
             }
             bufs.push(all);
         }
-        let mut status = vec![0i32; batch];
-        let g = &self.generated;
-        let entry = g.entry_points[0].clone();
-        let grid = g
-            .launch
-            .entry(&entry)
-            .map(|l| l.grid(batch as u32, 0))
-            .unwrap_or([0; 3]);
-        let [sk, sv, rk, rv] = &mut bufs[..] else {
-            unreachable!("four buffers")
+        // Through the device layer on the simulated device: the arguments
+        // are built by `device::args::ExtendArgs`, as for a GPU.
+        let dev = SimDevice::shared();
+        let d = dev.as_ref();
+        let to_dev = |b: &ActBuf| -> Result<Buffer> {
+            match b {
+                ActBuf::Bits16(v) => upload(d, v),
+                ActBuf::F32(v) => upload(d, v),
+            }
         };
-        // SAFETY: sizes checked above against the kernel's indexing.
-        unsafe {
-            launch(
-                &self.lib,
-                g,
-                &entry,
-                grid,
-                &mut [
-                    Arg::U32sMut(pool),
-                    Arg::U32s(&tables),
-                    Arg::I32(stride as i32),
-                    Arg::I32s(&old),
-                    Arg::I32s(&n),
-                    Arg::Act(&k),
-                    Arg::Act(&v),
-                    Arg::I32(max_new as i32),
-                    Arg::ActMut(sk),
-                    Arg::ActMut(sv),
-                    Arg::ActMut(rk),
-                    Arg::ActMut(rv),
-                    Arg::I32sMut(&mut status),
-                ],
-            )?;
+        let mut pool_d = upload(d, pool)?;
+        let mut dev_bufs: Vec<Buffer> = bufs.iter().map(&to_dev).collect::<Result<_>>()?;
+        let mut status_d = d.alloc(Elem::I32, batch)?;
+        let module = Module::sim(self.generated.clone(), self.lib.clone());
+        {
+            let [sk, sv, rk, rv] = &mut dev_bufs[..] else {
+                unreachable!("four buffers")
+            };
+            ExtendArgs {
+                batch,
+                pool: &mut pool_d,
+                tables: &upload(d, &tables)?,
+                table_stride: stride,
+                old_lens: &upload(d, &old)?,
+                new_counts: &upload(d, &n)?,
+                k_new: &to_dev(&k)?,
+                v_new: &to_dev(&v)?,
+                max_new,
+                sinks_k: sk,
+                sinks_v: sv,
+                ring_k: rk,
+                ring_v: rv,
+                status: &mut status_d,
+            }
+            .launch(d, &module)?;
         }
+        pool.copy_from_slice(&download::<u32>(d, &pool_d)?[..pool.len()]);
+        for (host, devb) in bufs.iter_mut().zip(&dev_bufs) {
+            match host {
+                ActBuf::Bits16(x) => *x = download(d, devb)?,
+                ActBuf::F32(x) => *x = download(d, devb)?,
+            }
+        }
+        let status: Vec<i32> = download(d, &status_d)?;
         // Scatter the stacked buffers back.
         for (i, all) in bufs.iter().enumerate() {
             let mut at = 0;

@@ -43,6 +43,7 @@ pub fn quant(bits: u32, axis: Axis, group: u32) -> Codec {
         axis,
         group,
         scale: ScaleDtype::F16,
+        levels: Levels::Uniform,
     })
 }
 
@@ -82,12 +83,14 @@ pub fn schemes() -> Vec<Scheme> {
             axis: Axis::Channel,
             group: 8,
             scale: ScaleDtype::F32,
+            levels: Levels::Uniform,
         }),
         value: Codec::Quant(Quant {
             bits: 2,
             axis: Axis::Channel,
             group: 16,
             scale: ScaleDtype::F32,
+            levels: Levels::Uniform,
         }),
         residual: 3,
         sinks: 2,
@@ -121,4 +124,39 @@ pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
     let num = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
     let den = want.iter().map(|b| b.abs()).fold(0f32, f32::max).max(1e-30);
     num / den
+}
+
+/// Schemes that use the codec pipeline (rotation, Lloyd–Max levels, norms,
+/// outliers, centering), alone and together, on both axes. Head dims in
+/// `layouts()` are 32 and 64: rotation blocks here divide both.
+pub fn codec_schemes() -> Vec<Scheme> {
+    let texts = [
+        // Lloyd–Max alone, token and channel axis, both norms.
+        "lloyd_tok { key: quant(bits = 3, axis = token, group = 16, levels = lloyd_max),
+                     value: quant(bits = 2, axis = token, group = 32, levels = lloyd_max, norm = l2), residual: 5 }",
+        "lloyd_chan { key: quant(bits = 2, axis = channel, group = 8, levels = lloyd_max, norm = l2),
+                      value: quant(bits = 4, axis = token, group = 8, levels = lloyd_max), residual: 3, sinks: 2 }",
+        // Rotation with and without signs, uniform codes.
+        "rot_uniform { key: quant(bits = 2, axis = channel, group = 16), value: quant(bits = 2, axis = token, group = 16),
+                       rotation: hadamard(block = 32, apply = [key, value]), residual: 7 }",
+        "rot_signs_bf16 { key: quant(bits = 4, axis = token, group = 32, levels = lloyd_max),
+                          value: quant(bits = 1, axis = token, group = 32, levels = lloyd_max),
+                          rotation: hadamard(block = 16, apply = [key], signs = 5), dtype: bf16 }",
+        // Outliers alone, then everything at once.
+        "outliers_only { key: quant(bits = 2, axis = channel, group = 8), value: quant(bits = 2, axis = token, group = 16),
+                         outliers: sparse(per_token = 3, apply = [key, value]), residual: 4 }",
+        "everything { key: quant(bits = 3, axis = token, group = 32, levels = lloyd_max, norm = l2),
+                      value: quant(bits = 2, axis = token, group = 16, levels = lloyd_max),
+                      rotation: hadamard(block = 32, apply = [key, value], signs = 9),
+                      outliers: sparse(per_token = 2, apply = [key]),
+                      center: channel_mean(tokens = 6, apply = [key, value]), residual: 4, sinks: 2 }",
+        // Centering with chunked flush and f32 activations and scales.
+        "center_chunked_f32 { key: quant(bits = 2, axis = channel, group = 4, scale = f32),
+                              value: full, center: channel_mean(tokens = 8, apply = [key]),
+                              rotation: hadamard(block = 8, apply = [key]), residual: 8, flush: chunked, dtype: f32 }",
+    ];
+    texts
+        .iter()
+        .map(|t| parse_scheme(t).unwrap_or_else(|e| panic!("{t}: {e}")))
+        .collect()
 }

@@ -11,7 +11,7 @@
 
 pub mod peers;
 
-use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, CpuParams, PagedCache};
+use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, CpuParams, PagedCache, ReferenceBackend};
 use kivi_spec::layout::Footprint;
 use kivi_spec::{Heads, Scheme};
 use serde::Serialize;
@@ -132,6 +132,10 @@ pub struct DecodeRow {
     pub compute_floor_ms: Option<f64>,
     /// The CPU kernel's inner loops for this scheme (`avx512-fused`, `avx512`, ...).
     pub path: &'static str,
+    /// Error of the first sequence's output against the reference oracle,
+    /// relative to the output's scale, checked before anything is timed (a
+    /// row above the tuner's tolerance is an error, not a figure).
+    pub checked_rel_error: f32,
 }
 
 /// Prefill and append throughput of one scheme, and its memory.
@@ -360,16 +364,39 @@ fn decode_point(
             ids.push(id);
         }
         let attn = AttnParams::of(&s, shape);
-        // Warm-up (and a check that it runs at all).
-        cpu.decode(&cache, &ids, &q, attn).map_err(|e| format!("{name}: {e}"))?;
+        // Warm-up, and the check that makes the timings mean something:
+        // the first sequence's output against the reference oracle.
+        let out = cpu.decode(&cache, &ids, &q, attn).map_err(|e| format!("{name}: {e}"))?;
+        let per = (l.q_heads * l.head_dim) as usize;
+        let want = ReferenceBackend
+            .decode(&cache, &ids[..1], &q[..per], attn)
+            .map_err(|e| format!("{name}: reference: {e}"))?;
+        kivi_tuner::cpu::compare(&out[..per], &want)
+            .map_err(|e| format!("{name}: the cpu backend's output is wrong, so it is not timed: {e}"))?;
+        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(f32::MIN_POSITIVE);
+        let checked = out[..per]
+            .iter()
+            .zip(&want)
+            .fold(0f32, |m, (g, w)| m.max((g - w).abs()))
+            / scale;
         let bytes = Footprint::for_tokens(&s, context).total() * batch;
         let path = cpu.kernel_path(&cache);
-        cases.push((name.clone(), cache, ids, attn, bytes, path, Vec::new(), Vec::new()));
+        cases.push((
+            name.clone(),
+            cache,
+            ids,
+            attn,
+            bytes,
+            path,
+            checked,
+            Vec::new(),
+            Vec::new(),
+        ));
     }
     progress(&format!("{} context {context} batch {batch}: timing", l.name));
     let evict = cfg.cold.then(Evictor::new);
     for _ in 0..cfg.reps {
-        for (_, cache, ids, attn, _, _, times, cpu_times) in cases.iter_mut() {
+        for (_, cache, ids, attn, _, _, _, times, cpu_times) in cases.iter_mut() {
             if let Some(e) = &evict {
                 e.run();
             }
@@ -384,7 +411,7 @@ fn decode_point(
     let flops = attention_flops(l, context, batch);
     let rows: Vec<DecodeRow> = cases
         .into_iter()
-        .map(|(scheme, _, _, _, bytes, path, times, cpu_times)| {
+        .map(|(scheme, _, _, _, bytes, path, checked, times, cpu_times)| {
             let stats = Stats::of(&times);
             let cpu_ms = Stats::of(&cpu_times).median_ms;
             DecodeRow {
@@ -402,6 +429,7 @@ fn decode_point(
                 byte_floor_ms: bytes as f64 / bandwidth / 1e6,
                 compute_floor_ms: None,
                 path,
+                checked_rel_error: checked,
                 stats,
             }
         })

@@ -10,17 +10,24 @@
 use super::schemes::{hash_hex, load_scheme};
 use super::show::memory_json;
 use crate::npy::{self, Array};
+use kivi_runtime::device::{DeviceBackend, DeviceKind};
 use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, PagedCache, ReferenceBackend};
 use kivi_spec::{layout, Heads, Scheme, Shape, Tensor};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum BackendKind {
+pub enum AttendBackend {
     /// The scalar oracle (DESIGN.md §3, plainly)
     Reference,
     /// The fused CPU kernel
     Cpu,
+    /// The generated CUDA kernels on the simulated device (the CPU), through
+    /// the same device cache and launches as a GPU
+    Sim,
+    /// The generated CUDA kernels on GPU 0 (fails, with the reason, where
+    /// there is no GPU, driver or NVRTC)
+    Cuda,
 }
 
 #[derive(clap::Args)]
@@ -40,8 +47,8 @@ pub struct Args {
     /// Where to write the attention output (float32, the query's shape)
     #[arg(long)]
     pub out: PathBuf,
-    #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
-    pub backend: BackendKind,
+    #[arg(long, value_enum, default_value_t = AttendBackend::Cpu)]
+    pub backend: AttendBackend,
     /// Softmax scale (default: the scheme's, else 1/sqrt(D))
     #[arg(long)]
     pub scale: Option<f32>,
@@ -217,8 +224,13 @@ pub fn run(args: Args) -> super::Result {
     let fill_ms = fill.elapsed().as_secs_f64() * 1e3;
 
     let backend: Box<dyn Backend> = match args.backend {
-        BackendKind::Reference => Box::new(ReferenceBackend),
-        BackendKind::Cpu => Box::new(CpuBackend::default()),
+        AttendBackend::Reference => Box::new(ReferenceBackend),
+        AttendBackend::Cpu => Box::new(CpuBackend::default()),
+        AttendBackend::Sim => Box::new(DeviceBackend::open(DeviceKind::Sim)?),
+        AttendBackend::Cuda => Box::new(
+            DeviceBackend::open(DeviceKind::Cuda)
+                .map_err(|e| format!("{e} (`--backend sim` runs the same generated kernels on the CPU)"))?,
+        ),
     };
     let start = Instant::now();
     let out = backend.decode(&cache, &seqs, &p.q.data, attn)?;

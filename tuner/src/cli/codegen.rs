@@ -17,7 +17,7 @@ pub struct Args {
     /// Head dimension (default: the scheme's own, else 128)
     #[arg(long)]
     pub head_dim: Option<u32>,
-    /// Kernel: decode (with its combine step), append, prefill or combine
+    /// Kernel: decode (with its combine step), append or prefill
     #[arg(long, default_value = "decode")]
     pub kernel: String,
     /// Variant name, e.g. t128.tile32.s8.h4.w1.u1 (default: the canonical one; see --list)

@@ -14,6 +14,15 @@ pub struct Args {
         default_value = "f32,f16,int8,kivi4,kivi2,kivi2_r0,swapped2,tok4"
     )]
     pub schemes: Vec<String>,
+    /// A file of scheme declarations added to `--schemes` (scheme text holds commas)
+    #[arg(long)]
+    pub schemes_file: Option<PathBuf>,
+    /// A file of scheme declarations for the per-layer codec study
+    #[arg(long)]
+    pub study: Option<PathBuf>,
+    /// Skip the teacher-forced decode: only the plain forward and the per-layer study (for choosing parameters on a calibration text)
+    #[arg(long)]
+    pub no_decode: bool,
     /// Tokens of the text to use, BOS included
     #[arg(long, default_value_t = 768)]
     pub tokens: usize,
@@ -46,12 +55,26 @@ pub fn run(args: Args) -> super::Result {
     use kivi_eval::metrics::{run, EvalConfig};
     use kivi_eval::model::Weights;
     kivi_eval::set_threads(args.threads)?;
+    let read = |p: &PathBuf| -> Result<Vec<kivi_spec::Scheme>, String> {
+        let text = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
+        kivi_spec::parse_schemes(&text).map_err(|e| format!("{}:{e}", p.display()))
+    };
+    let mut schemes = args.schemes;
+    if let Some(p) = &args.schemes_file {
+        schemes.extend(read(p)?.iter().map(kivi_spec::canonical));
+    }
+    let study = match &args.study {
+        Some(p) => read(p)?,
+        None => Vec::new(),
+    };
     let cfg = EvalConfig {
         model: args.model,
         text: args.text,
         prefix: args.prefix,
         tokens: args.tokens,
-        schemes: args.schemes,
+        schemes,
+        study,
+        decode: !args.no_decode,
         layers: !args.no_layers,
         weights: if args.quantized_weights {
             Weights::Quantized

@@ -19,9 +19,21 @@ pub struct Args {
     /// Print the decision files as JSON
     #[arg(long)]
     json: bool,
-    /// Write this machine's cpu decisions as a bundle to FILE (import with `kivi tune --import FILE`)
+    /// Write this machine's decisions for one backend as a bundle to FILE
+    /// (import with `kivi tune --import FILE`)
     #[arg(long)]
     export: Option<PathBuf>,
+    /// Which decisions `--export` writes: cpu (this CPU), sim (the simulated
+    /// device) or cuda (GPU 0; fails where there is none)
+    #[arg(long, value_enum, default_value_t = ExportBackend::Cpu)]
+    backend: ExportBackend,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExportBackend {
+    Cpu,
+    Sim,
+    Cuda,
 }
 
 pub fn run(args: Args) -> super::Result {
@@ -29,9 +41,28 @@ pub fn run(args: Args) -> super::Result {
     let here = Fingerprint::host_cpu();
     let toolchain = Toolchain::current("rustc");
     if let Some(out) = &args.export {
-        let store = Store::new(dir.clone(), here, toolchain);
+        let (fp, tc) = match args.backend {
+            ExportBackend::Cpu => (here, toolchain),
+            ExportBackend::Sim => {
+                let dev = kivi_runtime::device::SimDevice::shared();
+                let c = kivi_runtime::cuda::Compiler::new().ok();
+                (
+                    kivi_tuner::cuda::device_fingerprint(dev.as_ref()),
+                    kivi_tuner::cuda::device_toolchain(dev.as_ref(), c.as_ref()),
+                )
+            }
+            ExportBackend::Cuda => {
+                let dev = kivi_runtime::cuda::CudaDevice::new(0).map_err(|e| format!("--backend cuda: {e}"))?;
+                (
+                    kivi_tuner::cuda::device_fingerprint(&dev),
+                    kivi_tuner::cuda::device_toolchain(&dev, Some(dev.compiler())),
+                )
+            }
+        };
+        let what = fp.summary();
+        let store = Store::new(dir.clone(), fp, tc);
         let n = decisions::export_bundle(&store, out)?;
-        println!("exported {n} decisions for this machine's cpu to {}", out.display());
+        println!("exported {n} decisions for {what} to {}", out.display());
         return Ok(());
     }
     let files = decisions::scan(&dir);

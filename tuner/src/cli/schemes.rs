@@ -37,7 +37,7 @@ pub fn load_scheme(arg: &str) -> super::Result<Scheme> {
 }
 
 pub fn run(args: Args) -> super::Result {
-    let all = presets::all();
+    let all = presets::listed();
     if args.json {
         let v: Vec<serde_json::Value> = all
             .iter()

@@ -4,7 +4,7 @@
 
 use super::schemes::{hash_hex, load_scheme};
 use kivi_runtime::{CacheConfig, MemoryReport, PagedCache};
-use kivi_spec::layout::{bytes_per_token_per_head, codes_per_word, default_block_tokens, Footprint};
+use kivi_spec::layout::{bits_per_element, bytes_per_token_per_head, codes_per_word, default_block_tokens, Footprint};
 use kivi_spec::{Axis, Codec, Heads, Scheme, Tensor};
 
 /// Longest context `show` fills a real cache for (it quantizes every token).
@@ -53,13 +53,16 @@ pub fn parse_heads(s: &str) -> Result<Heads, String> {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Cost {
     pub codes: usize,
+    /// Scales (uniform) or norms (Lloyd–Max).
     pub scales: usize,
     pub zeros: usize,
+    /// Sparse outliers: u16 channel indices and corrections.
+    pub outliers: usize,
 }
 
 impl Cost {
     pub fn total(&self) -> usize {
-        self.codes + self.scales + self.zeros
+        self.codes + self.scales + self.zeros + self.outliers
     }
 }
 
@@ -78,10 +81,13 @@ pub fn tensor_cost(s: &Scheme, t: Tensor, head_dim: usize, tokens: usize) -> Cos
                 Axis::Channel => tokens / g * head_dim,
                 Axis::Token => tokens * (head_dim / g),
             };
+            let k = s.outliers_of(t);
             Cost {
                 codes: tokens * head_dim.div_ceil(codes_per_word(q.bits)) * 4,
                 scales: params * q.scale.bytes(),
-                zeros: params * q.scale.bytes(),
+                zeros: if q.has_zeros() { params * q.scale.bytes() } else { 0 },
+                // per token: indices two per word, corrections packed in words
+                outliers: tokens * (k.div_ceil(2) + (k * s.dtype.bytes()).div_ceil(4)) * 4,
             }
         }
     }
@@ -159,6 +165,9 @@ pub fn memory_json(m: &MemoryReport) -> serde_json::Value {
         "codes": m.codes,
         "scales": m.scales,
         "zeros": m.zeros,
+        "outliers": m.outliers,
+        "means": m.means,
+        "codebooks": m.codebooks,
         "windows": m.windows,
         "tables": m.tables,
         "blocks_in_use": m.blocks_in_use,
@@ -207,6 +216,7 @@ pub fn run(args: Args) -> super::Result {
                 "codes": c.codes as f64 / per as f64,
                 "scales": c.scales as f64 / per as f64,
                 "zeros": c.zeros as f64 / per as f64,
+                "outliers": c.outliers as f64 / per as f64,
                 "total": c.total() as f64 / per as f64,
             })
         };
@@ -225,12 +235,15 @@ pub fn run(args: Args) -> super::Result {
                 "f16": f16_tok,
                 "ratio": (f16_tok * per) as f64 / bytes as f64,
             },
+            "bits_per_element": bits_per_element(&bound),
             "context": args.context,
             "f16_bytes": f16_ctx,
             "footprint": {
                 "codes": foot.codes,
                 "scales": foot.scales,
                 "zeros": foot.zeros,
+                "outliers": foot.outliers,
+                "means": foot.means,
                 "windows": foot.windows,
                 "total": foot.total(),
                 "ratio": ratio(foot.total()),
@@ -255,20 +268,22 @@ pub fn run(args: Args) -> super::Result {
         println!("          {} (as declared, without a shape)", hash_hex(&scheme));
     }
     println!();
-    println!("bytes per quantized token per KV head (exact, codes + scales + zeros):");
+    println!("bytes per quantized token per KV head (exact, codes + scales/norms + zeros + outliers):");
     for (name, c) in [("key", &k), ("value", &v)] {
         println!(
-            "  {name:5}  {:>8} = codes {} + scales {} + zeros {}",
+            "  {name:5}  {:>8} = codes {} + scales {} + zeros {} + outliers {}",
             exact(c.total(), per),
             exact(c.codes, per),
             exact(c.scales, per),
-            exact(c.zeros, per)
+            exact(c.zeros, per),
+            exact(c.outliers, per)
         );
     }
     println!(
-        "  total  {:>8}   (f16: {f16_tok}; compression {:.2}x)",
+        "  total  {:>8}   (f16: {f16_tok}; compression {:.2}x; all-in {:.4} bits per element)",
         exact(bytes, per),
-        (f16_tok * per) as f64 / bytes as f64
+        (f16_tok * per) as f64 / bytes as f64,
+        bits_per_element(&bound)
     );
     println!();
     println!(
@@ -276,20 +291,25 @@ pub fn run(args: Args) -> super::Result {
         args.context, shape.kv_heads
     );
     println!(
-        "  payload      {:>12} bytes = codes {} + scales {} + zeros {} + windows {}   (compression {:.2}x)",
+        "  payload      {:>12} bytes = codes {} + scales {} + zeros {} + outliers {} + means {} + windows {}   (compression {:.2}x)",
         foot.total(),
         foot.codes,
         foot.scales,
         foot.zeros,
+        foot.outliers,
+        foot.means,
         foot.windows,
         ratio(foot.total())
     );
     println!(
-        "  paged cache  {:>12} bytes = codes {} + scales {} + zeros {} + windows {} + tables {}   (compression {:.2}x; {} blocks of {block_tokens} tokens)",
+        "  paged cache  {:>12} bytes = codes {} + scales {} + zeros {} + outliers {} + means {} + codebooks {} + windows {} + tables {}   (compression {:.2}x; {} blocks of {block_tokens} tokens)",
         mem.total,
         mem.codes,
         mem.scales,
         mem.zeros,
+        mem.outliers,
+        mem.means,
+        mem.codebooks,
         mem.windows,
         mem.tables,
         ratio(mem.total),
@@ -336,6 +356,21 @@ mod tests {
         assert_eq!(k.codes, per * 40);
         assert_eq!(v.scales, per * 3 * 4);
         assert_eq!(exact(k.scales, per), "4");
+        // The codec pipeline: norms without zeros, outliers per token.
+        let s = kivi_spec::parse_scheme(
+            "C { key: quant(bits = 3, axis = token, group = 256, levels = lloyd_max), value: quant(bits = 2, axis = token, group = 64),
+                 outliers: sparse(per_token = 3, apply = [key]), rotation: hadamard(block = 256, apply = [key]) }",
+        )
+        .unwrap()
+        .with_shape(Heads::Mqa(4), 256)
+        .unwrap();
+        let ((bytes, per), k, v) = per_token(&s).unwrap();
+        assert_eq!(
+            (k.codes, k.scales, k.zeros, k.outliers),
+            (104 * per, 2 * per, 0, 16 * per)
+        );
+        assert_eq!(v.total(), (64 + 16) * per);
+        assert_eq!(bytes, (122 + 80) * per);
     }
 
     #[test]

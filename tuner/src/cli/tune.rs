@@ -11,12 +11,36 @@ use kivi_tuner::CpuTarget;
 use std::path::PathBuf;
 use std::time::Instant;
 
+/// What `--backend` names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TuneBackend {
+    /// cuda when a GPU is usable, else cpu (with a static ranking of the CUDA variants)
+    Auto,
+    Cpu,
+    Sim,
+    Cuda,
+}
+
+impl TuneBackend {
+    fn parse(s: &str) -> Result<TuneBackend, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(TuneBackend::Auto),
+            "cpu" => Ok(TuneBackend::Cpu),
+            "sim" => Ok(TuneBackend::Sim),
+            "cuda" => Ok(TuneBackend::Cuda),
+            other => Err(format!("--backend `{other}` is not auto, cpu, sim or cuda")),
+        }
+    }
+}
+
 #[derive(clap::Args)]
 pub struct Args {
     /// Scheme text (contains `{`), else a preset name (`kivi schemes`), else a file path (`./NAME` for a file named like a preset)
     #[arg(long)]
     scheme: String,
-    /// Backend to tune: auto (cuda when usable, else cpu), cpu or cuda
+    /// Backend to tune: auto (cuda when a GPU is usable, else cpu), cpu,
+    /// sim (the generated kernels on the simulated device) or cuda (fails
+    /// where there is no GPU)
     #[arg(long, default_value = "auto")]
     backend: String,
     /// Head layout, e.g. gqa:32:8, mha:8, mqa:4 (default: the scheme's, else gqa:32:8)
@@ -177,11 +201,13 @@ pub fn print_entry_table(e: &Entry, all: bool) {
     }
 }
 
-/// The CUDA decode variants ranked without a GPU: generated, compiled with
-/// NVRTC for sm_90 where NVRTC is present (ptxas resources), occupancy on
-/// an H200 (132 SMs), pruned and ranked.
-fn print_static_ranking(scheme: &Scheme, buckets: &[Bucket]) {
-    use kivi_runtime::cuda::{Arch, Compiler};
+/// The CUDA decode variants ranked without timing them: generated, compiled
+/// with NVRTC for `arch` where NVRTC is present (ptxas resources), occupancy
+/// on `sms` multiprocessors, pruned and ranked. `on` names the device the
+/// numbers describe (the simulated device's, or an H200's where there is
+/// no device at all).
+fn print_static_ranking(scheme: &Scheme, buckets: &[Bucket], arch: kivi_runtime::cuda::Arch, sms: u32, on: &str) {
+    use kivi_runtime::cuda::Compiler;
     let compiler = Compiler::new().ok();
     let mut batches: Vec<u32> = buckets.iter().map(|b| b.batch).collect();
     batches.dedup();
@@ -189,14 +215,14 @@ fn print_static_ranking(scheme: &Scheme, buckets: &[Bucket]) {
         let b = buckets.iter().find(|x| x.batch == batch).expect("listed");
         println!();
         println!(
-            "CUDA decode variants, static ranking for batch {batch} on sm_90 / 132 SMs ({}; not timed: no GPU here):",
+            "CUDA decode variants, static ranking for batch {batch} on {arch} / {sms} SMs ({on}; {}; not timed on a GPU):",
             if compiler.is_some() {
                 "compiled with NVRTC, ptxas resources"
             } else {
                 "NVRTC not found, launch shapes only"
             }
         );
-        match kivi_tuner::cuda::static_ranking(scheme, b, Arch::SM90, 132, compiler.as_ref()) {
+        match kivi_tuner::cuda::static_ranking(scheme, b, arch, sms, compiler.as_ref()) {
             Err(e) => println!("  {e}"),
             Ok(rows) => {
                 println!(
@@ -277,22 +303,40 @@ pub fn run(args: Args) -> super::Result {
         }
     }
 
-    let backend = args.backend.to_ascii_lowercase();
     let mut notes: Vec<String> = Vec::new();
-    let mut static_report = false;
-    let target: Box<dyn Target> = match backend.as_str() {
-        "cpu" => Box::new(CpuTarget::new(&scheme)?),
-        "auto" | "cuda" => match kivi_tuner::cuda::CudaTarget::new(&scheme) {
+    // (arch, SMs, what they describe) for a ranking of the CUDA variants on paper
+    let mut static_report: Option<(kivi_runtime::cuda::Arch, u32, String)> = None;
+    let target: Box<dyn Target> = match TuneBackend::parse(&args.backend)? {
+        TuneBackend::Cpu => Box::new(CpuTarget::new(&scheme)?),
+        TuneBackend::Sim => {
+            let dev = kivi_runtime::device::SimDevice::shared();
+            let i = dev.info();
+            static_report = Some((i.arch, i.sms.max(1) as u32, "the simulated device's limits".into()));
+            notes.push(
+                "simulated device: timings are host-clock times of simulated launches and rank nothing \
+                 about a GPU; the run checks every candidate against the reference"
+                    .into(),
+            );
+            Box::new(kivi_tuner::cuda::CudaTarget::sim(&scheme, dev)?)
+        }
+        // Asked for a GPU by name: no GPU is an error, never another backend.
+        TuneBackend::Cuda => Box::new(kivi_tuner::cuda::CudaTarget::new(&scheme).map_err(|why| {
+            format!("--backend cuda: {why} (use --backend sim to tune on the simulated device, or cpu)")
+        })?),
+        TuneBackend::Auto => match kivi_tuner::cuda::CudaTarget::new(&scheme) {
             Ok(t) => Box::new(t),
             Err(why) => {
                 // No GPU here: tune what can run, and still say how the
                 // CUDA variants compare on paper.
                 notes.push(format!("no usable CUDA device ({why}); tuning the cpu backend instead"));
-                static_report = true;
+                static_report = Some((
+                    kivi_runtime::cuda::Arch::SM90,
+                    132,
+                    "an H200, assumed: no GPU here".into(),
+                ));
                 Box::new(CpuTarget::new(&scheme)?)
             }
         },
-        other => return Err(format!("--backend `{other}` is not auto, cpu or cuda").into()),
     };
     let target: &dyn Target = target.as_ref();
     let store = Store::new(dir.clone(), target.device(), target.toolchain());
@@ -367,8 +411,8 @@ pub fn run(args: Args) -> super::Result {
                 print_entry_table(e, false);
             }
         }
-        if static_report {
-            print_static_ranking(&scheme, &buckets);
+        if let Some((arch, sms, on)) = &static_report {
+            print_static_ranking(&scheme, &buckets, *arch, *sms, on);
         }
         println!();
         println!("decisions: {}", store.path().display());

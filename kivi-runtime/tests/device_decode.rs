@@ -1,17 +1,20 @@
-//! The CUDA backend against the reference oracle: every preset (and the
-//! corner-case schemes of the sim tests) at odd lengths 1, 31, 33, 127,
-//! 1000 and an empty sequence, on MHA, GQA 4:1, GQA 7:1, GQA 32:8 and MQA;
-//! and every decode variant of every preset on the three main layouts.
+//! Decode through the device layer (`DeviceCache` upload, typed launches)
+//! against the reference oracle: every preset (and the corner-case schemes
+//! of the sim tests) at odd lengths 1, 31, 33, 127, 1000 and an empty
+//! sequence, on MHA, GQA 4:1, GQA 7:1, GQA 32:8 and MQA, with and without
+//! windows; and every decode variant of every preset on the three main
+//! layouts.
 //!
-//! Needs a GPU; elsewhere each test prints `SKIP ...: <reason>` and passes
-//! (and checks that the reason is a typed `Unavailable`, not a panic).
+//! Runs on the simulated device everywhere (CI) and on GPU 0 where one is
+//! usable; without a GPU the GPU half prints `SKIP ...: <reason>`.
 
-mod cuda_util;
+mod device_util;
 #[path = "sim_util/mod.rs"]
 mod sim_util;
 
-use cuda_util::backend_or_skip;
-use kivi_runtime::cuda::CudaBackend;
+use device_util::{backends, gpu_or_skip};
+use kivi_runtime::cuda::CudaDevice;
+use kivi_runtime::device::DeviceBackend;
 use kivi_runtime::AttnParams;
 use kivi_spec::{presets, Heads, Scheme};
 use kivi_templates::{default_variant, generate, variants, Generated, Kernel};
@@ -49,10 +52,13 @@ fn default_kernels() -> Vec<Generated> {
 }
 
 #[test]
-fn cuda_default_variant_matches_reference_everywhere() {
-    let Some(cuda) = backend_or_skip("cuda_default_variant", default_kernels) else {
-        return;
-    };
+fn default_variant_matches_reference_everywhere() {
+    for dev in backends("default_variant", default_kernels) {
+        default_variant_on(&dev);
+    }
+}
+
+fn default_variant_on(cuda: &DeviceBackend) {
     let mut checked = 0;
     let mut worst = 0f32;
     for (heads, d) in layouts() {
@@ -60,14 +66,14 @@ fn cuda_default_variant_matches_reference_everywhere() {
             let b = Batch::new(s, &LENS, 7 + i as u64, true);
             let attn = AttnParams::of(s, s.shape().unwrap());
             let want = b.reference(attn);
-            let e = b.rel_error(&cuda, attn, &want);
+            let e = b.rel_error(cuda, attn, &want);
             assert!(
                 e <= TOL,
                 "{} {heads} d{d}: relative error {e} (lengths {LENS:?})",
                 s.name
             );
             // the empty sequence attends to nothing: its output is exactly zero
-            let got = cuda_decode(&cuda, &b, attn);
+            let got = cuda_decode(cuda, &b, attn);
             let per = s.shape().unwrap().q_heads * d as usize;
             assert!(
                 got[5 * per..6 * per].iter().all(|x| *x == 0.0),
@@ -78,10 +84,13 @@ fn cuda_default_variant_matches_reference_everywhere() {
             checked += 1;
         }
     }
-    println!("cuda: {checked} scheme/layout pairs agree with the reference (worst relative error {worst:.2e})");
+    println!(
+        "{}: {checked} scheme/layout pairs agree with the reference (worst relative error {worst:.2e})",
+        cuda.device().kind().name()
+    );
 }
 
-fn cuda_decode(cuda: &CudaBackend, b: &Batch, attn: AttnParams) -> Vec<f32> {
+fn cuda_decode(cuda: &DeviceBackend, b: &Batch, attn: AttnParams) -> Vec<f32> {
     use kivi_runtime::Backend;
     cuda.decode(&b.cache, &b.seqs, &b.q, attn).unwrap()
 }
@@ -99,11 +108,14 @@ fn all_variant_kernels() -> Vec<Generated> {
     out
 }
 
+/// On a GPU. (On the simulated device, `sim_variants` runs every variant
+/// through the same `DeviceCache` path.)
 #[test]
 fn cuda_every_decode_variant_matches_reference() {
-    let Some(cuda) = backend_or_skip("cuda_every_variant", all_variant_kernels) else {
+    let Some(dev) = gpu_or_skip("cuda_every_variant", all_variant_kernels) else {
         return;
     };
+    let cuda = DeviceBackend::new(dev);
     let mut n = 0;
     let mut worst = 0f32;
     for (heads, d) in sim_util::layouts() {
@@ -124,14 +136,29 @@ fn cuda_every_decode_variant_matches_reference() {
     println!("cuda: {n} decode variants agree with the reference (worst relative error {worst:.2e})");
 }
 
+/// Windows, no window and scale overrides. The CUDA host code once passed
+/// a window of 0 for "no window", which the kernel reads as "the last 0
+/// tokens": every decode without a window returned zeros. The no-window
+/// cases here fail on that code, on the simulated device too.
 #[test]
-fn cuda_sliding_window_and_scale_override() {
-    let Some(cuda) = backend_or_skip("cuda_window", default_kernels) else {
-        return;
-    };
+fn sliding_window_no_window_and_scale_override() {
+    for dev in backends("window", default_kernels) {
+        windows_on(&dev);
+    }
+}
+
+fn windows_on(cuda: &DeviceBackend) {
     let s = presets::kivi2().with_shape(Heads::Gqa { q: 8, kv: 2 }, 64).unwrap();
     let b = Batch::new(&s, &[1000, 33, 127], 3, false);
     for attn in [
+        AttnParams {
+            softmax_scale: 0.125,
+            window: None,
+        },
+        AttnParams {
+            softmax_scale: 1.0 / 16.0,
+            window: None,
+        },
         AttnParams {
             softmax_scale: 1.0 / 16.0,
             window: Some(100),
@@ -146,17 +173,28 @@ fn cuda_sliding_window_and_scale_override() {
         },
     ] {
         let want = b.reference(attn);
-        let e = b.rel_error(&cuda, attn, &want);
+        assert!(want.iter().any(|x| x.abs() > 1e-3), "a reference that is not all zeros");
+        let e = b.rel_error(cuda, attn, &want);
         assert!(e <= TOL, "{attn:?}: relative error {e}");
     }
+    // A window of zero tokens attends to nothing.
+    let zero = AttnParams {
+        softmax_scale: 0.125,
+        window: Some(0),
+    };
+    let got = cuda_decode(cuda, &b, zero);
+    assert!(got.iter().all(|x| *x == 0.0));
 }
 
 #[test]
-fn cuda_bad_input_is_an_error_not_a_crash() {
+fn bad_input_is_an_error_not_a_crash() {
     // a layout of `layouts()`, so the bundle's precompiled kernels cover it
-    let Some(cuda) = backend_or_skip("cuda_bad_input", default_kernels) else {
-        return;
-    };
+    for cuda in backends("bad_input", default_kernels) {
+        bad_input_on(&cuda);
+    }
+}
+
+fn bad_input_on(cuda: &DeviceBackend) {
     use kivi_runtime::Backend;
     let s = presets::kivi4().with_shape(Heads::Mha(8), 64).unwrap();
     let b = Batch::new(&s, &[40], 1, false);
@@ -171,7 +209,7 @@ fn cuda_bad_input_is_an_error_not_a_crash() {
 /// Without a GPU the backend reports why, as a typed error.
 #[test]
 fn cuda_unavailable_is_typed() {
-    match CudaBackend::new() {
+    match CudaDevice::new(0) {
         Ok(_) => println!("a GPU is present; nothing to check"),
         Err(e) => {
             assert!(
@@ -181,5 +219,54 @@ fn cuda_unavailable_is_typed() {
             assert!(!e.to_string().is_empty());
             println!("no GPU here, as expected: {e}");
         }
+    }
+}
+
+/// Every decode variant on shapes no preset is bound to (GQA 7:1 at
+/// head_dim 80, MHA 3 at 96), for a channel-axis 2-bit, a token-axis 4-bit
+/// and an 8-bit scheme, at odd lengths.
+#[test]
+fn every_decode_variant_on_odd_shapes() {
+    let cases = || {
+        let mut out = Vec::new();
+        for (h, d) in [(Heads::Gqa { q: 7, kv: 1 }, 80u32), (Heads::Mha(3), 96)] {
+            for p in [presets::kivi2(), presets::tok4(), presets::int8()] {
+                if let Ok(s) = p.with_shape(h, d) {
+                    out.push(s);
+                }
+            }
+        }
+        out
+    };
+    let gens = || {
+        cases()
+            .iter()
+            .flat_map(|s| {
+                variants(s, Kernel::Decode)
+                    .into_iter()
+                    .map(|v| generate(s, Kernel::Decode, &v).unwrap())
+                    .collect::<Vec<_>>()
+            })
+            .collect::<Vec<_>>()
+    };
+    for be in backends("odd_shapes", gens) {
+        let all = gens();
+        be.device().load_many(&all.iter().collect::<Vec<_>>()).unwrap();
+        let mut n = 0;
+        for (i, s) in cases().iter().enumerate() {
+            let b = Batch::new(s, &[1, 31, 127], 300 + i as u64, true);
+            let attn = AttnParams::of(s, s.shape().unwrap());
+            let want = b.reference(attn);
+            for v in variants(s, Kernel::Decode) {
+                let e = b.rel_error(&be.clone().with_variant(Some(v)), attn, &want);
+                assert!(e <= TOL, "{} {:?} {}: relative error {e}", s.name, s.heads, v.name());
+                n += 1;
+            }
+        }
+        sim_util::report(&format!(
+            "{}: {n} decode variants on GQA 7:1 d80 / MHA 3 d96 agree with the reference",
+            be.device().kind().name()
+        ));
+        assert!(n >= 40, "{n}");
     }
 }

@@ -1,0 +1,303 @@
+//! Kernel arguments: one typed struct per kernel entry point, and the only
+//! place in the project that turns host values into a kernel's argument
+//! list. Encodings that the kernels define (a sliding window of "none" is
+//! `-1`, the grid's z is the batch) live here once, so no two call sites
+//! can disagree about them.
+//!
+//! Each struct's `launch` checks, before anything runs, that the
+//! generator's parameter list ([`kivi_templates::EntryLaunch::params`]) has
+//! exactly these names in this order and that every buffer is large enough
+//! for the batch; [`Device::launch`] then checks the types.
+
+use super::{Buffer, Device, KernelArg, Module};
+use crate::error::{Error, Result};
+
+/// A sliding window as the decode kernel reads it: `-1` = attend to every
+/// token, `w >= 1` = only the last `w`. (A window of 0 tokens attends to
+/// nothing; [`super::DeviceCache::decode`] answers it without a launch.)
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Window(i32);
+
+impl Window {
+    /// The kernel's encoding of `AttnParams::window`.
+    pub fn of(w: Option<usize>) -> Result<Window> {
+        match w {
+            None => Ok(Window(-1)),
+            Some(0) => Err(Error::Config(
+                "a sliding window of 0 tokens attends to nothing; it has no kernel encoding".into(),
+            )),
+            Some(w) => Ok(Window(i32::try_from(w).unwrap_or(i32::MAX))),
+        }
+    }
+    /// The value passed to the kernel.
+    pub fn raw(self) -> i32 {
+        self.0
+    }
+}
+
+fn check_names(m: &Module, entry: &str, names: &[&str]) -> Result<()> {
+    let el = m
+        .generated
+        .launch
+        .entry(entry)
+        .ok_or_else(|| Error::Config(format!("`{}` has no entry point `{entry}`", m.generated.name)))?;
+    let got: Vec<&str> = el.params.iter().map(|p| p.name).collect();
+    if got != names {
+        return Err(Error::Config(format!(
+            "`{}`: kernel `{entry}` takes ({}), the host passes ({})",
+            m.generated.name,
+            got.join(", "),
+            names.join(", ")
+        )));
+    }
+    Ok(())
+}
+
+fn at_least(b: &Buffer, n: usize, what: &str) -> Result<()> {
+    if b.len() < n {
+        return Err(Error::Config(format!(
+            "kernel argument `{what}` holds {} elements, the launch reads {n}",
+            b.len()
+        )));
+    }
+    Ok(())
+}
+
+fn grid(m: &Module, entry: &str, batch: usize) -> Result<[u32; 3]> {
+    let el = m
+        .generated
+        .launch
+        .entry(entry)
+        .ok_or_else(|| Error::Config(format!("`{}` has no entry point `{entry}`", m.generated.name)))?;
+    let b = u32::try_from(batch).map_err(|_| Error::Config(format!("a batch of {batch} sequences")))?;
+    Ok(el.grid(b, 0))
+}
+
+/// `kivi_decode`: one split of the flash-decoding pass per block.
+pub struct DecodeArgs<'a> {
+    pub batch: usize,
+    pub pool: &'a Buffer,
+    pub tables: &'a Buffer,
+    pub table_stride: usize,
+    pub seq_lens: &'a Buffer,
+    pub q: &'a Buffer,
+    pub sinks_k: &'a Buffer,
+    pub sinks_v: &'a Buffer,
+    pub ring_k: &'a Buffer,
+    pub ring_v: &'a Buffer,
+    pub sm_scale: f32,
+    pub window: Window,
+    pub part_ml: &'a mut Buffer,
+    pub part_acc: &'a mut Buffer,
+}
+
+impl DecodeArgs<'_> {
+    pub const ENTRY: &'static str = "kivi_decode";
+    pub const PARAMS: [&'static str; 13] = [
+        "pool",
+        "tables",
+        "table_stride",
+        "seq_lens",
+        "q",
+        "sinks_k",
+        "sinks_v",
+        "ring_k",
+        "ring_v",
+        "sm_scale",
+        "window",
+        "part_ml",
+        "part_acc",
+    ];
+
+    pub fn launch(self, dev: &dyn Device, m: &Module) -> Result<()> {
+        check_names(m, Self::ENTRY, &Self::PARAMS)?;
+        let li = &m.generated.launch;
+        let (hq, d) = (li.q_heads as usize, li.head_dim as usize);
+        at_least(self.tables, self.batch * self.table_stride, "tables")?;
+        at_least(self.seq_lens, self.batch, "seq_lens")?;
+        at_least(self.q, self.batch * hq * d, "q")?;
+        at_least(self.part_ml, li.part_ml_len(self.batch), "part_ml")?;
+        at_least(self.part_acc, li.part_acc_len(self.batch), "part_acc")?;
+        let stride = i32::try_from(self.table_stride)
+            .map_err(|_| Error::Config(format!("a block table of {} entries", self.table_stride)))?;
+        let g = grid(m, Self::ENTRY, self.batch)?;
+        dev.launch(
+            m,
+            Self::ENTRY,
+            g,
+            &mut [
+                KernelArg::In(self.pool),
+                KernelArg::In(self.tables),
+                KernelArg::I32(stride),
+                KernelArg::In(self.seq_lens),
+                KernelArg::In(self.q),
+                KernelArg::In(self.sinks_k),
+                KernelArg::In(self.sinks_v),
+                KernelArg::In(self.ring_k),
+                KernelArg::In(self.ring_v),
+                KernelArg::F32(self.sm_scale),
+                KernelArg::I32(self.window.raw()),
+                KernelArg::Out(self.part_ml),
+                KernelArg::Out(self.part_acc),
+            ],
+        )
+    }
+}
+
+/// `kivi_combine`: merges the splits of [`DecodeArgs`] into `[batch][Hq][D]` f32.
+pub struct CombineArgs<'a> {
+    pub batch: usize,
+    pub part_ml: &'a Buffer,
+    pub part_acc: &'a Buffer,
+    pub out: &'a mut Buffer,
+}
+
+impl CombineArgs<'_> {
+    pub const ENTRY: &'static str = "kivi_combine";
+    pub const PARAMS: [&'static str; 3] = ["part_ml", "part_acc", "out"];
+
+    pub fn launch(self, dev: &dyn Device, m: &Module) -> Result<()> {
+        check_names(m, Self::ENTRY, &Self::PARAMS)?;
+        let li = &m.generated.launch;
+        at_least(self.part_ml, li.part_ml_len(self.batch), "part_ml")?;
+        at_least(self.part_acc, li.part_acc_len(self.batch), "part_acc")?;
+        at_least(self.out, self.batch * li.q_heads as usize * li.head_dim as usize, "out")?;
+        let g = grid(m, Self::ENTRY, self.batch)?;
+        dev.launch(
+            m,
+            Self::ENTRY,
+            g,
+            &mut [
+                KernelArg::In(self.part_ml),
+                KernelArg::In(self.part_acc),
+                KernelArg::Out(self.out),
+            ],
+        )
+    }
+}
+
+/// `kivi_prefill` / `kivi_append`: adds `new_counts[b]` tokens to sequence `b`.
+pub struct ExtendArgs<'a> {
+    pub batch: usize,
+    pub pool: &'a mut Buffer,
+    pub tables: &'a Buffer,
+    pub table_stride: usize,
+    pub old_lens: &'a Buffer,
+    pub new_counts: &'a Buffer,
+    /// `[batch][max_new][Hkv][D]`, already rounded to the activation dtype.
+    pub k_new: &'a Buffer,
+    pub v_new: &'a Buffer,
+    pub max_new: usize,
+    pub sinks_k: &'a mut Buffer,
+    pub sinks_v: &'a mut Buffer,
+    pub ring_k: &'a mut Buffer,
+    pub ring_v: &'a mut Buffer,
+    /// Per sequence: 0 = stored; see [`super::cache::status_message`].
+    pub status: &'a mut Buffer,
+}
+
+impl ExtendArgs<'_> {
+    pub const PARAMS: [&'static str; 13] = [
+        "pool",
+        "tables",
+        "table_stride",
+        "old_lens",
+        "new_counts",
+        "k_new",
+        "v_new",
+        "max_new",
+        "sinks_k",
+        "sinks_v",
+        "ring_k",
+        "ring_v",
+        "status",
+    ];
+
+    /// Launches the module's entry point (`kivi_prefill` or `kivi_append`).
+    pub fn launch(self, dev: &dyn Device, m: &Module) -> Result<()> {
+        let entry = m
+            .generated
+            .entry_points
+            .first()
+            .filter(|e| matches!(e.as_str(), "kivi_prefill" | "kivi_append"))
+            .cloned()
+            .ok_or_else(|| Error::Config(format!("`{}` is not a prefill or append kernel", m.generated.name)))?;
+        if entry == "kivi_append" && self.max_new > 1 {
+            return Err(Error::Config(format!(
+                "the append kernel adds one token per sequence, not {}",
+                self.max_new
+            )));
+        }
+        check_names(m, &entry, &Self::PARAMS)?;
+        let row = m.generated.launch.head_dim as usize;
+        at_least(self.tables, self.batch * self.table_stride, "tables")?;
+        at_least(self.old_lens, self.batch, "old_lens")?;
+        at_least(self.new_counts, self.batch, "new_counts")?;
+        at_least(self.k_new, self.batch * self.max_new * row, "k_new")?;
+        at_least(self.v_new, self.batch * self.max_new * row, "v_new")?;
+        at_least(self.status, self.batch, "status")?;
+        let stride = i32::try_from(self.table_stride)
+            .map_err(|_| Error::Config(format!("a block table of {} entries", self.table_stride)))?;
+        let max_new = i32::try_from(self.max_new).map_err(|_| Error::Config(format!("{} new tokens", self.max_new)))?;
+        let g = grid(m, &entry, self.batch)?;
+        dev.launch(
+            m,
+            &entry,
+            g,
+            &mut [
+                KernelArg::Out(self.pool),
+                KernelArg::In(self.tables),
+                KernelArg::I32(stride),
+                KernelArg::In(self.old_lens),
+                KernelArg::In(self.new_counts),
+                KernelArg::In(self.k_new),
+                KernelArg::In(self.v_new),
+                KernelArg::I32(max_new),
+                KernelArg::Out(self.sinks_k),
+                KernelArg::Out(self.sinks_v),
+                KernelArg::Out(self.ring_k),
+                KernelArg::Out(self.ring_v),
+                KernelArg::Out(self.status),
+            ],
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kivi_spec::{presets, Heads};
+    use kivi_templates::{default_variant, generate, Kernel};
+
+    /// A window of "none" is -1 (the kernel reads `window >= 0` as "only
+    /// the last `window` tokens"); the old CUDA host code passed 0 here and
+    /// every decode without a window attended to nothing.
+    #[test]
+    fn no_window_is_minus_one() {
+        assert_eq!(Window::of(None).unwrap().raw(), -1);
+        assert_eq!(Window::of(Some(5)).unwrap().raw(), 5);
+        assert!(Window::of(Some(0)).is_err());
+        assert_eq!(Window::of(Some(usize::MAX)).unwrap().raw(), i32::MAX);
+    }
+
+    /// The parameter lists here are the generator's, for every preset and kernel.
+    #[test]
+    fn params_match_the_generator() {
+        for p in presets::all() {
+            let s = p.with_shape(Heads::Gqa { q: 8, kv: 2 }, 64).unwrap();
+            for k in Kernel::ALL {
+                let g = generate(&s, k, &default_variant(&s, k)).unwrap();
+                for e in &g.launch.entries {
+                    let names: Vec<&str> = e.params.iter().map(|p| p.name).collect();
+                    let want: &[&str] = match e.entry.as_str() {
+                        "kivi_decode" => &DecodeArgs::PARAMS,
+                        "kivi_combine" => &CombineArgs::PARAMS,
+                        _ => &ExtendArgs::PARAMS,
+                    };
+                    assert_eq!(names, want, "{} {}", g.name, e.entry);
+                    assert_eq!(e.grid(3, 0)[2], 3, "grid z is the batch");
+                }
+            }
+        }
+    }
+}

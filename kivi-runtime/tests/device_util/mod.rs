@@ -1,0 +1,83 @@
+//! Helpers of the `device_*` tests: the devices to run on (the simulated
+//! device always; GPU 0 when one is usable, else a printed skip), and the
+//! precompile mode that fills an artifact cache for a GPU machine without
+//! NVRTC (scripts/gpu-bundle.sh).
+//!
+//! One suite, written once against [`kivi_runtime::device::Device`], runs on
+//! every device: the host code of the GPU path is the same on both, so CI
+//! runs all of it on the simulated device.
+#![allow(dead_code)]
+
+use kivi_runtime::cuda::{Arch, Compiler, CudaDevice, NvrtcOptions};
+use kivi_runtime::device::{Device, DeviceBackend, SimDevice};
+use kivi_runtime::Error;
+use kivi_templates::Generated;
+use std::sync::Arc;
+
+/// GPU 0, or `None` after printing why the GPU half of a test is skipped.
+///
+/// With `KIVI_REQUIRE_GPU` set (scripts/gpu-check.sh) a missing GPU is a
+/// failure. With `KIVI_CUDA_PRECOMPILE=sm_XX` set and no GPU, compiles every
+/// kernel `needed()` names for that architecture into the artifact cache
+/// first, so that the same test binary finds them on a GPU machine that has
+/// no NVRTC.
+pub fn gpu_or_skip(test: &str, needed: impl FnOnce() -> Vec<Generated>) -> Option<Arc<dyn Device>> {
+    match CudaDevice::new(0) {
+        Ok(d) => {
+            println!("{test}: on {}", d.describe());
+            Some(Arc::new(d))
+        }
+        Err(e @ Error::Unavailable { .. }) => {
+            if std::env::var_os("KIVI_REQUIRE_GPU").is_some() {
+                panic!("{test}: KIVI_REQUIRE_GPU is set but the GPU is unavailable: {e}");
+            }
+            if let Ok(arch) = std::env::var("KIVI_CUDA_PRECOMPILE") {
+                precompile(test, &arch, needed());
+            }
+            println!("SKIP {test} on cuda: {e}");
+            None
+        }
+        Err(e) => panic!("{test}: opening the GPU failed with an unexpected error: {e}"),
+    }
+}
+
+/// Every device this test runs on: the simulated device, then GPU 0 when
+/// one is usable. On the GPU machine (`KIVI_REQUIRE_GPU`) and when filling
+/// a GPU bundle (`KIVI_CUDA_PRECOMPILE`) only the GPU: the simulated half
+/// runs in CI.
+pub fn devices(test: &str, needed: impl FnOnce() -> Vec<Generated>) -> Vec<Arc<dyn Device>> {
+    let mut out: Vec<Arc<dyn Device>> = Vec::new();
+    if std::env::var_os("KIVI_REQUIRE_GPU").is_none() && std::env::var_os("KIVI_CUDA_PRECOMPILE").is_none() {
+        out.push(SimDevice::shared());
+    }
+    out.extend(gpu_or_skip(test, needed));
+    out
+}
+
+/// [`devices`] as decode backends.
+pub fn backends(test: &str, needed: impl FnOnce() -> Vec<Generated>) -> Vec<DeviceBackend> {
+    devices(test, needed).into_iter().map(DeviceBackend::new).collect()
+}
+
+fn precompile(test: &str, arch: &str, gens: Vec<Generated>) {
+    use rayon::prelude::*;
+    let arch = Arch::parse(arch).expect("KIVI_CUDA_PRECOMPILE must name an arch such as sm_90");
+    // Online: compile what is missing. Offline (no NVRTC, KIVI_NVRTC_VERSION
+    // set): verify that the cache already holds every kernel — how
+    // scripts/gpu-bundle.sh checks a bundle is complete.
+    let c = Compiler::new().expect("precompiling needs NVRTC (scripts/provision-cuda.sh) or KIVI_NVRTC_VERSION");
+    let opts = NvrtcOptions::for_arch(arch);
+    let mut gens = gens;
+    gens.sort_by(|a, b| a.name.cmp(&b.name));
+    gens.dedup_by(|a, b| a.source == b.source);
+    gens.par_iter().for_each(|g| {
+        c.compile(&g.name, &g.source, &opts)
+            .unwrap_or_else(|e| panic!("{}: {e}", g.name));
+    });
+    println!(
+        "PRECOMPILED {test}: {} kernels for {arch} {} {}",
+        gens.len(),
+        if c.is_offline() { "verified present in" } else { "into" },
+        c.cache().map_or("(no cache)".into(), |x| x.dir().display().to_string())
+    );
+}

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The full simulator sweep, run before resolving work on the kernels or the
+# device layer (CI runs each of these once, under the default schedule):
+# every generated-kernel test of kivi-runtime — every decode variant of every
+# preset on the main layouts, every prefill/append variant, the corner-case
+# schemes, odd shapes, the barrier-deletion proof — under each of the
+# simulator's strict thread schedules (in order, reverse, two seeded
+# permutations), so a race that one order hides shows up in another.
+#
+# Usage: scripts/full-sweep.sh [LOG_DIR]     (default target/full-sweep)
+# Prints each run's test counts and the "N variants ..." lines the tests
+# report; exits non-zero if any run failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+logs="${1:-target/full-sweep}"
+mkdir -p "$logs"
+tests=(--test sim_variants --test sim_schemes --test sim_extend --test sim_smoke
+       --test device_decode --test device_extend --test sim_barriers --test sim_strict)
+failed=0
+start=$SECONDS
+for sched in inorder reverse 1 2; do
+    log="$logs/sched-$sched.log"
+    echo "==> KIVI_SIM_SCHEDULE=$sched"
+    if KIVI_SIM_SCHEDULE="$sched" cargo test --release -p kivi-runtime "${tests[@]}" -- --nocapture >"$log" 2>&1; then
+        echo "    ok"
+    else
+        echo "    FAILED (see $log)"
+        failed=$((failed + 1))
+    fi
+    grep -E '^test result' "$log" | awk '{p+=$4; f+=$6} END {printf "    %d tests passed, %d failed\n", p, f}'
+    grep -E '^(sim|cuda): ' "$log" | sed 's/^/    /' | sort -u | head -20
+done
+echo "full sweep: $((SECONDS - start)) s, $failed of 4 schedules failed"
+[ "$failed" -eq 0 ]
