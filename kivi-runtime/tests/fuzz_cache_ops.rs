@@ -619,6 +619,42 @@ fn a_value_no_scale_can_hold_is_refused_when_appended_not_when_flushed() {
     assert_eq!(c.len(id).unwrap(), 40);
 }
 
+/// Found by this fuzzer on the codec pipeline: a huge value in a sink token
+/// (sinks are never quantized, so it was accepted) went into the centering
+/// mean, and every later append of ordinary values then failed to quantize
+/// (`value - mean` overflowed the f16 scale). Values of a centered tensor
+/// are now bounded from the first token, and by half the limit.
+#[test]
+fn a_huge_sink_value_cannot_wedge_a_centered_tensor() {
+    let s = kivi_spec::parse_scheme(
+        "c { key: full, value: quant(bits = 2, axis = token, group = 8),
+             center: channel_mean(tokens = 4, apply = [value]),
+             sinks: 2, residual: 4, heads: mha(1), head_dim: 8, dtype: f32 }",
+    )
+    .unwrap();
+    let mut c = PagedCache::new(s, CacheConfig::for_tokens(64)).unwrap();
+    let id = c.add_sequence();
+    let row = [0.5f32; 8];
+    let mut huge = row;
+    huge[0] = -1.5e38;
+    let e = c.append(id, &row, &huge).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::OutOfRange {
+                tensor: "value",
+                token: 0,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    for _ in 0..40 {
+        c.append(id, &row, &row).unwrap();
+    }
+    assert_eq!(c.len(id).unwrap(), 40);
+}
+
 /// Sessions that found bugs, kept as regression cases (seeds of `session`
 /// with the generator as it is now).
 const REGRESSION_SEEDS: &[u64] = &[];
