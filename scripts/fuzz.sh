@@ -35,7 +35,7 @@ run() {
 
 run "scheme text" -p kivi --test fuzz_scheme_text
 run "cache operations" -p kivi-runtime --test fuzz_cache_ops
-run "npy files" -p kivi-tuner --test fuzz_npy
+run "npy files" -p kivi-cli --test fuzz_npy
 run "decision files" -p kivi-tuner --test fuzz_decisions
 
 echo

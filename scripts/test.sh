@@ -125,7 +125,7 @@ cargo_tests() {
 
 numpy_check() {
     [ -n "$PY" ] || { echo "no Python environment with numpy (see the first step)"; return 1; }
-    cargo build --quiet -p kivi-tuner --bin kivi || return 1
+    cargo build --quiet -p kivi-cli --bin kivi || return 1
     "$PY" tests/python/check_attend.py --kivi "$target/debug/kivi"
 }
 

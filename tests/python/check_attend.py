@@ -182,7 +182,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="lengths 1, 33 and 127 only")
     args = ap.parse_args()
     if not os.access(args.kivi, os.X_OK):
-        print(f"check_attend: no kivi binary at {args.kivi} (cargo build -p kivi-tuner, or set KIVI_BIN)")
+        print(f"check_attend: no kivi binary at {args.kivi} (cargo build -p kivi-cli, or set KIVI_BIN)")
         return 2
     checks = Checks()
     rng = np.random.default_rng(20240521)

@@ -33,8 +33,11 @@
 //! - [`bucket`] — shape buckets.
 //! - [`select`] — run-time selection: [`select_or_tune`], [`select_cpu`],
 //!   [`select_cuda`], `KIVI_TUNE`.
-//! - [`plot`] — SVG chart of time per variant per context length.
 //! - [`progress`] — the hand-drawn progress bar of `kivi tune`.
+//! - [`gpu_bench`] — the GPU decode benchmark (`benches/gpu_decode.rs`) on
+//!   any device, the simulated one included.
+//!
+//! The `kivi` program that drives all this is the `kivi-cli` crate.
 
 pub mod bucket;
 pub mod cpu;
@@ -42,7 +45,6 @@ pub mod cuda;
 pub mod decisions;
 pub mod fingerprint;
 pub mod gpu_bench;
-pub mod plot;
 pub mod progress;
 pub mod select;
 pub mod tune;

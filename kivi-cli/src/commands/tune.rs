@@ -365,7 +365,7 @@ pub fn run(args: Args) -> super::Result {
             shape.head_dim,
             target.device().name
         );
-        let svg = kivi_tuner::plot::svg(&title, &entries);
+        let svg = crate::plot::svg(&title, &entries);
         decisions::write_atomic(p, svg.as_bytes())?;
     }
     if args.json {

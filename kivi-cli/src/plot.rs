@@ -2,7 +2,7 @@
 //! context length, one panel per batch size, log-log axes. Light (no
 //! dependency) and readable in any browser.
 
-use crate::decisions::Entry;
+use kivi_tuner::decisions::Entry;
 use std::collections::BTreeMap;
 use std::fmt::Write;
 

@@ -2,8 +2,10 @@
 //! CUDA, tune, benchmark and evaluate. Every failure is a one-line message
 //! and a non-zero exit, never a panic.
 
-mod cli;
+mod bench;
+mod commands;
 mod npy;
+mod plot;
 
 use clap::error::ErrorKind;
 use clap::{Parser, Subcommand};
@@ -42,21 +44,21 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// List the preset schemes
-    Schemes(cli::schemes::Args),
+    Schemes(commands::schemes::Args),
     /// Print a scheme's canonical form and exact memory cost
-    Show(cli::show::Args),
+    Show(commands::show::Args),
     /// Fill a cache from .npy K/V and run decode attention for a .npy query
-    Attend(cli::attend::Args),
+    Attend(commands::attend::Args),
     /// Print the generated CUDA source of a scheme's kernel
-    Codegen(cli::codegen::Args),
+    Codegen(commands::codegen::Args),
     /// Tune kernel variants and cache the decisions
-    Tune(cli::tune::Args),
+    Tune(commands::tune::Args),
     /// Show cached tuning decisions and why they were made
-    Inspect(cli::inspect::Args),
+    Inspect(commands::inspect::Args),
     /// Benchmark decode attention against peers
-    Bench(cli::bench::Args),
+    Bench(commands::bench::Args),
     /// Accuracy of schemes on a real LLM (Gemma 3 270M)
-    Eval(cli::eval::Args),
+    Eval(commands::eval::Args),
 }
 
 /// Dies quietly on a closed pipe (`kivi schemes | head`), as Unix tools do,
@@ -92,14 +94,14 @@ fn main() {
         }
     };
     let result = match cli.cmd {
-        Command::Schemes(a) => cli::schemes::run(a),
-        Command::Show(a) => cli::show::run(a),
-        Command::Attend(a) => cli::attend::run(a),
-        Command::Codegen(a) => cli::codegen::run(a),
-        Command::Tune(a) => cli::tune::run(a),
-        Command::Inspect(a) => cli::inspect::run(a),
-        Command::Bench(a) => cli::bench::run(a),
-        Command::Eval(a) => cli::eval::run(a),
+        Command::Schemes(a) => commands::schemes::run(a),
+        Command::Show(a) => commands::show::run(a),
+        Command::Attend(a) => commands::attend::run(a),
+        Command::Codegen(a) => commands::codegen::run(a),
+        Command::Tune(a) => commands::tune::run(a),
+        Command::Inspect(a) => commands::inspect::run(a),
+        Command::Bench(a) => commands::bench::run(a),
+        Command::Eval(a) => commands::eval::run(a),
     };
     if let Err(e) = result {
         eprintln!("kivi: error: {e}");

@@ -8,8 +8,7 @@
 //! kivi bench --contexts 4096 --batches 8 --layouts mqa --schemes f16,kivi2 --no-peers
 //! ```
 
-#[path = "../bench/mod.rs"]
-mod suite;
+use crate::bench as suite;
 
 use kivi_runtime::CpuParams;
 use std::path::PathBuf;
