@@ -393,7 +393,11 @@ fn check_contents(c: &PagedCache, m: &Model, id: SeqId, rng: &mut Rng) -> Result
         .map(|(x, y)| (x - y).abs())
         .enumerate()
         .fold((0, 0f32), |a, (i, e)| if e > a.1 { (i, e) } else { a });
-    let close = err <= 1e-4 * scale;
+    // Relative to the output, or to the largest value when outliers (up to
+    // 2000 here) are summed and centered away: the fused path's f32 order
+    // then loses ~1e-7 of that magnitude, not of the output's.
+    let vmax = v.iter().fold(0f32, |a, x| a.max(x.abs()));
+    let close = err <= 1e-4 * scale.max(vmax * 0.01);
     ensure!(
         close,
         "seq {id}: cpu decode off by {err:e} at output {at} (scale {scale}; {} tokens, {} per block, {} blocks)",
@@ -679,5 +683,6 @@ fn fuzz_cache_ops() {
         o[0], o[1], o[2], o[3], o[4]
     );
     // Every kind of refusal was exercised (and checked to change nothing).
-    assert!(o.iter().all(|n| *n > 0), "{o:?}");
+    // (Not on a one-case replay: a single session need not meet them all.)
+    assert!(want < 1000 || o.iter().all(|n| *n > 0), "{o:?}");
 }
