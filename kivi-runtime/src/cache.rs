@@ -380,39 +380,7 @@ impl PagedCache {
         // A value that some group could not quantize is refused by the append
         // that brings it: refused later, when it leaves the window, it would
         // wedge the sequence (every later append would fail on it).
-        for (t, given) in [(Tensor::Key, k), (Tensor::Value, v)] {
-            if let Codec::Quant(q) = self.scheme.codec(t) {
-                // A pipeline transforms values before quantizing them: an
-                // orthonormal rotation of `n` channels can grow one by up
-                // to sqrt(n), centering subtracts a mean of up to the limit
-                // (and that mean may come from sink tokens, so those are
-                // checked too). Bound the raw values accordingly.
-                let mut limit = quant::storable_limit(q);
-                if let Some(r) = self.scheme.rotation.filter(|r| r.apply.has(t)) {
-                    limit /= (r.block as f32).sqrt();
-                }
-                let centered = self.scheme.center.is_some_and(|c| c.apply.has(t));
-                if centered {
-                    limit /= 2.0;
-                }
-                let first = if centered { 0 } else { self.scheme.sinks as usize };
-                for (i, x) in inputs[ti(t)].iter().enumerate() {
-                    let token = old_tokens + i / (h * d);
-                    if token >= first && x.abs() > limit {
-                        return Err(Error::OutOfRange {
-                            tensor: t.name(),
-                            value: given[i],
-                            token,
-                            head: (i / d) % h,
-                            channel: i % d,
-                            limit,
-                            bits: q.bits,
-                            dtype: q.scale.name(),
-                        });
-                    }
-                }
-            }
-        }
+        check_storable(&self.scheme, [k, v], [&inputs[0], &inputs[1]], old_tokens, h, d)?;
         let new_tokens = old_tokens + n;
         let target = [
             regions(&self.scheme, Tensor::Key, new_tokens).quantized,
@@ -945,4 +913,55 @@ impl<'a> SeqView<'a> {
             }
         }
     }
+}
+
+/// Refuses, with [`Error::OutOfRange`], a value that some group of its
+/// tensor could not quantize (its scale or zero point would overflow the
+/// scale dtype): refused later, when it leaves the window, it would wedge
+/// the sequence. `given` are the caller's values (for the message),
+/// `rounded` the same rounded to the activation dtype, `[tokens][Hkv][D]`,
+/// the first of them at position `old_tokens`. The host cache and the
+/// device cache both call it, so both refuse the same appends.
+pub(crate) fn check_storable(
+    scheme: &Scheme,
+    given: [&[f32]; 2],
+    rounded: [&[f32]; 2],
+    old_tokens: usize,
+    h: usize,
+    d: usize,
+) -> Result<()> {
+    for (t, given) in [(Tensor::Key, given[0]), (Tensor::Value, given[1])] {
+        if let Codec::Quant(q) = scheme.codec(t) {
+            // A pipeline transforms values before quantizing them: an
+            // orthonormal rotation of `n` channels can grow one by up
+            // to sqrt(n), centering subtracts a mean of up to the limit
+            // (and that mean may come from sink tokens, so those are
+            // checked too). Bound the raw values accordingly.
+            let mut limit = quant::storable_limit(q);
+            if let Some(r) = scheme.rotation.filter(|r| r.apply.has(t)) {
+                limit /= (r.block as f32).sqrt();
+            }
+            let centered = scheme.center.is_some_and(|c| c.apply.has(t));
+            if centered {
+                limit /= 2.0;
+            }
+            let first = if centered { 0 } else { scheme.sinks as usize };
+            for (i, x) in rounded[ti(t)].iter().enumerate() {
+                let token = old_tokens + i / (h * d);
+                if token >= first && x.abs() > limit {
+                    return Err(Error::OutOfRange {
+                        tensor: t.name(),
+                        value: given[i],
+                        token,
+                        head: (i / d) % h,
+                        channel: i % d,
+                        limit,
+                        bits: q.bits,
+                        dtype: q.scale.name(),
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
 }

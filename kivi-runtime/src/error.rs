@@ -33,7 +33,7 @@ pub enum Error {
         hi: f32,
         dtype: &'static str,
     },
-    #[error("{tensor} value {value} at token {token}, kv head {head}, channel {channel} is outside ±{limit}, the widest range that {bits}-bit groups with {dtype} scales can always hold; use scale = f32 or scale the input down")]
+    #[error("{tensor} {value} at token {token}, kv head {head}, channel {channel} is outside ±{limit}, the widest range that {bits}-bit groups with {dtype} scales can always hold; use scale = f32 or scale the input down")]
     OutOfRange {
         tensor: &'static str,
         value: f32,
@@ -65,6 +65,9 @@ pub enum Error {
         kernel: String,
         log: String,
     },
+    /// An error about one sequence of a batch.
+    #[error("sequence {seq}: {source}")]
+    InSequence { seq: usize, source: Box<Error> },
     #[error("the {backend} backend is unavailable: {reason}")]
     Unavailable { backend: &'static str, reason: String },
 }

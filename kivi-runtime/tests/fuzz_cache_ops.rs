@@ -613,7 +613,7 @@ fn a_value_no_scale_can_hold_is_refused_when_appended_not_when_flushed() {
     let mut wide = row;
     wide[0] = 40000.0;
     let e = c.append(id, &row, &wide).unwrap_err();
-    assert!(e.to_string().contains("value value 40000 at token 0"), "{e}");
+    assert!(e.to_string().contains("value 40000 at token 0"), "{e}");
     assert!(e.to_string().contains("outside ±32752"), "{e}");
     // The sequence is unchanged and keeps working past its window.
     assert_eq!(c.len(id).unwrap(), 0);

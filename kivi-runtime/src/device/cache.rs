@@ -398,6 +398,26 @@ impl DeviceCache {
         }
         let kr = round_inputs(&self.scheme, "key", k, h, d)?;
         let vr = round_inputs(&self.scheme, "value", v, h, d)?;
+        // The same range rule as PagedCache, sequence by sequence: a value
+        // no group could quantize is refused by the append that brings it.
+        let row = h * d;
+        let mut at = 0;
+        for (b, &n) in counts.iter().enumerate() {
+            let r = at * row..(at + n) * row;
+            crate::cache::check_storable(
+                &self.scheme,
+                [&k[r.clone()], &v[r.clone()]],
+                [&kr[r.clone()], &vr[r]],
+                self.lens[b],
+                h,
+                d,
+            )
+            .map_err(|e| Error::InSequence {
+                seq: b,
+                source: Box::new(e),
+            })?;
+            at += n;
+        }
         self.extend_rounded(counts, &kr, &vr, variant)
     }
 
@@ -777,6 +797,47 @@ mod tests {
         // ... and the cache still works.
         dc.extend(&[1, 1], &x[..2 * row], &x[..2 * row]).unwrap();
         assert_eq!(dc.lens(), &[151, 151]);
+    }
+
+    /// A scale that overflows on the device (the host's range check is
+    /// bypassed here: it refuses such values before any launch) sets status
+    /// 1, and the launch is undone.
+    #[test]
+    fn device_side_overflow_is_refused_and_undone() {
+        if crate::sim::find_compiler().is_err() {
+            eprintln!("skipped: no C++ compiler for the simulator");
+            return;
+        }
+        let s = kivi_spec::parse_scheme(
+            "Ovf { key: quant(bits = 2, axis = channel, group = 32), \
+             value: quant(bits = 2, axis = token, group = 32), residual: 0, dtype: f32 }",
+        )
+        .unwrap()
+        .with_shape(Heads::Gqa { q: 4, kv: 2 }, 64)
+        .unwrap();
+        let row = 2 * 64;
+        let mut dc = DeviceCache::new(SimDevice::shared(), &s, 2, 200, CacheConfig::for_tokens(1024)).unwrap();
+        let x: Vec<f32> = (0..2 * 45 * row)
+            .map(|i| ((i * 29 % 97) as f32 - 48.0) / 20.0)
+            .collect();
+        dc.extend(&[45, 45], &x, &x).unwrap();
+        let before = snapshot(&dc);
+        let mut v = x[..2 * row].to_vec();
+        v[row + 3] = 1e5;
+        v[row + 4] = -1e5;
+        // Through the public path the host refuses it, naming the range.
+        let e = dc.extend(&[1, 1], &x[..2 * row], &v).unwrap_err();
+        assert!(e.to_string().contains("sequence 1"), "{e}");
+        assert!(snapshot(&dc) == before);
+        // On the device: status 1, undone.
+        let e = dc.extend_rounded(&[1, 1], &x[..2 * row], &v, None).unwrap_err();
+        assert!(
+            e.to_string().contains("sequence 1") && e.to_string().contains("overflowed"),
+            "{e}"
+        );
+        assert!(snapshot(&dc) == before, "a failed device append changed the cache");
+        dc.extend(&[1, 1], &x[..2 * row], &x[..2 * row]).unwrap();
+        assert_eq!(dc.lens(), &[46, 46]);
     }
 
     /// A codec pipeline the templates cannot generate yet is refused when
