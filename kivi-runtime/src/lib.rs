@@ -19,7 +19,7 @@ pub mod quant;
 pub mod reference;
 pub mod sim;
 
-pub use backend::{Backend, ReferenceBackend};
+pub use backend::{Backend, NewTokens, ReferenceBackend};
 pub use cache::{CacheConfig, MemoryReport, PagedCache, RawRows, SeqId, SeqView};
 pub use cpu::{CpuBackend, CpuParams};
 pub use error::{Error, Result};
