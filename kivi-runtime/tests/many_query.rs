@@ -120,7 +120,9 @@ fn check_against_oracle(s: &Scheme, attn: AttnParams, shapes: &[(usize, usize)],
         .collect();
     for backend in backends {
         let (mut cache, seqs) = filled(s, &cases, 64);
-        let got = backend.attend_block(&mut cache, &blocks(s, &cases, &seqs), attn).unwrap();
+        let got = backend
+            .attend_block(&mut cache, &blocks(s, &cases, &seqs), attn)
+            .unwrap();
         let mut at = 0;
         for ((c, &seq), want) in cases.iter().zip(&seqs).zip(&want) {
             assert_eq!(cache.len(seq).unwrap(), c.past + c.n);
@@ -145,7 +147,10 @@ fn check_against_oracle(s: &Scheme, attn: AttnParams, shapes: &[(usize, usize)],
 
 /// Every (prefix length, block size) pair.
 fn grid() -> Vec<(usize, usize)> {
-    PASTS.iter().flat_map(|&p| BLOCKS.iter().map(move |&n| (p, n))).collect()
+    PASTS
+        .iter()
+        .flat_map(|&p| BLOCKS.iter().map(move |&n| (p, n)))
+        .collect()
 }
 
 /// Twelve of them: every prefix length with a small and a large block,
@@ -241,7 +246,11 @@ fn oracle_block_is_streaming_bit_for_bit() {
         .chain(window_schemes())
         .map(|s| s.with_shape(Heads::Gqa { q: 4, kv: 2 }, 32).unwrap())
         .collect();
-    schemes.extend(presets::pipeline().into_iter().map(|s| s.with_shape(Heads::Mqa(2), 256).unwrap()));
+    schemes.extend(
+        presets::pipeline()
+            .into_iter()
+            .map(|s| s.with_shape(Heads::Mqa(2), 256).unwrap()),
+    );
     for s in &schemes {
         let shape = s.shape().unwrap();
         let windowed = AttnParams {
@@ -256,7 +265,13 @@ fn oracle_block_is_streaming_bit_for_bit() {
                 let stream = reference::block_attention_streaming(s, c.past, &c.q, &c.k, &c.v, attn).unwrap();
                 let block = reference::block_attention(s, c.past, &c.q, &c.k, &c.v, attn).unwrap();
                 let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&stream), bits(&block), "{} case {i} window {:?}", s.name, attn.window);
+                assert_eq!(
+                    bits(&stream),
+                    bits(&block),
+                    "{} case {i} window {:?}",
+                    s.name,
+                    attn.window
+                );
             }
         }
     }
@@ -271,7 +286,11 @@ fn reference_backend_is_the_oracle_and_streaming() {
         .chain(window_schemes())
         .map(|s| s.with_shape(Heads::Gqa { q: 6, kv: 2 }, 32).unwrap())
         .collect();
-    schemes.extend(presets::pipeline().into_iter().map(|s| s.with_shape(Heads::Mqa(2), 256).unwrap()));
+    schemes.extend(
+        presets::pipeline()
+            .into_iter()
+            .map(|s| s.with_shape(Heads::Mqa(2), 256).unwrap()),
+    );
     let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
     for s in &schemes {
         let shape = s.shape().unwrap();
@@ -286,7 +305,13 @@ fn reference_backend_is_the_oracle_and_streaming() {
         let mut at = 0;
         for (c, &seq) in cases.iter().zip(&sseqs) {
             let want = reference::block_attention(s, c.past, &c.q, &c.k, &c.v, attn).unwrap();
-            assert_eq!(bits(&got[at * per..(at + c.n) * per]), bits(&want), "{} past {}", s.name, c.past);
+            assert_eq!(
+                bits(&got[at * per..(at + c.n) * per]),
+                bits(&want),
+                "{} past {}",
+                s.name,
+                c.past
+            );
             for i in 0..c.n {
                 let t = c.past + i;
                 streamed
@@ -351,7 +376,13 @@ fn cpu_sinks_flushes_and_sliding_windows() {
                 window: Some(w),
                 ..AttnParams::of(&s, s.shape().unwrap())
             };
-            check_against_oracle(&s, attn, &[(0, 33), (127, 128), (300, 7), (1000, 128)], &[&CpuBackend::default()], 3);
+            check_against_oracle(
+                &s,
+                attn,
+                &[(0, 33), (127, 128), (300, 7), (1000, 128)],
+                &[&CpuBackend::default()],
+                3,
+            );
         }
     }
 }
@@ -363,8 +394,16 @@ fn cpu_parameters_and_instruction_sets() {
     let d = CpuParams::default();
     let cpus = [
         CpuParams { splits: 1, ..d },
-        CpuParams { splits: 3, tile_tokens: 16, ..d },
-        CpuParams { tile_tokens: 7, threads: 1, ..d },
+        CpuParams {
+            splits: 3,
+            tile_tokens: 16,
+            ..d
+        },
+        CpuParams {
+            tile_tokens: 7,
+            threads: 1,
+            ..d
+        },
         CpuParams { avx512: false, ..d },
         CpuParams { scalar: true, ..d },
     ]
@@ -423,11 +462,20 @@ fn chunked_prefill_is_one_extend() {
                     };
                     out.extend(backend.attend_block(&mut cache, &[blk], attn).unwrap());
                 }
-                assert!(state(&cache, seq) == want_state, "{} chunk {chunk} {}", s.name, backend.name());
+                assert!(
+                    state(&cache, seq) == want_state,
+                    "{} chunk {chunk} {}",
+                    s.name,
+                    backend.name()
+                );
                 if backend.name() == "reference" {
                     // Chunk size 1 is streaming decode; every chunk size gives its bits.
                     let first = by_one.get_or_insert_with(|| out.clone());
-                    assert!(first == &out, "{} chunk {chunk}: reference differs from chunk 1", s.name);
+                    assert!(
+                        first == &out,
+                        "{} chunk {chunk}: reference differs from chunk 1",
+                        s.name
+                    );
                 } else {
                     let want = by_one.as_ref().unwrap();
                     for i in 0..total {
@@ -480,12 +528,22 @@ fn batches_of_unequal_blocks() {
             .unwrap();
         let c = &cases[if b == 4 { 0 } else { b }];
         let (past, i0) = if b == 4 { (30, 30) } else { (c.past, 0) };
-        let want =
-            reference::block_attention(&s, past, &c.q[i0 * per..(i0 + n) * per], &c.k[..(past + n) * row], &c.v[..(past + n) * row], attn)
-                .unwrap();
+        let want = reference::block_attention(
+            &s,
+            past,
+            &c.q[i0 * per..(i0 + n) * per],
+            &c.k[..(past + n) * row],
+            &c.v[..(past + n) * row],
+            attn,
+        )
+        .unwrap();
         for i in 0..n {
             let g = &got[(at + i) * per..(at + i + 1) * per];
-            assert_eq!(g, &alone[i * per..(i + 1) * per], "block {b} query {i}: batch and alone differ");
+            assert_eq!(
+                g,
+                &alone[i * per..(i + 1) * per],
+                "block {b} query {i}: batch and alone differ"
+            );
             let (err, scale) = row_error(&want[i * per..(i + 1) * per], g);
             assert!(err <= 1e-5 * scale, "block {b} query {i}: {err:e}");
         }
@@ -503,7 +561,10 @@ fn batches_of_unequal_blocks() {
 fn bad_input_changes_nothing() {
     // 1-bit codes with f16 scales and bf16 activations: a finite value can
     // be out of range (beyond ±32752).
-    let s = window_schemes().remove(1).with_shape(Heads::Gqa { q: 4, kv: 2 }, 64).unwrap();
+    let s = window_schemes()
+        .remove(1)
+        .with_shape(Heads::Gqa { q: 4, kv: 2 }, 64)
+        .unwrap();
     let shape = s.shape().unwrap();
     let (per, row) = (shape.q_heads * shape.head_dim, shape.kv_heads * shape.head_dim);
     let attn = AttnParams::of(&s, shape);
@@ -528,14 +589,47 @@ fn bad_input_changes_nothing() {
         let bad: Vec<(&str, Vec<NewTokens>)> = vec![
             ("short q", vec![NewTokens { q: shorter, ..good[0] }]),
             ("k, v differ", vec![NewTokens { k: k_only, ..good[0] }]),
-            ("ragged q", vec![NewTokens { q: &good[0].q[1..], ..good[0] }]),
+            (
+                "ragged q",
+                vec![NewTokens {
+                    q: &good[0].q[1..],
+                    ..good[0]
+                }],
+            ),
             ("nan query", vec![good[1], NewTokens { q: &nan_q, ..good[0] }]),
-            ("inf key", vec![good[0], NewTokens { k: &inf_k[31 * row..], ..good[1] }]),
-            ("out of range value", vec![good[0], NewTokens { v: &huge_v[31 * row..], ..good[1] }]),
+            (
+                "inf key",
+                vec![
+                    good[0],
+                    NewTokens {
+                        k: &inf_k[31 * row..],
+                        ..good[1]
+                    },
+                ],
+            ),
+            (
+                "out of range value",
+                vec![
+                    good[0],
+                    NewTokens {
+                        v: &huge_v[31 * row..],
+                        ..good[1]
+                    },
+                ],
+            ),
             ("unknown sequence", vec![good[0], NewTokens { seq: 99, ..good[1] }]),
             (
                 "pool overflow",
-                vec![good[0], good[1], NewTokens { q: &overflow_q, k: &overflow_k, v: &overflow_k, ..good[1] }],
+                vec![
+                    good[0],
+                    good[1],
+                    NewTokens {
+                        q: &overflow_q,
+                        k: &overflow_k,
+                        v: &overflow_k,
+                        ..good[1]
+                    },
+                ],
             ),
         ];
         for (what, blks) in &bad {
@@ -581,9 +675,44 @@ fn query_view_boundaries() {
         ..AttnParams::of(&s, s.shape().unwrap())
     };
     let v = |t| QueryView::at(&s, attn, t);
-    assert_eq!(v(1), QueryView { start: 0, end: 1, stored: [0, 0] });
-    assert_eq!(v(128), QueryView { start: 28, end: 128, stored: [0, 0] });
-    assert_eq!(v(129), QueryView { start: 29, end: 129, stored: [0, 1] });
-    assert_eq!(v(159), QueryView { start: 59, end: 159, stored: [0, 31] });
-    assert_eq!(v(160), QueryView { start: 60, end: 160, stored: [32, 32] });
+    assert_eq!(
+        v(1),
+        QueryView {
+            start: 0,
+            end: 1,
+            stored: [0, 0]
+        }
+    );
+    assert_eq!(
+        v(128),
+        QueryView {
+            start: 28,
+            end: 128,
+            stored: [0, 0]
+        }
+    );
+    assert_eq!(
+        v(129),
+        QueryView {
+            start: 29,
+            end: 129,
+            stored: [0, 1]
+        }
+    );
+    assert_eq!(
+        v(159),
+        QueryView {
+            start: 59,
+            end: 159,
+            stored: [0, 31]
+        }
+    );
+    assert_eq!(
+        v(160),
+        QueryView {
+            start: 60,
+            end: 160,
+            stored: [32, 32]
+        }
+    );
 }

@@ -330,7 +330,11 @@ fn rest(cx: &Ctx, view: &SeqView, job: &Job, u: &Unit) -> Partial {
             continue;
         }
         // The stored rows some query of the unit reads here, decoded once.
-        for ((t, top), rows) in [Tensor::Key, Tensor::Value].into_iter().zip(last.stored).zip(&mut stored) {
+        for ((t, top), rows) in [Tensor::Key, Tensor::Value]
+            .into_iter()
+            .zip(last.stored)
+            .zip(&mut stored)
+        {
             let top = top.clamp(ra, rz);
             rows.resize((top - ra) * d, 0.0);
             for p in ra..top {
