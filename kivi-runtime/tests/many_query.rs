@@ -552,6 +552,19 @@ fn batches_of_unequal_blocks() {
     for (&a, &b) in seqs.iter().zip(&aseqs) {
         assert!(state(&cache, a) == state(&apart, b));
     }
+    // No blocks, and a block of no tokens: nothing to return, nothing changes.
+    let before = state(&cache, seqs[1]);
+    assert!(cpu.attend_block(&mut cache, &[], attn).unwrap().is_empty());
+    let empty = NewTokens {
+        seq: seqs[1],
+        q: &[],
+        k: &[],
+        v: &[],
+    };
+    for backend in [&ReferenceBackend as &dyn Backend, &cpu] {
+        assert!(backend.attend_block(&mut cache, &[empty], attn).unwrap().is_empty());
+    }
+    assert!(state(&cache, seqs[1]) == before);
 }
 
 /// Every bad input is refused, the cache left as it was: checked by the
@@ -655,6 +668,13 @@ fn bad_input_changes_nothing() {
             }
             let after: Vec<_> = seqs.iter().map(|&q| state(&cache, q)).collect();
             assert!(before == after, "{what} ({}) changed the cache", backend.name());
+        }
+        if backend.name() == "sim" {
+            // No many-query kernel is generated for the device yet: even good
+            // input is refused, and nothing is appended.
+            let err = backend.attend_block(&mut cache, &good, attn).unwrap_err();
+            assert!(matches!(err, Error::Unavailable { .. }), "{err}");
+            assert!(seqs.iter().map(|&q| state(&cache, q)).collect::<Vec<_>>() == before);
         }
         // Afterwards the cache behaves like one that never saw those calls.
         for (c, &seq) in cases.iter().zip(&seqs) {
