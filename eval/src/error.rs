@@ -18,6 +18,8 @@ pub enum Error {
     Candle(#[from] candle_core::Error),
     #[error("kv cache: {0}")]
     Cache(#[from] kivi_runtime::Error),
+    #[error("kv cache: {0}")]
+    Kv(#[from] kivi_candle::Error),
     #[error("scheme: {0}")]
     Scheme(#[from] kivi_spec::Invalid),
     #[error("tokenizer: {0}")]

