@@ -59,6 +59,8 @@ enum Command {
     Bench(commands::bench::Args),
     /// Accuracy of schemes on a real LLM (Gemma 3 270M)
     Eval(commands::eval::Args),
+    /// Generate text with Gemma 3 270M on a kivi cache
+    Generate(commands::generate::Args),
 }
 
 /// Dies quietly on a closed pipe (`kivi schemes | head`), as Unix tools do,
@@ -102,6 +104,7 @@ fn main() {
         Command::Inspect(a) => commands::inspect::run(a),
         Command::Bench(a) => commands::bench::run(a),
         Command::Eval(a) => commands::eval::run(a),
+        Command::Generate(a) => commands::generate::run(a),
     };
     if let Err(e) = result {
         eprintln!("kivi: error: {e}");

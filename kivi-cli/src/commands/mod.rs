@@ -4,6 +4,7 @@ pub mod attend;
 pub mod bench;
 pub mod codegen;
 pub mod eval;
+pub mod generate;
 pub mod inspect;
 pub mod schemes;
 pub mod show;
