@@ -134,8 +134,7 @@ pub fn run(args: Args) -> super::Result {
         emit(&generated, false, &mut printed)
     })?;
     emit(&generated, true, &mut printed)?;
-    drop(emit);
-    let _ = writeln!(std::io::stdout());
+    let _ = writeln!(out);
 
     let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
     let why = match g.stop {
