@@ -1,4 +1,5 @@
-//! Every variant of every kernel of every preset, at three head layouts,
+//! Every variant of every kernel of every preset, at three head layouts
+//! (and of the codec-pipeline presets and schemes where they bind),
 //! compiled by NVRTC for sm_80 and sm_90 to PTX and CUBIN, with the resource
 //! use ptxas reports (registers, spills, shared memory). No GPU needed.
 //!
@@ -11,6 +12,8 @@
 //! Compiled artifacts (with NVRTC's log, which carries ptxas's `-v` report)
 //! go through the artifact cache (`$KIVI_CACHE_DIR`, else `~/.cache/kivi`),
 //! so a second run is quick.
+
+mod codec_util;
 
 use kivi_runtime::cuda::{ptxas, Arch, Compiler, NvrtcOptions, Origin};
 use kivi_spec::{presets, Heads, Scheme};
@@ -133,6 +136,38 @@ fn every_variant_compiles_for_sm80_and_sm90() {
             }
         }
     }
+    // The codec pipeline: every variant of the pipeline presets where they
+    // bind (head_dim 256), and of each codec scheme of `device_codecs` at
+    // the first layout it binds.
+    let mut pipeline = 0;
+    let codecs: Vec<Scheme> = presets::pipeline()
+        .iter()
+        .filter_map(|p| p.with_shape(Heads::Mqa(4), 256).ok())
+        .chain(
+            codec_util::codec_schemes()
+                .into_iter()
+                .filter_map(|c| LAYOUTS.iter().find_map(|&(h, d)| c.with_shape(h, d).ok())),
+        )
+        .collect();
+    assert!(codecs.len() >= 10, "{} codec schemes bound", codecs.len());
+    for s in codecs {
+        for kernel in Kernel::ALL {
+            let vs = variants(&s, kernel);
+            assert!(!vs.is_empty(), "{}: no {kernel} variants", s.name);
+            for v in vs {
+                for &arch in &archs {
+                    pipeline += 1;
+                    jobs.push(Job {
+                        scheme: s.clone(),
+                        kernel,
+                        variant: v,
+                        arch,
+                    });
+                }
+            }
+        }
+    }
+    report!("nvrtc_all_variants: {pipeline} of the jobs are codec-pipeline kernels");
     let rows: Vec<Row> = jobs
         .par_iter()
         .map(|j| {

@@ -266,6 +266,13 @@ impl SimExtend {
     /// compiled into `lib` (one library can hold many).
     pub fn with_library(scheme: &Scheme, g: Generated, lib: Arc<SimLibrary>) -> Result<SimExtend> {
         let shape = scheme.shape().ok_or_else(|| Error::Unbound(scheme.name.clone()))?;
+        if scheme.center.is_some() {
+            // A `SeqState` holds no centering means; DeviceCache does.
+            return Err(Error::Config(format!(
+                "scheme `{}` is centered: SimExtend keeps no per-sequence means; use device::DeviceCache",
+                scheme.name
+            )));
+        }
         let entry = g.entry_points.first().cloned().unwrap_or_default();
         if !matches!(entry.as_str(), "kivi_prefill" | "kivi_append") || !lib.contains(&g, &entry) {
             return Err(Error::Config(format!(
@@ -402,6 +409,17 @@ impl SimExtend {
         let mut pool_d = upload(d, pool)?;
         let mut dev_bufs: Vec<Buffer> = bufs.iter().map(&to_dev).collect::<Result<_>>()?;
         let mut status_d = d.alloc(Elem::I32, batch)?;
+        // No centering here (refused in `with_library`): one-element means.
+        let act = if dtype == kivi_spec::Dtype::F32 { Elem::F32 } else { Elem::U16 };
+        let (mut means_k, mut means_v) = (d.alloc(act, 1)?, d.alloc(act, 1)?);
+        let work = kivi_templates::extend_work_floats(
+            &self.scheme,
+            GenOptions {
+                block_tokens: Some(bt),
+            },
+        )
+        .map_err(|e| Error::Config(e.to_string()))?;
+        let mut work_d = d.alloc(Elem::F32, (batch * 2 * h * work).max(1))?;
         let module = Module::sim(self.generated.clone(), self.lib.clone());
         {
             let [sk, sv, rk, rv] = &mut dev_bufs[..] else {
@@ -421,6 +439,9 @@ impl SimExtend {
                 sinks_v: sv,
                 ring_k: rk,
                 ring_v: rv,
+                means_k: &mut means_k,
+                means_v: &mut means_v,
+                work: &mut work_d,
                 status: &mut status_d,
             }
             .launch(d, &module)?;
