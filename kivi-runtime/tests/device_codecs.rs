@@ -81,7 +81,11 @@ fn inputs(rng: &mut Rng, tokens: usize, row: usize, key: bool) -> Vec<f32> {
 }
 
 fn load_all(dev: &Arc<dyn Device>) {
-    // one library for the whole suite on the simulator (compiled in parallel)
+    // One library for the whole suite on the simulator (compiled in
+    // parallel), built by the first test to get here: two tests building
+    // the same library at once would share its temporary object names.
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let all = kernels();
     dev.load_many(&all.iter().collect::<Vec<_>>()).unwrap();
 }

@@ -228,26 +228,4 @@ template <class C, class T> __device__ __forceinline__ float outlier_value(const
   return raw_word_value<C>(part + T::OVAL + off * T::OVW, k);
 }
 
-// In-place normalised Walsh–Hadamard transform of every block of B
-// consecutive values of the N floats at `x` (shared memory), by the whole
-// block of threads; the caller synchronizes before (x is written) and this
-// returns synchronized. f32: the decode side only needs it to tolerance.
-template <int B, int N, int THREADS>
-__device__ __forceinline__ void fwht_shared(float* x, int tid) {
-  static_assert(N % B == 0 && (B & (B - 1)) == 0, "Hadamard blocks: a power of two dividing the rows");
-  for (int len = 1; len < B; len <<= 1) {
-    for (int e = tid; e < N / 2; e += THREADS) {
-      const int blk = e / (B / 2), i = e % (B / 2);
-      const int lo = blk * B + (i / len) * 2 * len + i % len;
-      const float a = x[lo], b = x[lo + len];
-      x[lo] = a + b;
-      x[lo + len] = a - b;
-    }
-    __syncthreads();
-  }
-  const float norm = 1.0f / sqrtf((float)B);
-  for (int e = tid; e < N; e += THREADS) x[e] *= norm;
-  __syncthreads();
-}
-
 }  // namespace kivi

@@ -228,39 +228,16 @@ __device__ __forceinline__ void value_acc(const RowRef<C>& r, int tl, const floa
   }
 }
 
-// The value teams of each warp add their accumulators into the warp's slice
-// `s_w[warp]` of shared memory, one team at a time.
+// The codec pipeline's decode steps, defined in kivi_codec_decode.cuh
+// (pasted only into sources whose scheme has a pipeline; the calls below
+// sit in `if constexpr` branches that other schemes never instantiate).
 template <class C, int H>
-__device__ __forceinline__ void sum_teams(const float (&acc)[H][Lanes<C, typename C::V>::CH], float (*s_w)[H][C::D],
-                                          int warp, int lane, int vl) {
-  typedef typename C::V V;
-  typedef Lanes<C, V> LV;
-  constexpr int TEAMS_PER_WARP = 32 / V::TEAM;
-  const int team_in_warp = lane / V::TEAM;
-#pragma unroll 1
-  for (int r = 0; r < TEAMS_PER_WARP; ++r) {
-    if (team_in_warp == r) {
-#pragma unroll
-      for (int k = 0; k < V::STEPS; ++k) {
-#pragma unroll
-        for (int j = 0; j < C::WIDTH; ++j) {
-#pragma unroll
-          for (int i = 0; i < V::CPW; ++i) {
-            const int d = (LV::word(k, vl) + j) * V::CPW + i;
-            if (LV::word(k, vl) < V::WPT && d < C::D) {
-#pragma unroll
-              for (int h = 0; h < H; ++h) {
-                const float x = acc[h][(k * C::WIDTH + j) * V::CPW + i];
-                s_w[warp][h][d] = r == 0 ? x : s_w[warp][h][d] + x;
-              }
-            }
-          }
-        }
-      }
-    }
-    __syncwarp();
-  }
-}
+__device__ void codec_query(const typename C::act_t* __restrict__ q, const typename C::act_t* __restrict__ means_k,
+                            float qscale, float* s_q, float (&qm)[H], int b, int hq0, int hk, int tid);
+template <class C, int H, int CH>
+__device__ void codec_value_split(const float (&accq)[H][CH], float* s_w, float* s_rot, const float* s_lq,
+                                  const typename C::act_t* __restrict__ means_v, int b, int hk, int warp, int lane,
+                                  int vl, int tid);
 
 template <class C>
 __device__ __forceinline__ void decode_kernel(
@@ -285,13 +262,12 @@ __device__ __forceinline__ void decode_kernel(
   KIVI_SHARED(float, s_w, [NWARPS][H][C::D]);  // each warp's summed accumulators
   // The codec pipeline (each array one float when unused): keys with a
   // rotation, outliers or centering keep the query in shared memory, raw
-  // [0] and in the key codes' domain [1], and q . m per head; values with
-  // a rotation or centering sum their quantized tokens apart (probability
-  // sum s_lq, accumulator brought back to the raw domain in s_rot).
+  // [0] and in the key codes' domain [1]; values with a rotation or
+  // centering sum their quantized tokens apart (probability sum s_lq,
+  // accumulator brought back to the raw domain in s_rot).
   constexpr bool KQ = K::ROT || K::OUTL > 0 || K::CENTER;
   constexpr bool SPLIT = V::ROT || V::CENTER;
   KIVI_SHARED(float, s_q, [KQ ? 2 : 1][KQ ? H : 1][KQ ? C::D : 1]);
-  KIVI_SHARED(float, s_qm, [KQ ? H : 1]);
   KIVI_SHARED(float, s_lq, [SPLIT ? H : 1]);
   KIVI_SHARED(float, s_rot, [SPLIT ? H : 1][SPLIT ? C::D : 1]);
 
@@ -318,30 +294,8 @@ __device__ __forceinline__ void decode_kernel(
   const int kteam = tid / K::TEAM, kl = tid % K::TEAM;
   const int vteam = tid / V::TEAM, vl = tid % V::TEAM;
   const float qscale = sm_scale * 1.4426950408889634f;
-  if constexpr (KQ) {
-    // Rotate the query once (sign flip, then the Hadamard of every block):
-    // q . k^ = (T q) . (T (k - m)) + q . m for every quantized key.
-    for (int e = tid; e < H * C::D; e += C::THREADS) {
-      const int h = e / C::D, d = e % C::D;
-      const float x = Act<C::ACT>::load(q[((u64)b * C::HQ + hq0 + h) * C::D + d]) * qscale;
-      s_q[0][h][d] = x;
-      float y = x;
-      if constexpr (K::ROT && K::SIGNS) {
-        if (flip<K>(d)) y = -y;
-      }
-      s_q[1][h][d] = y;
-    }
-    __syncthreads();
-    if constexpr (K::ROT) fwht_shared<K::ROT_BLOCK, H * C::D, C::THREADS>(&s_q[1][0][0], tid);
-    if constexpr (K::CENTER) {
-      if (tid < H) {
-        const typename C::act_t* m = means_k + ((u64)b * C::HKV + hk) * C::D;
-        float dot = 0.0f;
-        for (int d = 0; d < C::D; ++d) dot = fmaf(s_q[0][tid][d], Act<C::ACT>::load(m[d]), dot);
-        s_qm[tid] = dot;
-      }
-    }
-  }
+  float qm[H];  // q . m per head (centered keys)
+  if constexpr (KQ) codec_query<C, H>(q, means_k, qscale, &s_q[0][0][0], qm, b, hq0, hk, tid);
   float qr[H][LK::CH];
   float qsum[H][LK::SLOTS];
 #pragma unroll
@@ -359,7 +313,7 @@ __device__ __forceinline__ void decode_kernel(
           float x = 0.0f;
           if (d < C::D) {
             if constexpr (KQ) {
-              x = s_q[1][h][d];
+              x = s_q[1][h][d];  // rotated when the key is
             } else {
               x = Act<C::ACT>::load(qh[d]) * qscale;
             }
@@ -406,7 +360,7 @@ __device__ __forceinline__ void decode_kernel(
 #pragma unroll
             for (int h = 0; h < H; ++h) {
               float extra = 0.0f;
-              if constexpr (K::CENTER) extra = s_qm[h];
+              if constexpr (K::CENTER) extra = qm[h];
               for (int o = 0; o < K::OUTL; ++o) {
                 const int ch = outlier_channel<C, K>(r.part, r.off, o);
                 extra = fmaf(s_q[1][h][ch], outlier_value<C, K>(r.part, r.off, o), extra);
@@ -485,36 +439,37 @@ __device__ __forceinline__ void decode_kernel(
     __syncthreads();  // s_p is overwritten by the next tile
   }
 
+  // A rotated or centered value's quantized tokens first: summed into
+  // s_rot and brought back to the raw domain (kivi_codec_decode.cuh).
+  if constexpr (SPLIT) codec_value_split<C, H, LV::CH>(accq, &s_w[0][0][0], &s_rot[0][0], s_lq, means_v, b, hk, warp, lane, vl, tid);
   // Sum the value teams: the teams of a warp take turns adding into the
   // warp's slice of shared memory (no shuffles: a lane may own 100+
   // accumulators), then one pass sums the warps while writing the partial.
-  if constexpr (SPLIT) {
-    // The quantized tokens first, into s_rot, brought back to the raw
-    // domain: un-rotate (Hadamard, then the sign flip), add (sum p) m.
-    sum_teams<C, H>(accq, s_w, warp, lane, vl);
-    __syncthreads();
-    for (int e = tid; e < H * C::D; e += C::THREADS) {
-      const int h = e / C::D, d = e % C::D;
-      float x = 0.0f;
+  constexpr int TEAMS_PER_WARP = 32 / V::TEAM;
+  const int team_in_warp = lane / V::TEAM;
+#pragma unroll 1
+  for (int r = 0; r < TEAMS_PER_WARP; ++r) {
+    if (team_in_warp == r) {
 #pragma unroll
-      for (int w = 0; w < NWARPS; ++w) x += s_w[w][h][d];
-      s_rot[h][d] = x;
-    }
-    __syncthreads();
-    if constexpr (V::ROT) fwht_shared<V::ROT_BLOCK, H * C::D, C::THREADS>(&s_rot[0][0], tid);
-    const typename C::act_t* m = means_v + ((u64)b * C::HKV + hk) * C::D;
-    for (int e = tid; e < H * C::D; e += C::THREADS) {
-      const int h = e / C::D, d = e % C::D;
-      float x = s_rot[h][d];
-      if constexpr (V::ROT && V::SIGNS) {
-        if (flip<V>(d)) x = -x;
+      for (int k = 0; k < V::STEPS; ++k) {
+#pragma unroll
+        for (int j = 0; j < C::WIDTH; ++j) {
+#pragma unroll
+          for (int i = 0; i < V::CPW; ++i) {
+            const int d = (LV::word(k, vl) + j) * V::CPW + i;
+            if (LV::word(k, vl) < V::WPT && d < C::D) {
+#pragma unroll
+              for (int h = 0; h < H; ++h) {
+                const float x = acc[h][(k * C::WIDTH + j) * V::CPW + i];
+                s_w[warp][h][d] = r == 0 ? x : s_w[warp][h][d] + x;
+              }
+            }
+          }
+        }
       }
-      if constexpr (V::CENTER) x = fmaf(s_lq[h], Act<C::ACT>::load(m[d]), x);
-      s_rot[h][d] = x;
     }
-    __syncthreads();  // s_w is reused below
+    __syncwarp();
   }
-  sum_teams<C, H>(acc, s_w, warp, lane, vl);
   __syncthreads();
   const u64 row0 = ((u64)b * C::HQ + hq0) * C::SPLITS + split;
   for (int e = tid; e < H * C::D; e += C::THREADS) {

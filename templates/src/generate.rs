@@ -405,11 +405,11 @@ pub(crate) fn decode_shared_bytes(v: &Variant, s: &Scheme, l: &BlockLayout) -> u
     let h = v.heads_per_block as usize;
     let warps = v.threads as usize / 32;
     let base = h * v.tile_tokens as usize + 3 * h + warps * h * d;
-    // The query in both domains and `q . m` (keys with a pipeline), the
-    // quantized tokens' probability sum and accumulator of a split (values
-    // rotated or centered); one float each when unused (the arrays exist).
+    // The query in both domains (keys with a pipeline), the quantized
+    // tokens' probability sum and accumulator of a split (values rotated or
+    // centered); one float per array when unused (the arrays exist).
     let (kq, split) = (key_query_shared(s, l), value_split(s, l));
-    let q = if kq { 2 * h * d + h } else { 2 };
+    let q = if kq { 2 * h * d } else { 1 };
     let vs = if split { h + h * d } else { 2 };
     4 * (base + q + vs)
 }
@@ -467,11 +467,14 @@ pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant)
         let _ = writeln!(o, "//   {}", line.trim());
     }
     let _ = writeln!(o, "#include <cuda_fp16.h>\n");
+    let pipeline = Pipe::of(s, Tensor::Key, l).any() || Pipe::of(s, Tensor::Value, l).any();
     for (file, text) in TEMPLATES {
         let wanted = match file {
             "kivi_common.cuh" => true,
             "kivi_decode.cuh" => kernel == Kernel::Decode,
-            _ => matches!(kernel, Kernel::Prefill | Kernel::Append),
+            "kivi_codec_decode.cuh" => pipeline && kernel == Kernel::Decode,
+            "kivi_codec_extend.cuh" => pipeline && kernel != Kernel::Decode,
+            _ => kernel != Kernel::Decode,
         };
         if wanted {
             let _ = writeln!(o, "// ===== {file} =====");

@@ -419,8 +419,12 @@ pub const SIM_SHIM: &str = include_str!("../cuda/sim_shim.h");
 
 /// The template files, `(file name, text)`, in the order the generator
 /// pastes them.
-pub const TEMPLATES: [(&str, &str); 3] = [
+/// The two `kivi_codec_*` files hold the codec pipeline and are pasted
+/// only into the sources of schemes that have one.
+pub const TEMPLATES: [(&str, &str); 5] = [
     ("kivi_common.cuh", include_str!("../cuda/kivi_common.cuh")),
     ("kivi_decode.cuh", include_str!("../cuda/kivi_decode.cuh")),
     ("kivi_extend.cuh", include_str!("../cuda/kivi_extend.cuh")),
+    ("kivi_codec_decode.cuh", include_str!("../cuda/kivi_codec_decode.cuh")),
+    ("kivi_codec_extend.cuh", include_str!("../cuda/kivi_codec_extend.cuh")),
 ];
