@@ -175,21 +175,44 @@ fn assert_same(s: &Scheme, host: &PagedCache, ids: &[u64], dev: &DeviceCache, wh
         let ns = s.sinks as usize;
         let mut want = vec![0f32; d];
         for (b, &id) in ids.iter().enumerate() {
-            assert_eq!(dev.table(b), host.block_table(id).unwrap(), "{}: block table {when}", s.name);
+            assert_eq!(
+                dev.table(b),
+                host.block_table(id).unwrap(),
+                "{}: block table {when}",
+                s.name
+            );
             let v = host.view(id).unwrap();
             let r = kivi_spec::layout::regions(s, t, v.tokens());
             for hh in 0..h {
                 for p in 0..ns.min(v.tokens()) {
                     v.row(t, p, hh, &mut want);
-                    assert_eq!(&sinks[((b * ns + p) * h + hh) * d..][..d], &want[..], "{}: sink {p} {when}", s.name);
+                    assert_eq!(
+                        &sinks[((b * ns + p) * h + hh) * d..][..d],
+                        &want[..],
+                        "{}: sink {p} {when}",
+                        s.name
+                    );
                 }
                 for j in r.quantized..r.quantized + r.window {
                     v.row(t, r.sinks + j, hh, &mut want);
                     let got = &rings[((b * slots + j % slots) * h + hh) * d..][..d];
-                    assert_eq!(got, &want[..], "{}: {} window token {} {when}", s.name, t.name(), r.sinks + j);
+                    assert_eq!(
+                        got,
+                        &want[..],
+                        "{}: {} window token {} {when}",
+                        s.name,
+                        t.name(),
+                        r.sinks + j
+                    );
                 }
                 if let Some(m) = v.mean(t, hh) {
-                    assert_eq!(&means[(b * h + hh) * d..][..d], m, "{}: {} means {when}", s.name, t.name());
+                    assert_eq!(
+                        &means[(b * h + hh) * d..][..d],
+                        m,
+                        "{}: {} means {when}",
+                        s.name,
+                        t.name()
+                    );
                 }
             }
         }

@@ -564,7 +564,12 @@ fn deleting_any_codec_pipeline_barrier_that_orders_something_is_caught() {
         jobs.iter().map(|j| j.2.len()).sum::<usize>(),
         t.elapsed()
     ));
-    assert!(dec.rows.len() >= 5 && ext.rows.len() >= 4, "{} / {}", dec.rows.len(), ext.rows.len());
+    assert!(
+        dec.rows.len() >= 5 && ext.rows.len() >= 4,
+        "{} / {}",
+        dec.rows.len(),
+        ext.rows.len()
+    );
     dec.check("codec decode", &["kivi_codec_decode.cuh"]);
     ext.check("codec prefill/append", &["kivi_codec_extend.cuh"]);
 }

@@ -102,9 +102,12 @@ __device__ __forceinline__ void extend_pipe(u32* __restrict__ pool, const u32* _
   for (int j0 = q0; j0 < q1;) {
     int nt = G;  // channel axis: one group of G tokens (never straddles a block)
     if constexpr (T::TOKEN_AXIS) nt = min(min(T::UNIT, q1 - j0), C::BLOCK_TOKENS - j0 % C::BLOCK_TOKENS);
-    // A. one thread per row: center, rotate, take the outliers out
+    // A. one thread per row: center, rotate, take the outliers out. (Loops
+    // over a row stay rolled: unrolled, a 256-channel row's butterflies
+    // spill thousands of registers; the buffer lives in local memory.)
     for (int r = tid; r < nt; r += C::THREADS) {
       float* y = rows + r * D;
+#pragma unroll 1
       for (int d = 0; d < D; ++d) {
         float x = x_at(j0 + r, d);
         if constexpr (T::CENTER) x = __fsub_rn(x, Act<C::ACT>::load(mrow[d]));
@@ -117,10 +120,15 @@ __device__ __forceinline__ void extend_pipe(u32* __restrict__ pool, const u32* _
         constexpr int B = T::ROT_BLOCK;
         const double norm = __ddiv_rn(1.0, __dsqrt_rn((double)B));
         double buf[B];
+#pragma unroll 1
         for (int c0 = 0; c0 < D; c0 += B) {
+#pragma unroll 1
           for (int i = 0; i < B; ++i) buf[i] = (double)y[c0 + i];
+#pragma unroll 1
           for (int len = 1; len < B; len <<= 1) {
+#pragma unroll 1
             for (int i = 0; i < B; i += 2 * len) {
+#pragma unroll 1
               for (int jj = i; jj < i + len; ++jj) {
                 const double a = buf[jj], c = buf[jj + len];
                 buf[jj] = __dadd_rn(a, c);
@@ -128,6 +136,7 @@ __device__ __forceinline__ void extend_pipe(u32* __restrict__ pool, const u32* _
               }
             }
           }
+#pragma unroll 1
           for (int i = 0; i < B; ++i) y[c0 + i] = __double2float_rn(__dmul_rn(buf[i], norm));
         }
       }
@@ -138,6 +147,7 @@ __device__ __forceinline__ void extend_pipe(u32* __restrict__ pool, const u32* _
         for (int k = 0; k < K; ++k) {
           int best = 0;
           float bv = -1.0f;
+#pragma unroll 1
           for (int c = 0; c < D; ++c) {
             bool taken = false;
             for (int i = 0; i < k; ++i) taken = taken || sel[i] == c;
@@ -176,6 +186,7 @@ __device__ __forceinline__ void extend_pipe(u32* __restrict__ pool, const u32* _
       };
       if constexpr (T::LLOYD) {
         double ss = 0.0;
+#pragma unroll 1
         for (int i = 0; i < G; ++i) {
           const double x = (double)member(i);
           ss = __dadd_rn(ss, __dmul_rn(x, x));
@@ -185,6 +196,7 @@ __device__ __forceinline__ void extend_pipe(u32* __restrict__ pool, const u32* _
         if constexpr (T::L2) {
           // the stored norm keeps the decoded group's L2 norm: ||x|| / ||L[c]||
           double lc = 0.0;
+#pragma unroll 1
           for (int i = 0; i < G; ++i) {
             const double l = (double)T::level(lloyd_code<T>(member(i), rms));
             lc = __dadd_rn(lc, __dmul_rn(l, l));
@@ -197,6 +209,7 @@ __device__ __forceinline__ void extend_pipe(u32* __restrict__ pool, const u32* _
       } else {
         constexpr float maxc = (float)((1u << T::BITS) - 1u);
         float lo = __int_as_float(0x7f800000), hi = neg_inf();
+#pragma unroll 1
         for (int i = 0; i < G; ++i) {
           lo = fminf(lo, member(i));
           hi = fmaxf(hi, member(i));

@@ -364,9 +364,11 @@ pub fn default_kernels(s: &Scheme) -> Result<Vec<(String, String)>, KernelError>
 /// ```
 /// let text = "A { key: quant(bits = 2, axis = channel, group = 32), value: full,
 ///     outliers: sparse(per_token = 1, apply = [key]), heads: mha(2), head_dim: 64 }";
-/// assert!(kivi_spec::parse_scheme(text).is_ok()); // a valid scheme...
-/// let e = kivi_templates::check_declarations(text).unwrap_err(); // ...the templates cannot do yet
-/// assert_eq!((e.line, e.column), (2, 15));
+/// assert!(kivi_templates::check_declarations(text).is_ok()); // its kernels generate
+/// let bad = "A { key: quant(bits = 2, axis = channel, group = 32), value: full,
+///     outliers: sparse(per_token = 1, apply = [value]), heads: mha(2), head_dim: 64 }";
+/// let e = kivi_templates::check_declarations(bad).unwrap_err(); // outliers of a `full` tensor
+/// assert_eq!(e.line, 2);
 /// ```
 pub fn check_declarations(text: &str) -> Result<(), kivi_spec::ParseError> {
     for d in kivi_spec::parse_decls(text)? {

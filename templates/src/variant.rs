@@ -179,7 +179,11 @@ impl Variant {
             .channels(layout.key.words_per_token, cpw(layout, true));
         let v = crate::generate::team_of(layout.value.words_per_token, w)
             .channels(layout.value.words_per_token, cpw(layout, false));
-        let accs = if crate::generate::value_split(scheme, layout) { 2 } else { 1 };
+        let accs = if crate::generate::value_split(scheme, layout) {
+            2
+        } else {
+            1
+        };
         self.heads_per_block as usize * (k + accs * v)
     }
 }

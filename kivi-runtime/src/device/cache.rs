@@ -172,14 +172,15 @@ impl DeviceCache {
         let act = act_elem(scheme.dtype);
         let sinks = scheme.sinks as usize * h * d * batch;
         let ring = |t| layout::window_capacity(scheme, t).max(1) * h * d * batch;
-        let means = |t| if scheme.center_of(t).is_some() { batch * h * d } else { 1 };
-        let work = kivi_templates::extend_work_floats(
-            scheme,
-            GenOptions {
-                block_tokens: Some(bt),
-            },
-        )
-        .map_err(gen_err)?;
+        let means = |t| {
+            if scheme.center_of(t).is_some() {
+                batch * h * d
+            } else {
+                1
+            }
+        };
+        let work =
+            kivi_templates::extend_work_floats(scheme, GenOptions { block_tokens: Some(bt) }).map_err(gen_err)?;
         let d_ = dev.as_ref();
         Ok(DeviceCache {
             means: [d_.alloc(act, means(Tensor::Key))?, d_.alloc(act, means(Tensor::Value))?],

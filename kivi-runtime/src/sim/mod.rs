@@ -380,7 +380,10 @@ impl SimExtend {
                 (s.ring[0].len(), window_capacity(&self.scheme, Tensor::Key) * row),
                 (s.ring[1].len(), window_capacity(&self.scheme, Tensor::Value) * row),
                 (s.means[0].len(), self.scheme.center_of(Tensor::Key).map_or(0, |_| row)),
-                (s.means[1].len(), self.scheme.center_of(Tensor::Value).map_or(0, |_| row)),
+                (
+                    s.means[1].len(),
+                    self.scheme.center_of(Tensor::Value).map_or(0, |_| row),
+                ),
             ];
             if sizes.iter().any(|(got, want)| got != want) {
                 return Err(Error::Config(format!(
@@ -432,13 +435,8 @@ impl SimExtend {
         let mut pool_d = upload(d, pool)?;
         let mut dev_bufs: Vec<Buffer> = bufs.iter().map(&to_dev).collect::<Result<_>>()?;
         let mut status_d = d.alloc(Elem::I32, batch)?;
-        let work = kivi_templates::extend_work_floats(
-            &self.scheme,
-            GenOptions {
-                block_tokens: Some(bt),
-            },
-        )
-        .map_err(|e| Error::Config(e.to_string()))?;
+        let work = kivi_templates::extend_work_floats(&self.scheme, GenOptions { block_tokens: Some(bt) })
+            .map_err(|e| Error::Config(e.to_string()))?;
         let mut work_d = d.alloc(Elem::F32, (batch * 2 * h * work).max(1))?;
         let module = Module::sim(self.generated.clone(), self.lib.clone());
         {

@@ -33,4 +33,3 @@ pub fn codec_schemes() -> Vec<Scheme> {
     ];
     texts.iter().map(|t| kivi_spec::parse_scheme(t).unwrap()).collect()
 }
-
