@@ -272,3 +272,57 @@ fn codec_writes_match_paged_cache_bit_for_bit() {
         ));
     }
 }
+
+/// Every decode variant of `codec2` and `codec15` at MQA 4:1 d256 against
+/// the oracle. A sweep of ~50 sources: `scripts/full-sweep.sh` runs it
+/// (`KIVI_FULL_SWEEP=1`); elsewhere it prints a skip.
+#[test]
+fn every_decode_variant_of_the_pipeline_presets() {
+    if std::env::var_os("KIVI_FULL_SWEEP").is_none() {
+        println!("SKIP every_decode_variant_of_the_pipeline_presets: set KIVI_FULL_SWEEP=1 (scripts/full-sweep.sh)");
+        return;
+    }
+    for dev in devices("codec_variants", Vec::new) {
+        let mut n = 0;
+        for (i, p) in presets::pipeline().iter().enumerate() {
+            let s = p.with_shape(Heads::Mqa(4), 256).unwrap();
+            let shape = s.shape().unwrap();
+            let row = shape.kv_heads * shape.head_dim;
+            let mut rng = Rng(900 + i as u64);
+            let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(4096)).unwrap();
+            let lens = [1usize, 127, 301];
+            let (mut ks, mut vs, mut ids) = (Vec::new(), Vec::new(), Vec::new());
+            for &t in &lens {
+                let (k, v) = (inputs(&mut rng, t, row, true), inputs(&mut rng, t, row, false));
+                let id = cache.add_sequence();
+                cache.extend(id, &k, &v).unwrap();
+                ks.push(k);
+                vs.push(v);
+                ids.push(id);
+            }
+            let q = rng.vec(lens.len() * shape.q_heads * shape.head_dim);
+            let per = shape.q_heads * shape.head_dim;
+            let attn = AttnParams::of(&s, shape);
+            let mut want = Vec::new();
+            for b in 0..lens.len() {
+                want.extend(reference::attend(&s, &q[b * per..][..per], &ks[b], &vs[b], attn).unwrap());
+            }
+            let vars = kivi_templates::variants(&s, Kernel::Decode);
+            let gens: Vec<Generated> = vars.iter().map(|v| generate(&s, Kernel::Decode, v).unwrap()).collect();
+            dev.load_many(&gens.iter().collect::<Vec<_>>()).unwrap();
+            for v in vars {
+                let got = DeviceBackend::new(dev.clone())
+                    .with_variant(Some(v))
+                    .decode(&cache, &ids, &q, attn)
+                    .unwrap();
+                let e = rel_error(&got, &want);
+                assert!(e <= TOL, "{} {}: relative error {e}", s.name, v.name());
+                n += 1;
+            }
+        }
+        sim_util::report(&format!(
+            "{}: {n} decode variants of codec2 and codec15 (MQA 4:1 d256) agree with the reference",
+            dev.kind().name()
+        ));
+    }
+}
