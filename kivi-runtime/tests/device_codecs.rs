@@ -326,3 +326,76 @@ fn every_decode_variant_of_the_pipeline_presets() {
         ));
     }
 }
+
+/// An outlier correction the activation dtype cannot hold (a rotated f16
+/// row whose largest entry is ~3.4e5; f32 scales, so no scale overflows and
+/// the host's range rule lets the values through) is refused by the device
+/// append (status 3) as by `PagedCache::extend`, and undone: every buffer
+/// as before, and later appends still match the host cache.
+#[test]
+fn an_outlier_correction_the_dtype_cannot_hold_is_refused_and_undone() {
+    let s = kivi_spec::parse_scheme(
+        "Loud { key: quant(bits = 2, axis = token, group = 32, scale = f32), \
+         value: quant(bits = 2, axis = token, group = 32), \
+         rotation: hadamard(block = 32, apply = [key]), outliers: sparse(per_token = 1, apply = [key]), \
+         residual: 0 }",
+    )
+    .unwrap()
+    .with_shape(Heads::Mha(2), 32)
+    .unwrap();
+    let row = 2 * 32;
+    let gens = || {
+        Kernel::ALL
+            .iter()
+            .map(|&k| generate(&s, k, &default_variant(&s, k)).unwrap())
+            .collect::<Vec<_>>()
+    };
+    for dev in devices("codec_undo", gens) {
+        let cfg = CacheConfig::for_tokens(1024);
+        let mut host = PagedCache::new(s.clone(), cfg).unwrap();
+        let id = host.add_sequence();
+        let mut dc = DeviceCache::new(dev.clone(), &s, 1, 200, cfg).unwrap();
+        let mut rng = Rng(77);
+        let (k, v) = (inputs(&mut rng, 20, row, true), inputs(&mut rng, 20, row, false));
+        host.extend(id, &k, &v).unwrap();
+        dc.extend(&[20], &k, &v).unwrap();
+        assert_same(&s, &host, &[id], &dc, "before the loud token");
+        let snapshot = |dc: &DeviceCache| {
+            let mut all = vec![dc
+                .download_pool()
+                .unwrap()
+                .iter()
+                .map(|w| *w as f32)
+                .collect::<Vec<_>>()];
+            for t in [Tensor::Key, Tensor::Value] {
+                all.push(dc.download_rows(t, true).unwrap());
+                all.push(dc.download_rows(t, false).unwrap());
+                all.push(dc.download_means(t).unwrap());
+            }
+            all
+        };
+        let before = snapshot(&dc);
+        // head 1 of the key: every channel 60000, rotated into one entry of
+        // ~3.4e5 (quantized at once: no window)
+        let mut loud = inputs(&mut rng, 1, row, true);
+        for x in &mut loud[32..] {
+            *x = 60000.0;
+        }
+        let quiet = inputs(&mut rng, 1, row, false);
+        let he = host.append(id, &loud, &quiet).unwrap_err();
+        assert!(
+            he.to_string().contains("outlier") || he.to_string().contains("correction"),
+            "{he}"
+        );
+        let de = dc.extend(&[1], &loud, &quiet).unwrap_err();
+        assert!(de.to_string().contains("outlier correction"), "{de}");
+        assert_eq!(dc.lens(), &[20]);
+        assert!(snapshot(&dc) == before, "a refused append changed the device cache");
+        for _ in 0..5 {
+            let (k, v) = (inputs(&mut rng, 1, row, true), inputs(&mut rng, 1, row, false));
+            host.append(id, &k, &v).unwrap();
+            dc.extend(&[1], &k, &v).unwrap();
+        }
+        assert_same(&s, &host, &[id], &dc, "after the refused append and 5 more");
+    }
+}
