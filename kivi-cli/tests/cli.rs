@@ -192,12 +192,12 @@ fn schemes_lists_every_preset_with_summary_and_hash() {
 
 #[test]
 fn show_reports_exact_bytes() {
-    let out = ok(&["show", "kivi2", "--heads", "gqa:32:8", "--head-dim", "128"]);
+    let out = ok(&["show", "--scheme", "kivi2", "--heads", "gqa:32:8", "--head-dim", "128"]);
     assert!(
         out.contains("key          48 = codes 32 + scales 8 + zeros 8 + outliers 0"),
         "{out}"
     );
-    let codec = ok(&["show", "codec2", "--heads", "mqa:4", "--head-dim", "256"]);
+    let codec = ok(&["show", "--scheme", "codec2", "--heads", "mqa:4", "--head-dim", "256"]);
     assert!(
         codec.contains("key         122 = codes 104 + scales 2 + zeros 0 + outliers 16"),
         "{codec}"
@@ -205,7 +205,8 @@ fn show_reports_exact_bytes() {
     assert!(codec.contains("all-in 2.9375 bits per element"), "{codec}");
     assert!(out.contains("total        96"), "{out}");
     assert!(out.contains("heads: gqa(q = 32, kv = 8),"), "{out}");
-    let j: serde_json::Value = serde_json::from_str(&ok(&["show", "kivi2", "--context", "1000", "--json"])).unwrap();
+    let j: serde_json::Value =
+        serde_json::from_str(&ok(&["show", "--scheme", "kivi2", "--context", "1000", "--json"])).unwrap();
     let b = &j["bytes_per_token_per_head"];
     assert_eq!(b["per_token"], 96.0);
     assert_eq!(b["key"]["total"], 48.0);
@@ -225,8 +226,17 @@ fn show_reports_exact_bytes() {
     assert!(m["total"].as_u64().unwrap() >= f.total() as u64);
 
     // Other head layouts and a 3-bit scheme from a file.
-    let j: serde_json::Value =
-        serde_json::from_str(&ok(&["show", "f16", "--heads", "mqa:4", "--head-dim", "256", "--json"])).unwrap();
+    let j: serde_json::Value = serde_json::from_str(&ok(&[
+        "show",
+        "--scheme",
+        "f16",
+        "--heads",
+        "mqa:4",
+        "--head-dim",
+        "256",
+        "--json",
+    ]))
+    .unwrap();
     assert_eq!(j["bytes_per_token_per_head"]["per_token"], 1024.0);
     assert_eq!(j["shape"]["kv_heads"], 1);
     let s = Scratch::new("show");
@@ -236,7 +246,8 @@ fn show_reports_exact_bytes() {
         "three { key: quant(bits = 3, axis = channel, group = 32), value: full }",
     )
     .unwrap();
-    let j: serde_json::Value = serde_json::from_str(&ok(&["show", &file, "--heads", "mha:2", "--json"])).unwrap();
+    let j: serde_json::Value =
+        serde_json::from_str(&ok(&["show", "--scheme", &file, "--heads", "mha:2", "--json"])).unwrap();
     // Keys: 128 3-bit codes, 10 per word, 13 words = 52 bytes; one f16 scale
     // and zero per channel per 32 tokens = 16 bytes per token. Values: an
     // f16 row of 256 bytes.
@@ -245,13 +256,26 @@ fn show_reports_exact_bytes() {
 
 #[test]
 fn show_rejects_bad_arguments() {
-    fails(&["show", "kivi9"], "unknown scheme `kivi9`");
-    fails(&["show", "kivi2", "--head-dim", "48"], "does not divide head_dim 48");
+    fails(&["show", "--scheme", "kivi9"], "unknown scheme `kivi9`");
     fails(
-        &["show", "kivi2", "--heads", "gqa:30:8"],
+        &["show", "--scheme", "kivi2", "--head-dim", "48"],
+        "does not divide head_dim 48",
+    );
+    fails(
+        &["show", "--scheme", "kivi2", "--heads", "gqa:30:8"],
         "30 query heads is not a multiple of 8 kv heads",
     );
-    fails(&["show", "kivi2", "--context", "0"], "--context 0 is out of range");
+    fails(
+        &["show", "--scheme", "kivi2", "--context", "0"],
+        "`0` is not a positive count",
+    );
+    fails(
+        &["show", "--scheme", "kivi2", "--context", "2m"],
+        "--context 2097152 is out of range",
+    );
+    // The scheme is a flag everywhere; a bare word says so.
+    fails(&["show", "kivi2"], "name a scheme with --scheme NAME");
+    fails(&["codegen", "kivi2"], "name a scheme with --scheme NAME");
     let s = Scratch::new("show-bad");
     let file = s.path("bad.kivi");
     std::fs::write(
@@ -259,7 +283,7 @@ fn show_rejects_bad_arguments() {
         "bad {\n  key: quant(bits = 2, axis = channel, group = 32),\n  value: full,\n  rope: yes,\n}\n",
     )
     .unwrap();
-    let e = fails(&["show", &file], "not supported yet");
+    let e = fails(&["show", "--scheme", &file], "not supported yet");
     assert!(e.contains(&format!("{file}:4:3: field `rope`")), "{e}");
 }
 
@@ -509,8 +533,12 @@ fn attend_rejects_bad_input_with_one_line() {
     run(&["--lens", "3"], "--lens needs batched inputs");
     run(&["--scale", "0"], "--scale 0 must be a finite positive number");
     run(&["--scale", "NaN"], "--scale NaN must be a finite positive number");
-    run(&["--window", "0"], "--window 0");
-    run(&["--block-tokens", "0"], "block size 0 tokens is out of range");
+    run(
+        &["--window", "0"],
+        "'0' for '--window <WINDOW>': `0` is not a positive count",
+    );
+    run(&["--block-tokens", "0"], "`0` is not a positive count");
+    run(&["--lens", "3,x"], "`x` is not a count");
     run(&["--block-tokens", "48"], "not a multiple of the key channel group 32");
     run(&["--out", &file("no/such/dir/out.npy")], "cannot write");
     fails(

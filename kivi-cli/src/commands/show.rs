@@ -13,6 +13,7 @@ const MAX_CONTEXT: usize = 1 << 20;
 #[derive(clap::Args)]
 pub struct Args {
     /// Scheme text (contains `{`), else a preset name (`kivi schemes`), else a file path (`./NAME` for a file named like a preset)
+    #[arg(long)]
     pub scheme: String,
     /// Head layout: gqa:Q:KV, mha:N or mqa:Q (default: the scheme's own, else gqa:32:8)
     #[arg(long, value_parser = parse_heads)]
@@ -20,8 +21,8 @@ pub struct Args {
     /// Head dimension (default: the scheme's own, else 128)
     #[arg(long)]
     pub head_dim: Option<u32>,
-    /// Context length, in tokens, for the totals and the paged cache
-    #[arg(long, default_value_t = 4096)]
+    /// Context length, in tokens, for the totals and the paged cache (1 to 1m; 4k = 4096)
+    #[arg(long, default_value = "4k", value_parser = crate::args::count)]
     pub context: usize,
     /// Print one JSON object instead of text
     #[arg(long)]
@@ -196,7 +197,7 @@ pub fn run(args: Args) -> super::Result {
         bound.head_dim.ok_or("no head_dim")?,
     );
     let shape = bound.shape().ok_or("scheme has no shape")?;
-    if args.context == 0 || args.context > MAX_CONTEXT {
+    if args.context > MAX_CONTEXT {
         return Err(format!(
             "--context {} is out of range; expected 1 to {MAX_CONTEXT}",
             args.context
