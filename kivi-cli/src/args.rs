@@ -8,7 +8,7 @@
 //! - lists are plural flags with comma-separated values (`--contexts 1k,4k`,
 //!   `--batches 1,8`);
 //! - token counts take binary size suffixes ([`count`], [`length`]);
-//! - `--backend` is a fixed choice of [`Backend`] through [`backend`], each
+//! - `--backend` is a fixed choice of [`BackendChoice`] through [`backend`], each
 //!   subcommand offering the subset it can run, with the same help text.
 
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
@@ -54,7 +54,7 @@ pub fn length(s: &str) -> Result<usize, String> {
 /// Every backend a subcommand may offer. One enum so that each name has
 /// one help text everywhere; [`backend`] restricts it per subcommand.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Backend {
+pub enum BackendChoice {
     /// cuda when a GPU is usable, else cpu
     Auto,
     /// The scalar oracle (DESIGN.md §3, plainly)
@@ -72,13 +72,13 @@ pub enum Backend {
 /// The `--backend` parser of a subcommand that offers `allowed`: clap lists
 /// exactly those values (with their help) and refuses the others in its one
 /// usage-error style.
-pub fn backend(allowed: &'static [Backend]) -> impl TypedValueParser<Value = Backend> {
+pub fn backend(allowed: &'static [BackendChoice]) -> impl TypedValueParser<Value = BackendChoice> {
     let values = allowed
         .iter()
         .filter_map(|b| b.to_possible_value())
         .collect::<Vec<PossibleValue>>();
     PossibleValuesParser::new(values)
-        .try_map(|name: String| Backend::from_str(&name, false).map_err(|_| format!("`{name}` is not a backend")))
+        .try_map(|name: String| BackendChoice::from_str(&name, false).map_err(|_| format!("`{name}` is not a backend")))
 }
 
 #[cfg(test)]
@@ -116,9 +116,9 @@ mod tests {
 
     #[test]
     fn every_backend_name_round_trips() {
-        for b in Backend::value_variants() {
+        for b in BackendChoice::value_variants() {
             let v = b.to_possible_value().expect("not skipped");
-            assert_eq!(Backend::from_str(v.get_name(), false), Ok(*b));
+            assert_eq!(BackendChoice::from_str(v.get_name(), false), Ok(*b));
             assert!(v.get_help().is_some(), "{b:?} has no help");
         }
     }

@@ -2,6 +2,7 @@
 //! of bad input, which must give a non-zero exit and exactly one line on
 //! stderr naming the problem — never a panic or a backtrace.
 
+use kivi_runtime::rand::Rng;
 use kivi_runtime::{reference, AttnParams};
 use kivi_spec::{presets, Heads, Tensor};
 use std::path::PathBuf;
@@ -130,23 +131,16 @@ fn npy_read(path: &str) -> (Vec<usize>, Vec<f32>) {
     (shape, data)
 }
 
-fn rng(seed: &mut u64) -> f32 {
-    *seed ^= *seed << 13;
-    *seed ^= *seed >> 7;
-    *seed ^= *seed << 17;
-    ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-}
-
-fn random(n: usize, seed: &mut u64) -> Vec<f32> {
-    (0..n).map(|_| rng(seed)).collect()
+fn random(n: usize, rng: &mut Rng) -> Vec<f32> {
+    rng.vec(n)
 }
 
 /// q [hq, d], k and v [t, hkv, d] written to the scratch dir.
 fn problem(s: &Scratch, t: usize, hq: usize, hkv: usize, d: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let mut seed = 0x5eed_u64 + t as u64;
-    let q = random(hq * d, &mut seed);
-    let k = random(t * hkv * d, &mut seed);
-    let v = random(t * hkv * d, &mut seed);
+    let mut rng = Rng::new(0x5eed + t as u64);
+    let q = random(hq * d, &mut rng);
+    let k = random(t * hkv * d, &mut rng);
+    let v = random(t * hkv * d, &mut rng);
     npy_f32(&s.path("q.npy"), &[hq, d], &q);
     npy_f32(&s.path("k.npy"), &[t, hkv, d], &k);
     npy_f32(&s.path("v.npy"), &[t, hkv, d], &v);
@@ -354,10 +348,10 @@ fn attend_matches_the_oracle_on_both_backends() {
 fn attend_batches_with_lengths_and_float16_inputs() {
     let s = Scratch::new("batch");
     let (b, t, hq, hkv, d) = (3, 40, 4, 1, 32);
-    let mut seed = 99u64;
-    let q = random(b * hq * d, &mut seed);
-    let mut k = random(b * t * hkv * d, &mut seed);
-    let v = random(b * t * hkv * d, &mut seed);
+    let mut rng = Rng::new(99);
+    let q = random(b * hq * d, &mut rng);
+    let mut k = random(b * t * hkv * d, &mut rng);
+    let v = random(b * t * hkv * d, &mut rng);
     let lens = [1usize, 33, 40];
     // Padding past a sequence's length is never read, even when it is NaN.
     for (i, &n) in lens.iter().enumerate() {
@@ -627,14 +621,14 @@ fn writes_to_a_closed_pipe_do_not_panic() {
 fn attend_on_the_simulated_device_agrees_with_the_reference() {
     let s = Scratch::new("attend-sim");
     let (b, t, hq, hkv, d) = (3, 130, 8, 2, 64);
-    let mut seed = 7u64;
-    let q = random(b * hq * d, &mut seed);
-    let k: Vec<f32> = random(b * t * hkv * d, &mut seed)
+    let mut rng = Rng::new(7);
+    let q = random(b * hq * d, &mut rng);
+    let k: Vec<f32> = random(b * t * hkv * d, &mut rng)
         .iter()
         .enumerate()
         .map(|(i, x)| if i % d == 5 { x * 8.0 } else { *x })
         .collect();
-    let v = random(b * t * hkv * d, &mut seed);
+    let v = random(b * t * hkv * d, &mut rng);
     let p = paths(&s);
     npy_f32(&p[0], &[b, hq, d], &q);
     npy_f32(&p[1], &[b, t, hkv, d], &k);

@@ -8,6 +8,7 @@
 //! - [`backend`] — the interface every backend implements.
 //! - [`device`] — the device layer: the GPU path's host code, run on a GPU
 //!   ([`cuda`]) or on the simulated device ([`sim`]) alike.
+//! - [`rand`] — the one seeded generator for test and benchmark inputs.
 
 pub mod backend;
 pub mod cache;
@@ -16,6 +17,7 @@ pub mod cuda;
 pub mod device;
 mod error;
 pub mod quant;
+pub mod rand;
 pub mod reference;
 pub mod sim;
 

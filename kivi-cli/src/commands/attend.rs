@@ -9,16 +9,21 @@
 
 use super::schemes::{hash_hex, load_scheme};
 use super::show::memory_json;
-use crate::args::Backend;
+use crate::args::BackendChoice;
 use crate::npy::{self, Array};
 use kivi_runtime::device::{DeviceBackend, DeviceKind};
-use kivi_runtime::{AttnParams, CacheConfig, CpuBackend, PagedCache, ReferenceBackend};
+use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, PagedCache, ReferenceBackend};
 use kivi_spec::{layout, Heads, Scheme, Shape, Tensor};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// The backends `attend` runs on.
-const BACKENDS: &[Backend] = &[Backend::Reference, Backend::Cpu, Backend::Sim, Backend::Cuda];
+const BACKENDS: &[BackendChoice] = &[
+    BackendChoice::Reference,
+    BackendChoice::Cpu,
+    BackendChoice::Sim,
+    BackendChoice::Cuda,
+];
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -39,7 +44,7 @@ pub struct Args {
     pub out: PathBuf,
     /// Backend to run decode attention on
     #[arg(long, default_value = "cpu", value_parser = crate::args::backend(BACKENDS))]
-    pub backend: Backend,
+    pub backend: BackendChoice,
     /// Softmax scale (default: the scheme's, else 1/sqrt(D))
     #[arg(long)]
     pub scale: Option<f32>,
@@ -214,12 +219,12 @@ pub fn run(args: Args) -> super::Result {
     }
     let fill_ms = fill.elapsed().as_secs_f64() * 1e3;
 
-    let backend: Box<dyn kivi_runtime::Backend> = match args.backend {
-        Backend::Reference => Box::new(ReferenceBackend),
-        Backend::Cpu => Box::new(CpuBackend::default()),
-        Backend::Sim => Box::new(DeviceBackend::open(DeviceKind::Sim)?),
+    let backend: Box<dyn Backend> = match args.backend {
+        BackendChoice::Reference => Box::new(ReferenceBackend),
+        BackendChoice::Cpu => Box::new(CpuBackend::default()),
+        BackendChoice::Sim => Box::new(DeviceBackend::open(DeviceKind::Sim)?),
         // `auto` is not offered here (BACKENDS): a run names what it measures.
-        Backend::Cuda | Backend::Auto => Box::new(
+        BackendChoice::Cuda | BackendChoice::Auto => Box::new(
             DeviceBackend::open(DeviceKind::Cuda)
                 .map_err(|e| format!("{e} (`--backend sim` runs the same generated kernels on the CPU)"))?,
         ),

@@ -1,7 +1,7 @@
 //! `kivi inspect`: show cached tuning decisions and why they were made;
 //! export a device's decisions as a bundle.
 
-use crate::args::Backend;
+use crate::args::BackendChoice;
 use kivi_tuner::decisions::{self, Distrust, Store};
 use kivi_tuner::fingerprint::{Fingerprint, Toolchain};
 use std::path::PathBuf;
@@ -26,11 +26,11 @@ pub struct Args {
     export: Option<PathBuf>,
     /// Backend whose decisions `--export` writes
     #[arg(long, default_value = "cpu", value_parser = crate::args::backend(BACKENDS))]
-    backend: Backend,
+    backend: BackendChoice,
 }
 
 /// The backends with decisions of their own to export.
-const BACKENDS: &[Backend] = &[Backend::Cpu, Backend::Sim, Backend::Cuda];
+const BACKENDS: &[BackendChoice] = &[BackendChoice::Cpu, BackendChoice::Sim, BackendChoice::Cuda];
 
 pub fn run(args: Args) -> super::Result {
     let dir = decisions::cache_dir(args.cache_dir.as_deref())?;
@@ -39,8 +39,8 @@ pub fn run(args: Args) -> super::Result {
     if let Some(out) = &args.export {
         let (fp, tc) = match args.backend {
             // `auto` and `reference` are not offered (BACKENDS); cpu is the safe reading.
-            Backend::Cpu | Backend::Auto | Backend::Reference => (here, toolchain),
-            Backend::Sim => {
+            BackendChoice::Cpu | BackendChoice::Auto | BackendChoice::Reference => (here, toolchain),
+            BackendChoice::Sim => {
                 let dev = kivi_runtime::device::SimDevice::shared();
                 let c = kivi_runtime::cuda::Compiler::new().ok();
                 (
@@ -48,7 +48,7 @@ pub fn run(args: Args) -> super::Result {
                     kivi_tuner::cuda::device_toolchain(dev.as_ref(), c.as_ref()),
                 )
             }
-            Backend::Cuda => {
+            BackendChoice::Cuda => {
                 let dev = kivi_runtime::cuda::CudaDevice::new(0).map_err(|e| format!("--backend cuda: {e}"))?;
                 (
                     kivi_tuner::cuda::device_fingerprint(&dev),

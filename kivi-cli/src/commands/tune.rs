@@ -2,19 +2,24 @@
 //! cache the decisions.
 
 use super::schemes::load_scheme;
-use crate::args::Backend;
+use crate::args::BackendChoice;
 use kivi_spec::{Heads, Scheme};
 use kivi_tuner::bucket::Bucket;
 use kivi_tuner::decisions::{self, Entry, Status, Store};
 use kivi_tuner::progress::Bar;
-use kivi_tuner::tune::{self, Origin, Outcome, Plan, Target};
+use kivi_tuner::tune::{self, DecisionOrigin, Outcome, Plan, Target};
 use kivi_tuner::CpuTarget;
 use std::path::PathBuf;
 use std::time::Instant;
 
 /// The backends `tune` measures (`auto` adds a static ranking of the CUDA
 /// variants when it falls back to cpu).
-const BACKENDS: &[Backend] = &[Backend::Auto, Backend::Cpu, Backend::Sim, Backend::Cuda];
+const BACKENDS: &[BackendChoice] = &[
+    BackendChoice::Auto,
+    BackendChoice::Cpu,
+    BackendChoice::Sim,
+    BackendChoice::Cuda,
+];
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -23,7 +28,7 @@ pub struct Args {
     scheme: String,
     /// Backend to tune
     #[arg(long, default_value = "auto", value_parser = crate::args::backend(BACKENDS))]
-    backend: Backend,
+    backend: BackendChoice,
     /// Head layout: gqa:Q:KV, mha:N or mqa:Q (default: the scheme's own, else gqa:32:8)
     #[arg(long, value_parser = super::show::parse_heads)]
     heads: Option<Heads>,
@@ -238,12 +243,12 @@ fn print_static_ranking(scheme: &Scheme, buckets: &[Bucket], arch: kivi_runtime:
 
 fn origin_text(o: &Outcome) -> String {
     match &o.origin {
-        Origin::Cached => "cached (nothing measured)".into(),
-        Origin::Pinned => "pinned".into(),
-        Origin::Tuned { measured, reused } => {
+        DecisionOrigin::Cached => "cached (nothing measured)".into(),
+        DecisionOrigin::Pinned => "pinned".into(),
+        DecisionOrigin::Tuned { measured, reused } => {
             format!("tuned in {:.1} s ({measured} measured, {reused} reused)", o.spent_s)
         }
-        Origin::Failed(e) => format!("FAILED: {e}"),
+        DecisionOrigin::Failed(e) => format!("FAILED: {e}"),
     }
 }
 
@@ -288,8 +293,8 @@ pub fn run(args: Args) -> super::Result {
     let mut static_report: Option<(kivi_runtime::cuda::Arch, u32, String)> = None;
     let target: Box<dyn Target> = match args.backend {
         // `reference` is not offered (BACKENDS): there is nothing to tune in it.
-        Backend::Cpu | Backend::Reference => Box::new(CpuTarget::new(&scheme)?),
-        Backend::Sim => {
+        BackendChoice::Cpu | BackendChoice::Reference => Box::new(CpuTarget::new(&scheme)?),
+        BackendChoice::Sim => {
             let dev = kivi_runtime::device::SimDevice::shared();
             let i = dev.info();
             static_report = Some((i.arch, i.sms.max(1) as u32, "the simulated device's limits".into()));
@@ -301,10 +306,10 @@ pub fn run(args: Args) -> super::Result {
             Box::new(kivi_tuner::cuda::CudaTarget::sim(&scheme, dev)?)
         }
         // Asked for a GPU by name: no GPU is an error, never another backend.
-        Backend::Cuda => Box::new(kivi_tuner::cuda::CudaTarget::new(&scheme).map_err(|why| {
+        BackendChoice::Cuda => Box::new(kivi_tuner::cuda::CudaTarget::new(&scheme).map_err(|why| {
             format!("--backend cuda: {why} (use --backend sim to tune on the simulated device, or cpu)")
         })?),
-        Backend::Auto => match kivi_tuner::cuda::CudaTarget::new(&scheme) {
+        BackendChoice::Auto => match kivi_tuner::cuda::CudaTarget::new(&scheme) {
             Ok(t) => Box::new(t),
             Err(why) => {
                 // No GPU here: tune what can run, and still say how the
@@ -399,7 +404,7 @@ pub fn run(args: Args) -> super::Result {
         println!("decisions: {}", store.path().display());
         println!("elapsed: {:.1} s", t0.elapsed().as_secs_f64());
     }
-    if outcomes.iter().all(|o| matches!(o.origin, Origin::Failed(_))) {
+    if outcomes.iter().all(|o| matches!(o.origin, DecisionOrigin::Failed(_))) {
         return Err("no bucket could be tuned".into());
     }
     Ok(())
