@@ -17,7 +17,6 @@ use kivi_spec::{presets, Heads, Scheme};
 use kivi_templates::{generate, variants, Kernel};
 use rayon::prelude::*;
 use std::collections::BTreeMap;
-use std::fmt::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
