@@ -466,17 +466,10 @@ mod tests {
 
     #[test]
     fn pack_unpack_round_trip_every_width() {
-        let mut seed = 0x9e3779b9u32;
+        let mut rng = crate::rand::Rng::new(0x9e37_79b9);
         for bits in kivi_spec::ALLOWED_BITS {
             for n in [1usize, 7, 31, 32, 33, 100, 128, 257] {
-                let codes: Vec<u32> = (0..n)
-                    .map(|_| {
-                        seed ^= seed << 13;
-                        seed ^= seed >> 17;
-                        seed ^= seed << 5;
-                        seed & ((1 << bits) - 1)
-                    })
-                    .collect();
+                let codes: Vec<u32> = (0..n).map(|_| rng.next_u32() & ((1 << bits) - 1)).collect();
                 let mut words = vec![0xdead_beefu32; n.div_ceil((32 / bits) as usize)];
                 pack(&codes, bits, &mut words);
                 let mut back = vec![0; n];

@@ -100,7 +100,7 @@ fn codec_decode_matches_reference() {
         for (i, s) in cases().iter().enumerate() {
             let shape = s.shape().unwrap();
             let row = shape.kv_heads * shape.head_dim;
-            let mut rng = Rng(100 + i as u64);
+            let mut rng = Rng::new(100 + i as u64);
             let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(4096)).unwrap();
             let (mut ks, mut vs, mut ids) = (Vec::new(), Vec::new(), Vec::new());
             for (b, &t) in LENS.iter().enumerate() {
@@ -231,7 +231,7 @@ fn codec_writes_match_paged_cache_bit_for_bit() {
             let mut host = PagedCache::new(s.clone(), cfg).unwrap();
             let mut dc = DeviceCache::new(dev.clone(), s, LENS.len(), 1100, cfg).unwrap();
             let ids: Vec<u64> = LENS.iter().map(|_| host.add_sequence()).collect();
-            let mut rng = Rng(500 + i as u64);
+            let mut rng = Rng::new(500 + i as u64);
             let mut ks: Vec<Vec<f32>> = LENS.iter().map(|&t| inputs(&mut rng, t, row, true)).collect();
             let mut vs: Vec<Vec<f32>> = LENS.iter().map(|&t| inputs(&mut rng, t, row, false)).collect();
             for (b, &id) in ids.iter().enumerate() {
@@ -288,7 +288,7 @@ fn every_decode_variant_of_the_pipeline_presets() {
             let s = p.with_shape(Heads::Mqa(4), 256).unwrap();
             let shape = s.shape().unwrap();
             let row = shape.kv_heads * shape.head_dim;
-            let mut rng = Rng(900 + i as u64);
+            let mut rng = Rng::new(900 + i as u64);
             let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(4096)).unwrap();
             let lens = [1usize, 127, 301];
             let (mut ks, mut vs, mut ids) = (Vec::new(), Vec::new(), Vec::new());
@@ -355,7 +355,7 @@ fn an_outlier_correction_the_dtype_cannot_hold_is_refused_and_undone() {
         let mut host = PagedCache::new(s.clone(), cfg).unwrap();
         let id = host.add_sequence();
         let mut dc = DeviceCache::new(dev.clone(), &s, 1, 200, cfg).unwrap();
-        let mut rng = Rng(77);
+        let mut rng = Rng::new(77);
         let (k, v) = (inputs(&mut rng, 20, row, true), inputs(&mut rng, 20, row, false));
         host.extend(id, &k, &v).unwrap();
         dc.extend(&[20], &k, &v).unwrap();

@@ -325,7 +325,7 @@ fn prefill_ok(s: &Scheme, k: &SimExtend, lens: &[usize], seed: u64) -> Result<()
     let row = shape.kv_heads * shape.head_dim;
     let total: usize = lens.iter().sum();
     let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(total + 64 * lens.len())).unwrap();
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let (mut ks, mut vs, mut ids) = (Vec::new(), Vec::new(), Vec::new());
     for &t in lens {
         let kk = rng.vec(t * row);
@@ -363,7 +363,7 @@ fn append_ok(s: &Scheme, k: &SimExtend, starts: &[usize], steps: usize, seed: u6
     let shape = s.shape().unwrap();
     let row = shape.kv_heads * shape.head_dim;
     let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(2048)).unwrap();
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let mut ids = Vec::new();
     for &t in starts {
         let id = cache.add_sequence();

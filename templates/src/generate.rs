@@ -521,7 +521,7 @@ pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant)
     );
     let _ = writeln!(
         o,
-        "//   kivi codegen {} --kernel {} --variant {}",
+        "//   kivi codegen --scheme {} --kernel {} --variant {}",
         s.name,
         kernel.name(),
         v.name()
