@@ -159,7 +159,8 @@ fn real_kv_on_the_simulated_device_matches_the_oracle() {
                 .unwrap();
             let mut dc = DeviceCache::new(SimDevice::shared(), &s, 1, t, CacheConfig::for_tokens(t)).unwrap();
             let prefix = 61;
-            dc.extend(&[prefix], &cap.k[..prefix * row], &cap.v[..prefix * row]).unwrap();
+            dc.extend(&[prefix], &cap.k[..prefix * row], &cap.v[..prefix * row])
+                .unwrap();
             for i in prefix..t {
                 let r = i * row..(i + 1) * row;
                 dc.extend(&[1], &cap.k[r.clone()], &cap.v[r]).unwrap();
@@ -171,7 +172,11 @@ fn real_kv_on_the_simulated_device_matches_the_oracle() {
                 };
                 let want = reference::attend(&s, q, &cap.k, &cap.v, attn).unwrap();
                 let got = dc.decode(q, attn, None).unwrap();
-                assert!(got.iter().all(|x| x.is_finite()), "{} layer {layer}: non-finite output", s.name);
+                assert!(
+                    got.iter().all(|x| x.is_finite()),
+                    "{} layer {layer}: non-finite output",
+                    s.name
+                );
                 let scale = want.iter().fold(0f32, |a, x| a.max(x.abs()));
                 let err = got.iter().zip(&want).fold(0f32, |a, (g, w)| a.max((g - w).abs()));
                 assert!(
