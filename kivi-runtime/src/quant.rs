@@ -52,15 +52,30 @@ impl GroupParams {
     }
 }
 
-/// `lo`/`hi` of a group, then `s = (hi - lo) / (2^b - 1)` and `z = lo`, each
-/// rounded to the scale dtype. Returns the params and `(lo, hi)`.
-pub fn group_params(values: impl IntoIterator<Item = f32>, q: &Quant) -> (GroupParams, f32, f32) {
+/// The least and the greatest of `values` (NaNs skipped), with `-0` below
+/// `+0`: the sign of a zero `lo` or `hi` is stored (as the zero point's
+/// bits), so it is defined here rather than left to the order in which a
+/// compiler or a vector unit compares (`f32::min` may return either zero).
+/// The result does not depend on the order of `values`.
+pub fn group_lo_hi(values: impl IntoIterator<Item = f32>) -> (f32, f32) {
     let mut lo = f32::INFINITY;
     let mut hi = f32::NEG_INFINITY;
     for x in values {
-        lo = lo.min(x);
-        hi = hi.max(x);
+        if x < lo || (x == lo && x.is_sign_negative()) {
+            lo = x;
+        }
+        if x > hi || (x == hi && x.is_sign_positive()) {
+            hi = x;
+        }
     }
+    (lo, hi)
+}
+
+/// `lo`/`hi` of a group ([`group_lo_hi`]), then `s = (hi - lo) / (2^b - 1)`
+/// and `z = lo`, each rounded to the scale dtype. Returns the params and
+/// `(lo, hi)`.
+pub fn group_params(values: impl IntoIterator<Item = f32>, q: &Quant) -> (GroupParams, f32, f32) {
+    let (lo, hi) = group_lo_hi(values);
     let scale = (hi - lo) / q.max_code() as f32;
     (
         GroupParams {
@@ -299,6 +314,13 @@ impl TensorCodec {
             outliers: s.outliers_of(t),
             center: s.center_of(t),
         })
+    }
+
+    /// Uniform levels and no pipeline step (no centering, rotation or
+    /// outliers): the codec of the KIVI presets, which the vectorised
+    /// cache writes (`cpu/write.rs`) handle.
+    pub fn is_plain_uniform(&self) -> bool {
+        self.quant.levels == Levels::Uniform && self.rotation.is_none() && self.outliers == 0 && self.center.is_none()
     }
 
     /// Step 1 and 2 of the pipeline, in place: subtract the mean, rotate.

@@ -73,6 +73,10 @@ pub struct Args {
     /// Tokens for the prefill/append/memory table
     #[arg(long, default_value_t = 32768)]
     prefill_tokens: usize,
+    /// Only the cache-write table: append/extend tokens/s and GB/s per scheme
+    /// (default: every preset), vectorised and reference writes side by side
+    #[arg(long)]
+    writes: bool,
     /// Print the report as JSON on stdout (progress goes to stderr)
     #[arg(long)]
     json: bool,
@@ -113,6 +117,9 @@ pub fn run(a: Args) -> super::Result {
         .collect::<Result<Vec<_>, _>>()?;
     if contexts.iter().chain(&batches).any(|&x| x == 0) {
         return Err("contexts and batches must be positive".into());
+    }
+    if a.writes {
+        return crate::bench::writes::main(&layouts, a.schemes, a.prefill_tokens, a.reps, a.json, a.out.as_deref());
     }
     let params = CpuParams {
         splits: a.splits,

@@ -41,6 +41,7 @@ mod fused;
 mod kernel;
 mod probe;
 mod simd;
+pub(crate) mod write;
 
 use crate::backend::{check_batch, Backend};
 use crate::cache::{PagedCache, SeqId, SeqView};

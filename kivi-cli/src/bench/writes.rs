@@ -1,0 +1,250 @@
+//! Cache-write throughput behind `kivi bench --writes`: `PagedCache::extend`
+//! (one call of many tokens, a prompt) and `PagedCache::append` (one token a
+//! call, decoding) per preset, on the vectorised writes and on the reference
+//! path (`quant.rs` group by group, what every write ran before) side by
+//! side in one run: the two alternate rep by rep, so a drift in the shared
+//! machine's speed hits both alike and the ratio holds.
+//!
+//! GB/s counts the f32 input a write consumes: `2 x Hkv x D x 4` bytes a
+//! token (keys and values).
+
+use super::{kv_data, Layout, Stats};
+use kivi_runtime::cpu::Isa;
+use kivi_runtime::{CacheConfig, PagedCache};
+use serde::Serialize;
+use std::fmt::Write as _;
+use std::time::Instant;
+
+/// One (layout, scheme, write path) row.
+#[derive(Clone, Debug, Serialize)]
+pub struct WriteRow {
+    pub layout: &'static str,
+    pub scheme: String,
+    /// `avx512`, `avx2`, `scalar` (the vectorised writes), or `reference`.
+    pub path: String,
+    /// Tokens of one timed `extend`.
+    pub extend_tokens: usize,
+    /// Median over the reps.
+    pub extend_tokens_per_s: f64,
+    pub extend_gb_per_s: f64,
+    /// Tokens appended one by one per timed rep.
+    pub append_tokens: usize,
+    pub append_tokens_per_s: f64,
+    pub append_gb_per_s: f64,
+    /// The reference path's median time / this one's (extend, append).
+    pub extend_speedup: f64,
+    pub append_speedup: f64,
+}
+
+/// Everything `--writes` measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct WriteReport {
+    pub command: String,
+    pub cpu: String,
+    pub threads: usize,
+    pub reps: usize,
+    pub rows: Vec<WriteRow>,
+    pub notes: Vec<String>,
+}
+
+/// Medians of `reps` timed runs (after one warm-up) of extend and append
+/// for one cache, each on a fresh sequence of a pool whose pages are
+/// already touched (a cache in service reuses its blocks).
+struct Timing {
+    extend_ms: Vec<f64>,
+    append_ms: Vec<f64>,
+}
+
+fn time_once(cache: &mut PagedCache, k: &[f32], v: &[f32], row: usize, appends: usize, t: &mut Timing) -> Result<(), String> {
+    for id in cache.sequences() {
+        cache.free_sequence(id).map_err(|e| e.to_string())?;
+    }
+    let id = cache.add_sequence();
+    let t0 = Instant::now();
+    cache.extend(id, k, v).map_err(|e| e.to_string())?;
+    t.extend_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+    let id2 = cache.add_sequence();
+    let t0 = Instant::now();
+    for i in 0..appends {
+        cache
+            .append(id2, &k[i * row..(i + 1) * row], &v[i * row..(i + 1) * row])
+            .map_err(|e| e.to_string())?;
+    }
+    t.append_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+    Ok(())
+}
+
+/// Times every scheme of `schemes` that binds to each layout, both paths.
+/// Schemes that do not fit a layout (codec2 needs head_dim 256) are noted.
+pub fn run(
+    layouts: &[Layout],
+    schemes: &[String],
+    tokens: usize,
+    reps: usize,
+    command: String,
+    progress: &mut dyn FnMut(&str),
+) -> Result<WriteReport, String> {
+    if reps == 0 || tokens == 0 {
+        return Err("--reps and --prefill-tokens must be at least 1".into());
+    }
+    let mut rows = Vec::new();
+    let mut notes = vec![
+        format!("median of {reps} reps after a warm-up; the vectorised and reference writes alternate rep by rep"),
+        "GB/s: f32 input consumed (keys and values, 2 x kv_heads x head_dim x 4 bytes a token) / time".into(),
+        "extend: one call of all the tokens into an empty sequence; append: one token a call into another".into(),
+    ];
+    for &l in layouts {
+        let (h, d) = (l.kv_heads as usize, l.head_dim as usize);
+        let row = h * d;
+        let (k, v) = kv_data(tokens, l, 7);
+        let appends = tokens.min(4096);
+        for name in schemes {
+            let s = match super::bind(name, l) {
+                Ok(s) => s,
+                Err(e) => {
+                    notes.push(format!("skipped: {e}"));
+                    continue;
+                }
+            };
+            progress(&format!("{}: writes of {name}", l.name));
+            let config = CacheConfig::for_tokens(tokens + appends + 256);
+            let mut fast = PagedCache::new(s.clone(), config).map_err(|e| e.to_string())?;
+            let mut reference = PagedCache::new(s, config).map_err(|e| e.to_string())?;
+            reference.set_write_isa(None);
+            let path = fast.write_isa().map_or("reference", Isa::name).to_string();
+            let mut tf = Timing {
+                extend_ms: Vec::new(),
+                append_ms: Vec::new(),
+            };
+            let mut tr = Timing {
+                extend_ms: Vec::new(),
+                append_ms: Vec::new(),
+            };
+            for rep in 0..=reps {
+                time_once(&mut fast, &k, &v, row, appends, &mut tf)?;
+                time_once(&mut reference, &k, &v, row, appends, &mut tr)?;
+                if rep == 0 {
+                    // The warm-up: it touches the pool's pages.
+                    for t in [&mut tf, &mut tr] {
+                        t.extend_ms.clear();
+                        t.append_ms.clear();
+                    }
+                }
+            }
+            let med = |ms: &[f64]| Stats::of(ms).median_ms;
+            let (fe, fa, re, ra) = (
+                med(&tf.extend_ms),
+                med(&tf.append_ms),
+                med(&tr.extend_ms),
+                med(&tr.append_ms),
+            );
+            let bytes = (2 * row * 4) as f64;
+            let make = |path: String, e: f64, a: f64| WriteRow {
+                layout: l.name,
+                scheme: name.clone(),
+                path,
+                extend_tokens: tokens,
+                extend_tokens_per_s: tokens as f64 / (e / 1e3),
+                extend_gb_per_s: tokens as f64 * bytes / (e / 1e3) / 1e9,
+                append_tokens: appends,
+                append_tokens_per_s: appends as f64 / (a / 1e3),
+                append_gb_per_s: appends as f64 * bytes / (a / 1e3) / 1e9,
+                extend_speedup: re / e,
+                append_speedup: ra / a,
+            };
+            rows.push(make(path, fe, fa));
+            rows.push(make("reference".into(), re, ra));
+        }
+    }
+    Ok(WriteReport {
+        command,
+        cpu: super::cpu_name(),
+        threads: rayon::current_num_threads(),
+        reps,
+        rows,
+        notes,
+    })
+}
+
+/// `kivi bench --writes`: every preset unless `schemes` names some;
+/// `tokens` per extend (`--prefill-tokens`), `reps` (default 5).
+pub fn main(
+    layouts: &[Layout],
+    schemes: Vec<String>,
+    tokens: usize,
+    reps: Option<usize>,
+    json: bool,
+    out: Option<&std::path::Path>,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let command = format!("kivi {}", std::env::args().skip(1).collect::<Vec<_>>().join(" "));
+    let schemes = if schemes.is_empty() {
+        kivi_spec::presets::listed().into_iter().map(|s| s.name).collect()
+    } else {
+        schemes
+    };
+    let mut log = |m: &str| eprintln!("kivi bench: {m}");
+    let report = run(layouts, &schemes, tokens, reps.unwrap_or(5), command, &mut log)?;
+    let text = serde_json::to_string_pretty(&report)?;
+    if let Some(path) = out {
+        std::fs::write(path, &text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
+    if json {
+        println!("{text}");
+    } else {
+        print!("{}", render(&report));
+    }
+    Ok(())
+}
+
+/// The report as an aligned text table.
+pub fn render(r: &WriteReport) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "# {}", r.command);
+    let _ = writeln!(s, "cpu: {}, {} threads\n", r.cpu, r.threads);
+    let _ = writeln!(
+        s,
+        "{:<14} {:<10} {:<10} {:>14} {:>8} {:>8} {:>14} {:>8} {:>8}",
+        "layout", "scheme", "path", "extend tok/s", "GB/s", "x ref", "append tok/s", "GB/s", "x ref"
+    );
+    for w in &r.rows {
+        let _ = writeln!(
+            s,
+            "{:<14} {:<10} {:<10} {:>14.0} {:>8.3} {:>8.1} {:>14.0} {:>8.3} {:>8.1}",
+            w.layout,
+            w.scheme,
+            w.path,
+            w.extend_tokens_per_s,
+            w.extend_gb_per_s,
+            w.extend_speedup,
+            w.append_tokens_per_s,
+            w.append_gb_per_s,
+            w.append_speedup
+        );
+    }
+    for n in &r.notes {
+        let _ = writeln!(s, "note: {n}");
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiny_write_suite_runs() {
+        let l = Layout {
+            name: "tiny",
+            q_heads: 4,
+            kv_heads: 2,
+            head_dim: 32,
+        };
+        let schemes = vec!["kivi2".to_string(), "f16".to_string(), "codec2".to_string()];
+        let r = run(&[l], &schemes, 200, 1, "test".into(), &mut |_| {}).unwrap();
+        // codec2 binds only to head_dim 256: skipped with a note
+        assert_eq!(r.rows.len(), 4);
+        assert!(r.notes.iter().any(|n| n.contains("codec2")));
+        assert!(r.rows.iter().all(|w| w.extend_tokens_per_s > 0.0 && w.append_gb_per_s > 0.0));
+        assert!(render(&r).contains("append tok/s"));
+    }
+}
