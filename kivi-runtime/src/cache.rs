@@ -502,11 +502,11 @@ impl PagedCache {
                 new_means[i] = Some(center_means(scheme.dtype, sinks, seq, i, input, old_tokens, nc, h, d));
             }
         }
-        let mut ok = true;
+        let mut writes = Vec::new();
         for t in [Tensor::Key, Tensor::Value] {
             let i = ti(t);
             let range = seq.quantized[i]..target[i];
-            if range.is_empty() || !ok {
+            if range.is_empty() {
                 continue;
             }
             if let Some(input) = rounded[i].as_deref() {
@@ -542,23 +542,29 @@ impl PagedCache {
                 continue;
             }
             let quant = codecs[i].as_ref().map(|c| c.quant);
-            let plan = write::Plan {
-                tl: layout.tensor(t),
-                quant,
-                dtype: scheme.dtype,
-                isa: write::tensor_isa(isa, quant.as_ref(), d),
-            };
-            let rows = write::Rows {
-                input: x[i],
-                ring: seq.ring[i].raw(),
-                ring_cap: seq.ring_cap[i],
-                sinks,
-                old_tokens,
-                heads: h,
-                d,
-            };
-            ok = write_range(layout, t, pool, &seq.table, range, &plan, &rows);
+            writes.push(TensorWrite {
+                range,
+                plan: write::Plan {
+                    tl: layout.tensor(t),
+                    head_words: layout.head_words,
+                    offset: layout.tensor_offset(0, t),
+                    quant,
+                    dtype: scheme.dtype,
+                    isa: write::tensor_isa(isa, quant.as_ref(), d),
+                },
+                rows: write::Rows {
+                    input: x[i],
+                    ring: seq.ring[i].raw(),
+                    ring_cap: seq.ring_cap[i],
+                    sinks,
+                    old_tokens,
+                    heads: h,
+                    d,
+                },
+            });
         }
+        let ok = write_blocks(layout, pool, &seq.table, &writes);
+        drop(writes);
         if !ok {
             seq.table.truncate(old_len);
             return Ok(false);
@@ -874,68 +880,51 @@ impl PoolPtr {
     }
 }
 
-/// Writes relative tokens `range` of tensor `t` with the vectorised writes
-/// (`cpu/write.rs`), one job per (block, KV head); in parallel when the
-/// range is long enough to pay for it. `false`: a group's parameters
-/// overflow their dtype (nothing visible has changed).
-fn write_range(
-    l: &BlockLayout,
-    t: Tensor,
-    pool: &mut [u32],
-    table: &[u32],
+/// One tensor's share of a vectorised write: relative tokens `range`.
+struct TensorWrite<'a> {
     range: std::ops::Range<usize>,
-    plan: &write::Plan,
-    rows: &write::Rows,
-) -> bool {
+    plan: write::Plan<'a>,
+    rows: write::Rows<'a>,
+}
+
+/// Writes every tensor's range with the vectorised writes (`cpu/write.rs`),
+/// one job per block (every head, both tensors); blocks in parallel when
+/// there are enough values to pay for it. `false`: a group's parameters
+/// overflow their dtype (nothing visible has changed).
+fn write_blocks(l: &BlockLayout, pool: &mut [u32], table: &[u32], writes: &[TensorWrite]) -> bool {
     use rayon::prelude::*;
-    let (h, d) = (l.shape.kv_heads, l.shape.head_dim);
-    let bt = l.block_tokens;
-    let pieces = (range.start / bt..range.end.div_ceil(bt))
-        .map(move |b| (b, range.start.max(b * bt), range.end.min((b + 1) * bt)));
-    // Below this many values a thread hand-off costs more than it saves
-    // (an append quantizes one token, or one channel group every G tokens).
-    const PARALLEL_VALUES: usize = 1 << 15;
-    if (range.end - range.start) * h * d < PARALLEL_VALUES {
-        for (b, first, end) in pieces {
-            for head in 0..h {
-                let part = part_mut(l, pool, table[b], head, t);
-                let mut job = write::Job {
-                    part,
-                    head,
-                    first,
-                    n: end - first,
-                };
-                if !write::run(plan, rows, &mut job) {
-                    return false;
-                }
-            }
-        }
+    let (bt, bw) = (l.block_tokens, l.block_words);
+    let Some(lo) = writes.iter().map(|w| w.range.start / bt).min() else {
         return true;
+    };
+    let hi = writes.iter().map(|w| w.range.end.div_ceil(bt)).max().unwrap_or(lo);
+    let job = |block: &mut [u32], b: usize| {
+        writes.iter().all(|w| {
+            let first = w.range.start.max(b * bt);
+            let end = w.range.end.min((b + 1) * bt);
+            first >= end || write::run(&w.plan, &w.rows, &mut write::Job { block, first, n: end - first })
+        })
+    };
+    // Below this many values a thread hand-off costs more than it saves
+    // (an append writes one token, or one channel group every G tokens).
+    const PARALLEL_VALUES: usize = 1 << 15;
+    let values: usize = writes.iter().map(|w| w.range.len()).sum::<usize>() * l.shape.kv_heads * l.shape.head_dim;
+    if values < PARALLEL_VALUES || hi - lo < 2 {
+        return (lo..hi).all(|b| {
+            let start = table[b] as usize * bw;
+            job(&mut pool[start..start + bw], b)
+        });
     }
-    let words = l.tensor(t).words;
-    // Every part must lie in the pool before any is handed out.
-    let ok_blocks = pieces
-        .clone()
-        .all(|(b, _, _)| (table[b] as usize + 1) * l.block_words <= pool.len());
-    if !ok_blocks {
+    // Every block must lie in the pool before any is handed out.
+    if (lo..hi).any(|b| (table[b] as usize + 1) * bw > pool.len()) {
         return false;
     }
     let base = PoolPtr(pool.as_mut_ptr(), pool.len());
-    let jobs: Vec<(usize, usize, usize, usize)> = pieces
-        .flat_map(|(b, first, end)| (0..h).map(move |head| (b, head, first, end)))
-        .collect();
-    jobs.par_iter().all(|&(b, head, first, end)| {
-        let start = table[b] as usize * l.block_words + l.tensor_offset(head, t);
+    (lo..hi).into_par_iter().all(|b| {
         // SAFETY: in bounds (checked above) and disjoint from every other
-        // job's part (`PoolPtr`); `pool` is borrowed mutably for the call.
-        let part = unsafe { base.part(start, words) };
-        let mut job = write::Job {
-            part,
-            head,
-            first,
-            n: end - first,
-        };
-        write::run(plan, rows, &mut job)
+        // job's block (`PoolPtr`); `pool` is borrowed mutably for the call.
+        let block = unsafe { base.part(table[b] as usize * bw, bw) };
+        job(block, b)
     })
 }
 

@@ -60,6 +60,17 @@ enum Src<'a> {
     Stored(&'a [f32]),
 }
 
+impl Src<'_> {
+    #[inline(always)]
+    fn len(&self) -> usize {
+        match self {
+            Src::Input(x) => x.len(),
+            Src::Bits(b) => b.len(),
+            Src::Stored(f) => f.len(),
+        }
+    }
+}
+
 impl<'a> Rows<'a> {
     /// Row of relative token `j` (position `sinks + j`), KV head `hh`.
     #[inline(always)]
@@ -78,11 +89,15 @@ impl<'a> Rows<'a> {
     }
 }
 
-/// One tensor of one KV head in one block: the tokens `first..first + n`
-/// (relative, all in this block) to write into `part`.
+/// One tensor of one block, every KV head: the tokens `first..first + n`
+/// (relative, all in this block). Rows are visited token by token, every
+/// head of a token in turn, i.e. in the input's own order: visited head by
+/// head, consecutive rows of a head lie `Hkv x D x 4` bytes apart (4 KiB at
+/// GQA 32:8), one page each, and the hardware prefetchers lose track
+/// (measured: most of the time went to stalled loads).
 pub(crate) struct Job<'a> {
-    pub part: &'a mut [u32],
-    pub head: usize,
+    /// The whole block (every head, both tensors).
+    pub block: &'a mut [u32],
     pub first: usize,
     pub n: usize,
 }
@@ -91,6 +106,10 @@ pub(crate) struct Job<'a> {
 #[derive(Clone, Copy)]
 pub(crate) struct Plan<'a> {
     pub tl: &'a TensorLayout,
+    /// Where this tensor's part of head `h` starts in a block:
+    /// `h * head_words + offset`.
+    pub head_words: usize,
+    pub offset: usize,
     /// `None`: a `full` tensor, rows stored raw.
     pub quant: Option<Quant>,
     pub dtype: Dtype,
@@ -151,22 +170,31 @@ unsafe fn run_avx2(plan: &Plan, rows: &Rows, job: &mut Job) -> bool {
     job_body::<Avx2>(plan, rows, job)
 }
 
+thread_local! {
+    /// Per-thread scratch of the channel-axis writes (`lo`/`hi`, then
+    /// scale/zero, of every head and channel): grown once, so writes do
+    /// not allocate per token.
+    static SCRATCH: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
 #[inline(always)]
 fn job_body<L: Lanes>(plan: &Plan, rows: &Rows, job: &mut Job) -> bool {
     let tl = plan.tl;
     let bt = tl.block_tokens;
     let wpt = tl.words_per_token;
-    let d = rows.d;
+    let (h, d) = (rows.heads, rows.d);
+    let part_start = |hh: usize| hh * plan.head_words + plan.offset;
+    let words = tl.words;
     let Some(q) = plan.quant else {
         for j in job.first..job.first + job.n {
             let off = j % bt;
-            let words = &mut job.part[off * wpt..(off + 1) * wpt];
-            store_row_words::<L>(rows.row(j, job.head), plan.dtype, words);
+            for hh in 0..h {
+                let part = &mut job.block[part_start(hh)..][..words];
+                store_row_words::<L>(rows.row(j, hh), plan.dtype, &mut part[off * wpt..(off + 1) * wpt]);
+            }
         }
         return true;
     };
-    let g = q.group as usize;
-    let maxc = q.max_code() as f32;
     let per = kivi_spec::layout::codes_per_word(q.bits);
     // One row of codes, padded with zeros to whole words.
     let mut codes = [0u8; MAX_D + 32];
@@ -174,111 +202,160 @@ fn job_body<L: Lanes>(plan: &Plan, rows: &Rows, job: &mut Job) -> bool {
     match q.axis {
         Axis::Token => {
             for j in job.first..job.first + job.n {
-                let src = rows.row(j, job.head);
                 let off = j % bt;
-                for c0 in (0..d).step_by(g) {
-                    // SAFETY: `tensor_isa` made the lane count divide `g`
-                    // and `d`, so every load stays inside the row.
-                    let (p, ok) = unsafe {
-                        let mut lo = L::load(src, c0, plan.dtype);
-                        let mut hi = lo;
-                        let mut c = c0 + L::N;
-                        while c < c0 + g {
-                            let x = L::load(src, c, plan.dtype);
-                            lo = L::min(lo, x);
-                            hi = L::max(hi, x);
-                            c += L::N;
-                        }
-                        let (mut lo, mut hi) = (L::hmin(lo), L::hmax(hi));
-                        if lo == 0.0 || hi == 0.0 {
-                            (lo, hi) = exact_lo_hi((0..g).map(|i| scalar_at(src, c0 + i, plan.dtype)));
-                        }
-                        let p = quant::GroupParams {
-                            scale: quant::round_to_scale((hi - lo) / maxc, q.scale),
-                            zero: quant::round_to_scale(lo, q.scale),
-                        };
-                        if !p.is_finite() {
-                            return false;
-                        }
-                        let (vs, vz) = (L::splat(p.scale), L::splat(p.zero));
-                        let mut c = c0;
-                        while c < c0 + g {
-                            L::encode(L::load(src, c, plan.dtype), vz, vs, maxc, codes.as_mut_ptr().add(c));
-                            c += L::N;
-                        }
-                        (p, true)
-                    };
-                    debug_assert!(ok);
-                    let i = tl.param_index(off, c0);
-                    write_param(&mut job.part[tl.scales_offset..], i, p.scale, q.scale);
-                    write_param(&mut job.part[tl.zeros_offset..], i, p.zero, q.scale);
+                for hh in 0..h {
+                    let part = &mut job.block[part_start(hh)..][..words];
+                    if !token_row::<L>(plan, &q, rows.row(j, hh), off, part, &mut codes) {
+                        return false;
+                    }
+                    codes[d..padded].fill(0);
+                    pack_bytes(&codes[..padded], q.bits, &mut part[off * wpt..(off + 1) * wpt]);
                 }
-                codes[d..padded].fill(0);
-                pack_bytes(&codes[..padded], q.bits, &mut job.part[off * wpt..(off + 1) * wpt]);
             }
         }
         Axis::Channel => {
-            let mut scale = [0f32; MAX_D];
-            let mut zero = [0f32; MAX_D];
-            // The caller hands whole groups (blocks hold whole groups).
-            for j0 in (job.first..job.first + job.n).step_by(g) {
-                let off0 = j0 % bt;
+            let mut scratch = SCRATCH.take();
+            if scratch.len() < 2 * h * d {
+                scratch.resize(2 * h * d, 0.0);
+            }
+            let ok = channel_groups::<L>(plan, &q, rows, job, &mut scratch, &mut codes);
+            SCRATCH.set(scratch);
+            return ok;
+        }
+    }
+    true
+}
+
+/// Quantizes one row of token-axis groups into byte codes, writing the
+/// groups' parameters into `part`. `false`: a parameter overflows.
+#[inline(always)]
+fn token_row<L: Lanes>(plan: &Plan, q: &Quant, src: Src, off: usize, part: &mut [u32], codes: &mut [u8]) -> bool {
+    let tl = plan.tl;
+    let g = q.group as usize;
+    let maxc = q.max_code() as f32;
+    for c0 in (0..src.len()).step_by(g) {
+        // SAFETY: `tensor_isa` made the lane count divide `g` and `d`, so
+        // every load stays inside the row, every store inside `codes`.
+        let p = unsafe {
+            let mut lo = L::load(src, c0, plan.dtype);
+            let mut hi = lo;
+            let mut c = c0 + L::N;
+            while c < c0 + g {
+                let x = L::load(src, c, plan.dtype);
+                lo = L::min(lo, x);
+                hi = L::max(hi, x);
+                c += L::N;
+            }
+            let (mut lo, mut hi) = (L::hmin(lo), L::hmax(hi));
+            if lo == 0.0 || hi == 0.0 {
+                (lo, hi) = quant::group_lo_hi((c0..c0 + g).map(|i| scalar_at(src, i, plan.dtype)));
+            }
+            let p = quant::GroupParams {
+                scale: quant::round_to_scale((hi - lo) / maxc, q.scale),
+                zero: quant::round_to_scale(lo, q.scale),
+            };
+            if !p.is_finite() {
+                return false;
+            }
+            let (vs, vz) = (L::splat(p.scale), L::splat(p.zero));
+            let mut c = c0;
+            while c < c0 + g {
+                L::encode(L::load(src, c, plan.dtype), vz, vs, maxc, codes.as_mut_ptr().add(c));
+                c += L::N;
+            }
+            p
+        };
+        let i = tl.param_index(off, c0);
+        write_param(&mut part[tl.scales_offset..], i, p.scale, q.scale);
+        write_param(&mut part[tl.zeros_offset..], i, p.zero, q.scale);
+    }
+    true
+}
+
+/// The channel-axis groups of a job (whole groups: blocks hold whole
+/// groups, and flushes come in them), token by token, every head of a
+/// token in turn: a pass for `lo`/`hi` per (head, channel), the parameters,
+/// then a pass that encodes and packs each row. `scratch`: `2 x Hkv x D`.
+#[inline(always)]
+fn channel_groups<L: Lanes>(plan: &Plan, q: &Quant, rows: &Rows, job: &mut Job, scratch: &mut [f32], codes: &mut [u8]) -> bool {
+    let tl = plan.tl;
+    let (h, d) = (rows.heads, rows.d);
+    let g = q.group as usize;
+    let maxc = q.max_code() as f32;
+    let wpt = tl.words_per_token;
+    let padded = wpt * kivi_spec::layout::codes_per_word(q.bits);
+    let (a, b) = scratch.split_at_mut(h * d);
+    for j0 in (job.first..job.first + job.n).step_by(g) {
+        let off0 = j0 % tl.block_tokens;
+        for k in 0..g {
+            for hh in 0..h {
+                let src = rows.row(j0 + k, hh);
+                let (lo, hi) = (&mut a[hh * d..(hh + 1) * d], &mut b[hh * d..(hh + 1) * d]);
                 for c in (0..d).step_by(L::N) {
                     // SAFETY: the lane count divides `d` (`tensor_isa`).
                     unsafe {
-                        let mut lo = L::load(rows.row(j0, job.head), c, plan.dtype);
-                        let mut hi = lo;
-                        for k in 1..g {
-                            let x = L::load(rows.row(j0 + k, job.head), c, plan.dtype);
-                            lo = L::min(lo, x);
-                            hi = L::max(hi, x);
-                        }
-                        L::store(lo, scale.as_mut_ptr().add(c));
-                        L::store(hi, zero.as_mut_ptr().add(c));
+                        let x = L::load(src, c, plan.dtype);
+                        let (l, u) = if k == 0 {
+                            (x, x)
+                        } else {
+                            (
+                                L::min(L::load_f32(lo.as_ptr().add(c)), x),
+                                L::max(L::load_f32(hi.as_ptr().add(c)), x),
+                            )
+                        };
+                        L::store(l, lo.as_mut_ptr().add(c));
+                        L::store(u, hi.as_mut_ptr().add(c));
                     }
-                    // A zero at either end: the sign of that zero is the
-                    // scalar rule's, lane by lane.
-                    for cc in c..c + L::N {
-                        if scale[cc] == 0.0 || zero[cc] == 0.0 {
-                            let (lo, hi) = exact_lo_hi(
-                                (0..g).map(|k| scalar_at(rows.row(j0 + k, job.head), cc, plan.dtype)),
-                            );
-                            scale[cc] = lo;
-                            zero[cc] = hi;
-                        }
+                }
+            }
+        }
+        for hh in 0..h {
+            let (lo, hi) = (&mut a[hh * d..(hh + 1) * d], &mut b[hh * d..(hh + 1) * d]);
+            // A zero at either end: the sign of that zero is the scalar
+            // rule's (rare: redone lane by lane).
+            for c in 0..d {
+                if lo[c] == 0.0 || hi[c] == 0.0 {
+                    (lo[c], hi[c]) =
+                        quant::group_lo_hi((0..g).map(|k| scalar_at(rows.row(j0 + k, hh), c, plan.dtype)));
+                }
+            }
+            for c in (0..d).step_by(L::N) {
+                // SAFETY: as above; `lo`/`hi` become scale/zero here.
+                unsafe {
+                    let l = L::load_f32(lo.as_ptr().add(c));
+                    let u = L::load_f32(hi.as_ptr().add(c));
+                    let s = L::round_scale(L::div(L::sub(u, l), L::splat(maxc)), q.scale);
+                    let z = L::round_scale(l, q.scale);
+                    if !L::all_finite(s) || !L::all_finite(z) {
+                        return false;
                     }
-                    // SAFETY: as above; `scale`/`zero` hold `lo`/`hi` here.
+                    L::store(s, lo.as_mut_ptr().add(c));
+                    L::store(z, hi.as_mut_ptr().add(c));
+                }
+            }
+            let part = &mut job.block[hh * plan.head_words + plan.offset..][..tl.words];
+            for c in 0..d {
+                let i = tl.param_index(off0, c);
+                write_param(&mut part[tl.scales_offset..], i, lo[c], q.scale);
+                write_param(&mut part[tl.zeros_offset..], i, hi[c], q.scale);
+            }
+        }
+        for k in 0..g {
+            let off = off0 + k;
+            for hh in 0..h {
+                let src = rows.row(j0 + k, hh);
+                let (s, z) = (&a[hh * d..(hh + 1) * d], &b[hh * d..(hh + 1) * d]);
+                for c in (0..d).step_by(L::N) {
+                    // SAFETY: as above.
                     unsafe {
-                        let lo = L::load_f32(scale.as_ptr().add(c));
-                        let hi = L::load_f32(zero.as_ptr().add(c));
-                        let s = L::round_scale(L::div(L::sub(hi, lo), L::splat(maxc)), q.scale);
-                        let z = L::round_scale(lo, q.scale);
-                        if !L::all_finite(s) || !L::all_finite(z) {
-                            return false;
-                        }
-                        L::store(s, scale.as_mut_ptr().add(c));
-                        L::store(z, zero.as_mut_ptr().add(c));
+                        let sv = L::load_f32(s.as_ptr().add(c));
+                        let zv = L::load_f32(z.as_ptr().add(c));
+                        L::encode(L::load(src, c, plan.dtype), zv, sv, maxc, codes.as_mut_ptr().add(c));
                     }
                 }
-                for c in 0..d {
-                    let i = tl.param_index(off0, c);
-                    write_param(&mut job.part[tl.scales_offset..], i, scale[c], q.scale);
-                    write_param(&mut job.part[tl.zeros_offset..], i, zero[c], q.scale);
-                }
-                for k in 0..g {
-                    let src = rows.row(j0 + k, job.head);
-                    let off = off0 + k;
-                    for c in (0..d).step_by(L::N) {
-                        // SAFETY: as above.
-                        unsafe {
-                            let s = L::load_f32(scale.as_ptr().add(c));
-                            let z = L::load_f32(zero.as_ptr().add(c));
-                            L::encode(L::load(src, c, plan.dtype), z, s, maxc, codes.as_mut_ptr().add(c));
-                        }
-                    }
-                    codes[d..padded].fill(0);
-                    pack_bytes(&codes[..padded], q.bits, &mut job.part[off * wpt..(off + 1) * wpt]);
-                }
+                codes[d..padded].fill(0);
+                let part = &mut job.block[hh * plan.head_words + plan.offset..][..tl.words];
+                pack_bytes(&codes[..padded], q.bits, &mut part[off * wpt..(off + 1) * wpt]);
             }
         }
     }
@@ -293,11 +370,6 @@ fn scalar_at(src: Src, i: usize, dtype: Dtype) -> f32 {
         Src::Bits(b) => quant::from_bits_16(b[i], dtype),
         Src::Stored(f) => f[i],
     }
-}
-
-#[inline(always)]
-fn exact_lo_hi(values: impl Iterator<Item = f32>) -> (f32, f32) {
-    quant::group_lo_hi(values)
 }
 
 /// Same as the cache's `write_param` (f16 halves share a word).
@@ -317,11 +389,7 @@ fn write_param(words: &mut [u32], i: usize, x: f32, dtype: ScaleDtype) {
 /// word, the lower half first, or one f32 per word.
 #[inline(always)]
 fn store_row_words<L: Lanes>(src: Src, dtype: Dtype, words: &mut [u32]) {
-    let d = match src {
-        Src::Input(x) => x.len(),
-        Src::Bits(b) => b.len(),
-        Src::Stored(f) => f.len(),
-    };
+    let d = src.len();
     match dtype {
         Dtype::F32 => {
             for (i, w) in words.iter_mut().enumerate().take(d) {
@@ -426,22 +494,31 @@ unsafe fn inputs_ok_avx2(x: &[f32], dtype: Dtype, from: usize, limit: f32) -> bo
 
 #[inline(always)]
 fn inputs_ok_body<L: Lanes>(x: &[f32], dtype: Dtype, from: usize, limit: f32) -> bool {
-    let part = |x: &[f32], lim: f32| -> bool {
-        let mut c = 0;
-        // SAFETY: `c + N <= len`.
-        unsafe {
-            let mut ok = L::all_true();
-            while c + L::N <= x.len() {
-                ok = L::and_within(ok, Src::Input(x), c, dtype, lim);
-                c += L::N;
-            }
-            if !L::is_all_true(ok) {
-                return false;
-            }
+    within::<L>(&x[..from], dtype, f32::MAX) && within::<L>(&x[from..], dtype, limit)
+}
+
+/// No closures here: a closure does not inherit its function's target
+/// features, and the intrinsics would not be inlined into it.
+#[inline(always)]
+fn within<L: Lanes>(x: &[f32], dtype: Dtype, limit: f32) -> bool {
+    let mut c = 0;
+    // SAFETY: `c + N <= len`.
+    unsafe {
+        let mut ok = L::all_true();
+        while c + L::N <= x.len() {
+            ok = L::and_within(ok, Src::Input(x), c, dtype, limit);
+            c += L::N;
         }
-        x[c..].iter().all(|v| !v.is_nan() && quant::round_to_dtype(*v, dtype).abs() <= lim)
-    };
-    part(&x[..from], f32::MAX) && part(&x[from..], limit)
+        if !L::is_all_true(ok) {
+            return false;
+        }
+    }
+    for v in &x[c..] {
+        if v.is_nan() || quant::round_to_dtype(*v, dtype).abs() > limit {
+            return false;
+        }
+    }
+    true
 }
 
 /// Packs one row of byte codes (each `< 2^bits`, `out.len() * 32 / bits`
@@ -760,13 +837,6 @@ impl Avx2 {
         let r = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb);
         _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(0xffff_0000u32 as i32)))
     }
-    #[inline(always)]
-    unsafe fn hreduce(a: __m256, f: impl Fn(__m128, __m128) -> __m128) -> f32 {
-        let x = f(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
-        let x = f(x, _mm_movehl_ps(x, x));
-        let x = f(x, _mm_movehdup_ps(x));
-        _mm_cvtss_f32(x)
-    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -817,11 +887,15 @@ impl Lanes for Avx2 {
     }
     #[inline(always)]
     unsafe fn hmin(a: __m256) -> f32 {
-        Self::hreduce(a, |x, y| _mm_min_ps(x, y))
+        let x = _mm_min_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+        let x = _mm_min_ps(x, _mm_movehl_ps(x, x));
+        _mm_cvtss_f32(_mm_min_ps(x, _mm_movehdup_ps(x)))
     }
     #[inline(always)]
     unsafe fn hmax(a: __m256) -> f32 {
-        Self::hreduce(a, |x, y| _mm_max_ps(x, y))
+        let x = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+        let x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+        _mm_cvtss_f32(_mm_max_ps(x, _mm_movehdup_ps(x)))
     }
     #[inline(always)]
     unsafe fn sub(a: __m256, b: __m256) -> __m256 {
