@@ -31,6 +31,11 @@ pub struct WriteRow {
     pub append_tokens: usize,
     pub append_tokens_per_s: f64,
     pub append_gb_per_s: f64,
+    /// GB of input per CPU-second of the process (all threads, median):
+    /// on a shared machine what a write costs, not how long it waited
+    /// for a core.
+    pub extend_gb_per_cpu_s: f64,
+    pub append_gb_per_cpu_s: f64,
     /// The reference path's median time / this one's (extend, append).
     pub extend_speedup: f64,
     pub append_speedup: f64,
@@ -50,9 +55,12 @@ pub struct WriteReport {
 /// Medians of `reps` timed runs (after one warm-up) of extend and append
 /// for one cache, each on a fresh sequence of a pool whose pages are
 /// already touched (a cache in service reuses its blocks).
+#[derive(Default)]
 struct Timing {
     extend_ms: Vec<f64>,
     append_ms: Vec<f64>,
+    extend_cpu_ms: Vec<f64>,
+    append_cpu_ms: Vec<f64>,
 }
 
 fn time_once(cache: &mut PagedCache, k: &[f32], v: &[f32], row: usize, appends: usize, t: &mut Timing) -> Result<(), String> {
@@ -60,17 +68,19 @@ fn time_once(cache: &mut PagedCache, k: &[f32], v: &[f32], row: usize, appends: 
         cache.free_sequence(id).map_err(|e| e.to_string())?;
     }
     let id = cache.add_sequence();
-    let t0 = Instant::now();
+    let (t0, c0) = (Instant::now(), super::process_cpu_ns());
     cache.extend(id, k, v).map_err(|e| e.to_string())?;
     t.extend_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+    t.extend_cpu_ms.push(super::process_cpu_ns().saturating_sub(c0) as f64 / 1e6);
     let id2 = cache.add_sequence();
-    let t0 = Instant::now();
+    let (t0, c0) = (Instant::now(), super::process_cpu_ns());
     for i in 0..appends {
         cache
             .append(id2, &k[i * row..(i + 1) * row], &v[i * row..(i + 1) * row])
             .map_err(|e| e.to_string())?;
     }
     t.append_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+    t.append_cpu_ms.push(super::process_cpu_ns().saturating_sub(c0) as f64 / 1e6);
     Ok(())
 }
 
@@ -90,7 +100,7 @@ pub fn run(
     let mut rows = Vec::new();
     let mut notes = vec![
         format!("median of {reps} reps after a warm-up; the vectorised and reference writes alternate rep by rep"),
-        "GB/s: f32 input consumed (keys and values, 2 x kv_heads x head_dim x 4 bytes a token) / time".into(),
+        "GB/s: f32 input consumed (keys and values, 2 x kv_heads x head_dim x 4 bytes a token) / wall time; GB/cpu: the same per CPU-second of all the process's threads (what a write costs on a shared machine)".into(),
         "extend: one call of all the tokens into an empty sequence; append: one token a call into another".into(),
     ];
     for &l in layouts {
@@ -112,34 +122,22 @@ pub fn run(
             let mut reference = PagedCache::new(s, config).map_err(|e| e.to_string())?;
             reference.set_write_isa(None);
             let path = fast.write_isa().map_or("reference", Isa::name).to_string();
-            let mut tf = Timing {
-                extend_ms: Vec::new(),
-                append_ms: Vec::new(),
-            };
-            let mut tr = Timing {
-                extend_ms: Vec::new(),
-                append_ms: Vec::new(),
-            };
+            let (mut tf, mut tr) = (Timing::default(), Timing::default());
             for rep in 0..=reps {
                 time_once(&mut fast, &k, &v, row, appends, &mut tf)?;
                 time_once(&mut reference, &k, &v, row, appends, &mut tr)?;
                 if rep == 0 {
                     // The warm-up: it touches the pool's pages.
-                    for t in [&mut tf, &mut tr] {
-                        t.extend_ms.clear();
-                        t.append_ms.clear();
-                    }
+                    (tf, tr) = (Timing::default(), Timing::default());
                 }
             }
             let med = |ms: &[f64]| Stats::of(ms).median_ms;
-            let (fe, fa, re, ra) = (
-                med(&tf.extend_ms),
-                med(&tf.append_ms),
-                med(&tr.extend_ms),
-                med(&tr.append_ms),
-            );
+            let (re, ra) = (med(&tr.extend_ms), med(&tr.append_ms));
             let bytes = (2 * row * 4) as f64;
-            let make = |path: String, e: f64, a: f64| WriteRow {
+            let make = |path: String, t: &Timing| {
+                let (e, a) = (med(&t.extend_ms), med(&t.append_ms));
+                let (ec, ac) = (med(&t.extend_cpu_ms), med(&t.append_cpu_ms));
+                WriteRow {
                 layout: l.name,
                 scheme: name.clone(),
                 path,
@@ -149,11 +147,14 @@ pub fn run(
                 append_tokens: appends,
                 append_tokens_per_s: appends as f64 / (a / 1e3),
                 append_gb_per_s: appends as f64 * bytes / (a / 1e3) / 1e9,
+                extend_gb_per_cpu_s: tokens as f64 * bytes / (ec / 1e3) / 1e9,
+                append_gb_per_cpu_s: appends as f64 * bytes / (ac / 1e3) / 1e9,
                 extend_speedup: re / e,
                 append_speedup: ra / a,
+                }
             };
-            rows.push(make(path, fe, fa));
-            rows.push(make("reference".into(), re, ra));
+            rows.push(make(path, &tf));
+            rows.push(make("reference".into(), &tr));
         }
     }
     Ok(WriteReport {
@@ -203,21 +204,23 @@ pub fn render(r: &WriteReport) -> String {
     let _ = writeln!(s, "cpu: {}, {} threads\n", r.cpu, r.threads);
     let _ = writeln!(
         s,
-        "{:<14} {:<10} {:<10} {:>14} {:>8} {:>8} {:>14} {:>8} {:>8}",
-        "layout", "scheme", "path", "extend tok/s", "GB/s", "x ref", "append tok/s", "GB/s", "x ref"
+        "{:<14} {:<10} {:<10} {:>13} {:>7} {:>7} {:>6} {:>13} {:>7} {:>7} {:>6}",
+        "layout", "scheme", "path", "extend tok/s", "GB/s", "GB/cpu", "x ref", "append tok/s", "GB/s", "GB/cpu", "x ref"
     );
     for w in &r.rows {
         let _ = writeln!(
             s,
-            "{:<14} {:<10} {:<10} {:>14.0} {:>8.3} {:>8.1} {:>14.0} {:>8.3} {:>8.1}",
+            "{:<14} {:<10} {:<10} {:>13.0} {:>7.3} {:>7.3} {:>6.1} {:>13.0} {:>7.3} {:>7.3} {:>6.1}",
             w.layout,
             w.scheme,
             w.path,
             w.extend_tokens_per_s,
             w.extend_gb_per_s,
+            w.extend_gb_per_cpu_s,
             w.extend_speedup,
             w.append_tokens_per_s,
             w.append_gb_per_s,
+            w.append_gb_per_cpu_s,
             w.append_speedup
         );
     }
