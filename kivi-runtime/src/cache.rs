@@ -661,7 +661,17 @@ impl PagedCache {
             if means[i].is_some() || new_tokens < n {
                 continue;
             }
-            means[i] = Some(center_means(self.scheme.dtype, sinks, seq, i, &inputs[i], old_tokens, n, h, d));
+            means[i] = Some(center_means(
+                self.scheme.dtype,
+                sinks,
+                seq,
+                i,
+                &inputs[i],
+                old_tokens,
+                n,
+                h,
+                d,
+            ));
         }
         for t in [Tensor::Key, Tensor::Value] {
             let i = ti(t);
@@ -902,7 +912,16 @@ fn write_blocks(l: &BlockLayout, pool: &mut [u32], table: &[u32], writes: &[Tens
         writes.iter().all(|w| {
             let first = w.range.start.max(b * bt);
             let end = w.range.end.min((b + 1) * bt);
-            first >= end || write::run(&w.plan, &w.rows, &mut write::Job { block, first, n: end - first })
+            first >= end
+                || write::run(
+                    &w.plan,
+                    &w.rows,
+                    &mut write::Job {
+                        block,
+                        first,
+                        n: end - first,
+                    },
+                )
         })
     };
     // Below this many values a thread hand-off costs more than it saves

@@ -141,7 +141,17 @@ pub fn sign_vector(seed: u32, d: usize) -> Vec<f32> {
 /// Butterflies in f64, one rounding to f32 at the end (so the result does
 /// not depend on how a caller batches rows).
 fn fwht(x: &mut [f32], block: usize) {
-    let mut buf = vec![0f64; block];
+    // On the stack (blocks are at most MAX_HEAD_DIM = 1024 channels): the
+    // cache rotates every token it quantizes, and a heap buffer per row was
+    // a measurable part of a write.
+    let mut stack = [0f64; 1024];
+    let mut heap = Vec::new();
+    let buf: &mut [f64] = if block <= stack.len() {
+        &mut stack[..block]
+    } else {
+        heap.resize(block, 0.0);
+        &mut heap
+    };
     let norm = 1.0 / (block as f64).sqrt();
     for chunk in x.chunks_mut(block) {
         for (b, v) in buf.iter_mut().zip(chunk.iter()) {
@@ -158,7 +168,7 @@ fn fwht(x: &mut [f32], block: usize) {
             }
             h *= 2;
         }
-        for (v, b) in chunk.iter_mut().zip(&buf) {
+        for (v, b) in chunk.iter_mut().zip(buf.iter()) {
             *v = (*b * norm) as f32;
         }
     }
@@ -205,6 +215,25 @@ pub fn channel_mean<'a>(rows: impl IntoIterator<Item = &'a [f32]>, d: usize, dty
 /// Channels of the `k` entries of largest magnitude in `row`, ascending.
 /// Ties go to the lower channel.
 pub fn top_k_abs(row: &[f32], k: usize) -> Vec<usize> {
+    // A few outliers per token (the presets keep 2 or 4): one pass that
+    // keeps the best `k` so far, best first, instead of sorting every
+    // channel. Same order, so the same channels: a larger magnitude first,
+    // and among equal ones the lower channel (met first, kept ahead).
+    if k <= 16 {
+        let mut best: Vec<(f32, usize)> = Vec::with_capacity(k + 1);
+        for (i, x) in row.iter().enumerate() {
+            let a = x.abs();
+            if best.len() == k && best.last().is_none_or(|w| a.total_cmp(&w.0) != std::cmp::Ordering::Greater) {
+                continue;
+            }
+            let at = best.partition_point(|b| b.0.total_cmp(&a) != std::cmp::Ordering::Less);
+            best.insert(at, (a, i));
+            best.truncate(k);
+        }
+        let mut idx: Vec<usize> = best.into_iter().map(|b| b.1).collect();
+        idx.sort_unstable();
+        return idx;
+    }
     let mut idx: Vec<usize> = (0..row.len()).collect();
     idx.sort_by(|&a, &b| row[b].abs().total_cmp(&row[a].abs()).then(a.cmp(&b)));
     idx.truncate(k);
@@ -476,6 +505,29 @@ mod tests {
         // an all-zero group decodes to zero
         let (pz, _, _) = quantize_group(&[0.0; 4], &q2, &mut c);
         assert_eq!(dequantize(c[0], pz, &q2), 0.0);
+    }
+
+    #[test]
+    fn top_k_selection_equals_the_sort() {
+        let mut seed = 0x51u32;
+        for n in [1usize, 2, 5, 31, 64, 256] {
+            for k in [0usize, 1, 2, 4, 16, 17] {
+                let row: Vec<f32> = (0..n)
+                    .map(|_| {
+                        seed ^= seed << 13;
+                        seed ^= seed >> 17;
+                        seed ^= seed << 5;
+                        // few distinct magnitudes and both zeros: many ties
+                        [0.0, -0.0, 1.0, -1.0, 2.5, -2.5, 0.25][(seed % 7) as usize]
+                    })
+                    .collect();
+                let mut idx: Vec<usize> = (0..n).collect();
+                idx.sort_by(|&a, &b| row[b].abs().total_cmp(&row[a].abs()).then(a.cmp(&b)));
+                idx.truncate(k);
+                idx.sort_unstable();
+                assert_eq!(top_k_abs(&row, k), idx, "n {n} k {k}");
+            }
+        }
     }
 
     #[test]

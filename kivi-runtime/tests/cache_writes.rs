@@ -146,14 +146,30 @@ fn fast_writes_equal_the_reference_bit_for_bit() {
 #[test]
 fn signed_zeros_ties_and_subnormals_match() {
     let specials = [
-        0.0f32, -0.0, 1e-9, -1e-9, 6e-8, -6e-8, 1.0 + 1.0 / 2048.0, 1.0 + 3.0 / 2048.0, 1.0 + 1.0 / 256.0,
-        -(1.0 + 1.0 / 256.0), 3e-39, -3e-39, 65504.0, -65519.0, 0.5, -0.25,
+        0.0f32,
+        -0.0,
+        1e-9,
+        -1e-9,
+        6e-8,
+        -6e-8,
+        1.0 + 1.0 / 2048.0,
+        1.0 + 3.0 / 2048.0,
+        1.0 + 1.0 / 256.0,
+        -(1.0 + 1.0 / 256.0),
+        3e-39,
+        -3e-39,
+        65504.0,
+        -65519.0,
+        0.5,
+        -0.25,
     ];
     let mut rng = Rng(0x2e60);
     for s in all_schemes() {
         for dtype in [Dtype::F16, Dtype::Bf16, Dtype::F32] {
             let s = Scheme { dtype, ..s.clone() };
-            let Ok(s) = s.with_shape(Heads::Gqa { q: 4, kv: 2 }, 64) else { continue };
+            let Ok(s) = s.with_shape(Heads::Gqa { q: 4, kv: 2 }, 64) else {
+                continue;
+            };
             let n = 97;
             let row = 128;
             let mut k = vec![0f32; n * row];
@@ -197,7 +213,12 @@ fn signed_zeros_ties_and_subnormals_match() {
                     }
                     state(&a, id)
                 };
-                assert!(append(Some(isa)) == append(None), "append {} {dtype:?} {}", s.name, isa.name());
+                assert!(
+                    append(Some(isa)) == append(None),
+                    "append {} {dtype:?} {}",
+                    s.name,
+                    isa.name()
+                );
             }
         }
     }
@@ -209,7 +230,16 @@ fn signed_zeros_ties_and_subnormals_match() {
 #[test]
 fn bad_input_same_error_nothing_changed() {
     let mut rng = Rng(0xbad);
-    let bad = [f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 65520.0, -1e6, 40000.0, 3e38];
+    let bad = [
+        f32::NAN,
+        -f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        65520.0,
+        -1e6,
+        40000.0,
+        3e38,
+    ];
     for s in all_schemes() {
         for (heads, d) in [(Heads::Mha(2), 64), (Heads::Mqa(4), 256)] {
             let Ok(s) = s.with_shape(heads, d) else { continue };

@@ -63,7 +63,14 @@ struct Timing {
     append_cpu_ms: Vec<f64>,
 }
 
-fn time_once(cache: &mut PagedCache, k: &[f32], v: &[f32], row: usize, appends: usize, t: &mut Timing) -> Result<(), String> {
+fn time_once(
+    cache: &mut PagedCache,
+    k: &[f32],
+    v: &[f32],
+    row: usize,
+    appends: usize,
+    t: &mut Timing,
+) -> Result<(), String> {
     for id in cache.sequences() {
         cache.free_sequence(id).map_err(|e| e.to_string())?;
     }
@@ -71,7 +78,8 @@ fn time_once(cache: &mut PagedCache, k: &[f32], v: &[f32], row: usize, appends: 
     let (t0, c0) = (Instant::now(), super::process_cpu_ns());
     cache.extend(id, k, v).map_err(|e| e.to_string())?;
     t.extend_ms.push(t0.elapsed().as_secs_f64() * 1e3);
-    t.extend_cpu_ms.push(super::process_cpu_ns().saturating_sub(c0) as f64 / 1e6);
+    t.extend_cpu_ms
+        .push(super::process_cpu_ns().saturating_sub(c0) as f64 / 1e6);
     let id2 = cache.add_sequence();
     let (t0, c0) = (Instant::now(), super::process_cpu_ns());
     for i in 0..appends {
@@ -80,7 +88,8 @@ fn time_once(cache: &mut PagedCache, k: &[f32], v: &[f32], row: usize, appends: 
             .map_err(|e| e.to_string())?;
     }
     t.append_ms.push(t0.elapsed().as_secs_f64() * 1e3);
-    t.append_cpu_ms.push(super::process_cpu_ns().saturating_sub(c0) as f64 / 1e6);
+    t.append_cpu_ms
+        .push(super::process_cpu_ns().saturating_sub(c0) as f64 / 1e6);
     Ok(())
 }
 
@@ -138,19 +147,19 @@ pub fn run(
                 let (e, a) = (med(&t.extend_ms), med(&t.append_ms));
                 let (ec, ac) = (med(&t.extend_cpu_ms), med(&t.append_cpu_ms));
                 WriteRow {
-                layout: l.name,
-                scheme: name.clone(),
-                path,
-                extend_tokens: tokens,
-                extend_tokens_per_s: tokens as f64 / (e / 1e3),
-                extend_gb_per_s: tokens as f64 * bytes / (e / 1e3) / 1e9,
-                append_tokens: appends,
-                append_tokens_per_s: appends as f64 / (a / 1e3),
-                append_gb_per_s: appends as f64 * bytes / (a / 1e3) / 1e9,
-                extend_gb_per_cpu_s: tokens as f64 * bytes / (ec / 1e3) / 1e9,
-                append_gb_per_cpu_s: appends as f64 * bytes / (ac / 1e3) / 1e9,
-                extend_speedup: re / e,
-                append_speedup: ra / a,
+                    layout: l.name,
+                    scheme: name.clone(),
+                    path,
+                    extend_tokens: tokens,
+                    extend_tokens_per_s: tokens as f64 / (e / 1e3),
+                    extend_gb_per_s: tokens as f64 * bytes / (e / 1e3) / 1e9,
+                    append_tokens: appends,
+                    append_tokens_per_s: appends as f64 / (a / 1e3),
+                    append_gb_per_s: appends as f64 * bytes / (a / 1e3) / 1e9,
+                    extend_gb_per_cpu_s: tokens as f64 * bytes / (ec / 1e3) / 1e9,
+                    append_gb_per_cpu_s: appends as f64 * bytes / (ac / 1e3) / 1e9,
+                    extend_speedup: re / e,
+                    append_speedup: ra / a,
                 }
             };
             rows.push(make(path, &tf));
@@ -205,7 +214,17 @@ pub fn render(r: &WriteReport) -> String {
     let _ = writeln!(
         s,
         "{:<14} {:<10} {:<10} {:>13} {:>7} {:>7} {:>6} {:>13} {:>7} {:>7} {:>6}",
-        "layout", "scheme", "path", "extend tok/s", "GB/s", "GB/cpu", "x ref", "append tok/s", "GB/s", "GB/cpu", "x ref"
+        "layout",
+        "scheme",
+        "path",
+        "extend tok/s",
+        "GB/s",
+        "GB/cpu",
+        "x ref",
+        "append tok/s",
+        "GB/s",
+        "GB/cpu",
+        "x ref"
     );
     for w in &r.rows {
         let _ = writeln!(
@@ -247,7 +266,10 @@ mod tests {
         // codec2 binds only to head_dim 256: skipped with a note
         assert_eq!(r.rows.len(), 4);
         assert!(r.notes.iter().any(|n| n.contains("codec2")));
-        assert!(r.rows.iter().all(|w| w.extend_tokens_per_s > 0.0 && w.append_gb_per_s > 0.0));
+        assert!(r
+            .rows
+            .iter()
+            .all(|w| w.extend_tokens_per_s > 0.0 && w.append_gb_per_s > 0.0));
         assert!(render(&r).contains("append tok/s"));
     }
 }

@@ -277,7 +277,14 @@ fn token_row<L: Lanes>(plan: &Plan, q: &Quant, src: Src, off: usize, part: &mut 
 /// token in turn: a pass for `lo`/`hi` per (head, channel), the parameters,
 /// then a pass that encodes and packs each row. `scratch`: `2 x Hkv x D`.
 #[inline(always)]
-fn channel_groups<L: Lanes>(plan: &Plan, q: &Quant, rows: &Rows, job: &mut Job, scratch: &mut [f32], codes: &mut [u8]) -> bool {
+fn channel_groups<L: Lanes>(
+    plan: &Plan,
+    q: &Quant,
+    rows: &Rows,
+    job: &mut Job,
+    scratch: &mut [f32],
+    codes: &mut [u8],
+) -> bool {
     let tl = plan.tl;
     let (h, d) = (rows.heads, rows.d);
     let g = q.group as usize;
@@ -315,8 +322,7 @@ fn channel_groups<L: Lanes>(plan: &Plan, q: &Quant, rows: &Rows, job: &mut Job, 
             // rule's (rare: redone lane by lane).
             for c in 0..d {
                 if lo[c] == 0.0 || hi[c] == 0.0 {
-                    (lo[c], hi[c]) =
-                        quant::group_lo_hi((0..g).map(|k| scalar_at(rows.row(j0 + k, hh), c, plan.dtype)));
+                    (lo[c], hi[c]) = quant::group_lo_hi((0..g).map(|k| scalar_at(rows.row(j0 + k, hh), c, plan.dtype)));
                 }
             }
             for c in (0..d).step_by(L::N) {
