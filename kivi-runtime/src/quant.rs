@@ -223,7 +223,11 @@ pub fn top_k_abs(row: &[f32], k: usize) -> Vec<usize> {
         let mut best: Vec<(f32, usize)> = Vec::with_capacity(k + 1);
         for (i, x) in row.iter().enumerate() {
             let a = x.abs();
-            if best.len() == k && best.last().is_none_or(|w| a.total_cmp(&w.0) != std::cmp::Ordering::Greater) {
+            if best.len() == k
+                && best
+                    .last()
+                    .is_none_or(|w| a.total_cmp(&w.0) != std::cmp::Ordering::Greater)
+            {
                 continue;
             }
             let at = best.partition_point(|b| b.0.total_cmp(&a) != std::cmp::Ordering::Less);
