@@ -141,13 +141,50 @@ pub fn sign_vector(seed: u32, d: usize) -> Vec<f32> {
 /// Butterflies in f64, one rounding to f32 at the end (so the result does
 /// not depend on how a caller batches rows).
 fn fwht(x: &mut [f32], block: usize) {
+    // The same body compiled three times: LLVM vectorises the butterflies
+    // under AVX-512 or AVX2, and an f64 add or subtract is the same IEEE
+    // operation in a vector lane as in a scalar register, so every build
+    // gives the same bits (the sums are not reordered).
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f") {
+            // SAFETY: the feature was just detected.
+            return unsafe { fwht_avx512(x, block) };
+        }
+        if is_x86_feature_detected!("avx2") {
+            // SAFETY: as above.
+            return unsafe { fwht_avx2(x, block) };
+        }
+    }
+    fwht_body(x, block)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn fwht_avx512(x: &mut [f32], block: usize) {
+    fwht_body(x, block)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn fwht_avx2(x: &mut [f32], block: usize) {
+    fwht_body(x, block)
+}
+
+#[inline(always)]
+fn fwht_body(x: &mut [f32], block: usize) {
     // On the stack (blocks are at most MAX_HEAD_DIM = 1024 channels): the
     // cache rotates every token it quantizes, and a heap buffer per row was
-    // a measurable part of a write.
-    let mut stack = [0f64; 1024];
+    // a measurable part of a write. The common blocks (up to 256) zero a
+    // quarter of it.
+    let mut small = [0f64; 256];
+    let mut big;
     let mut heap = Vec::new();
-    let buf: &mut [f64] = if block <= stack.len() {
-        &mut stack[..block]
+    let buf: &mut [f64] = if block <= small.len() {
+        &mut small[..block]
+    } else if block <= 1024 {
+        big = [0f64; 1024];
+        &mut big[..block]
     } else {
         heap.resize(block, 0.0);
         &mut heap
@@ -160,10 +197,11 @@ fn fwht(x: &mut [f32], block: usize) {
         let mut h = 1;
         while h < block {
             for i in (0..block).step_by(2 * h) {
-                for j in i..i + h {
-                    let (a, b) = (buf[j], buf[j + h]);
-                    buf[j] = a + b;
-                    buf[j + h] = a - b;
+                let (lo, hi) = buf[i..i + 2 * h].split_at_mut(h);
+                for (a, b) in lo.iter_mut().zip(hi.iter_mut()) {
+                    let (x, y) = (*a, *b);
+                    *a = x + y;
+                    *b = x - y;
                 }
             }
             h *= 2;
@@ -267,8 +305,21 @@ pub fn lloyd_group(values: &[f32], q: &Quant, codes: &mut [u32]) -> f32 {
     let levels = kivi_spec::lloyd_max_levels(q.bits).expect("validated: lloyd_max bits have a table");
     let ss: f64 = values.iter().map(|x| (*x as f64) * (*x as f64)).sum();
     let rms = round_to_scale((ss / values.len() as f64).sqrt() as f32, q.scale);
+    // The decision thresholds of `lloyd_encode`, computed once per group
+    // rather than once per value (the same f32 operations, so the same codes).
+    // (Tables have at most 16 levels: Lloyd–Max codes are 1 to 4 bits.)
+    let mut thresholds = [0f32; 15];
+    let nt = levels.len().saturating_sub(1);
+    for (t, w) in thresholds.iter_mut().zip(levels.windows(2)) {
+        *t = (w[0] + w[1]) * 0.5;
+    }
     for (c, x) in codes.iter_mut().zip(values) {
-        *c = lloyd_encode(if rms == 0.0 { 0.0 } else { x / rms }, levels);
+        let y = if rms == 0.0 { 0.0 } else { x / rms };
+        *c = if nt <= thresholds.len() {
+            thresholds[..nt].iter().filter(|t| y > **t).count() as u32
+        } else {
+            lloyd_encode(y, levels)
+        };
     }
     match norm {
         Norm::Rms => rms,
@@ -509,6 +560,25 @@ mod tests {
         // an all-zero group decodes to zero
         let (pz, _, _) = quantize_group(&[0.0; 4], &q2, &mut c);
         assert_eq!(dequantize(c[0], pz, &q2), 0.0);
+    }
+
+    #[test]
+    fn hadamard_bits_do_not_depend_on_the_instruction_set() {
+        let mut seed = 0x77u32;
+        for block in [2usize, 8, 64, 256, 512, 1024] {
+            let x: Vec<f32> = (0..2 * block)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 17;
+                    seed ^= seed << 5;
+                    f32::from_bits(0x3000_0000 + seed % 0x1800_0000) * if seed & 1 == 0 { 1.0 } else { -1.0 }
+                })
+                .collect();
+            let (mut a, mut b) = (x.clone(), x.clone());
+            fwht(&mut a, block);
+            fwht_body(&mut b, block);
+            assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()), "block {block}");
+        }
     }
 
     #[test]
