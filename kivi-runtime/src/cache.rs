@@ -523,7 +523,7 @@ impl PagedCache {
                     }
                 };
                 let means = new_means[i].as_deref().or(seq.means[i].as_deref());
-                let r = quantize_range(
+                let r = quantize_blocks(
                     scheme,
                     layout,
                     t,
@@ -890,6 +890,10 @@ impl PoolPtr {
     }
 }
 
+/// Below this many values a thread hand-off costs more than it saves (an
+/// append writes one token, or one channel group every G tokens).
+const PARALLEL_VALUES: usize = 1 << 15;
+
 /// One tensor's share of a vectorised write: relative tokens `range`.
 struct TensorWrite<'a> {
     range: std::ops::Range<usize>,
@@ -924,9 +928,6 @@ fn write_blocks(l: &BlockLayout, pool: &mut [u32], table: &[u32], writes: &[Tens
                 )
         })
     };
-    // Below this many values a thread hand-off costs more than it saves
-    // (an append writes one token, or one channel group every G tokens).
-    const PARALLEL_VALUES: usize = 1 << 15;
     let values: usize = writes.iter().map(|w| w.range.len()).sum::<usize>() * l.shape.kv_heads * l.shape.head_dim;
     if values < PARALLEL_VALUES || hi - lo < 2 {
         return (lo..hi).all(|b| {
@@ -951,6 +952,59 @@ fn write_blocks(l: &BlockLayout, pool: &mut [u32], table: &[u32], writes: &[Tens
 fn part_mut<'a>(l: &BlockLayout, pool: &'a mut [u32], block: u32, h: usize, t: Tensor) -> &'a mut [u32] {
     let start = block as usize * l.block_words + l.tensor_offset(h, t);
     &mut pool[start..start + l.tensor(t).words]
+}
+
+/// [`quantize_range`] block by block, blocks in parallel when there are
+/// enough values to pay for it. Each block is handed over as a pool of its
+/// own (table `[0]`, tokens shifted to it, `sinks` shifted alike so that an
+/// error names the true token); the first error in token order wins, as
+/// in one sequential pass.
+#[allow(clippy::too_many_arguments)]
+fn quantize_blocks(
+    s: &Scheme,
+    l: &BlockLayout,
+    t: Tensor,
+    pool: &mut [u32],
+    table: &[u32],
+    range: std::ops::Range<usize>,
+    sinks: usize,
+    src: &(dyn Fn(usize, usize, &mut [f32]) + Sync),
+    codec: Option<&TensorCodec>,
+    means: Option<&[f32]>,
+) -> Result<()> {
+    use rayon::prelude::*;
+    let (bt, bw) = (l.block_tokens, l.block_words);
+    let blocks = range.start / bt..range.end.div_ceil(bt);
+    let values = range.len() * l.shape.kv_heads * l.shape.head_dim;
+    if values < PARALLEL_VALUES || blocks.len() < 2 || blocks.clone().any(|b| (table[b] as usize + 1) * bw > pool.len())
+    {
+        return quantize_range(s, l, t, pool, table, range, sinks, src, codec, means);
+    }
+    let base = PoolPtr(pool.as_mut_ptr(), pool.len());
+    let results: Vec<Result<()>> = blocks
+        .into_par_iter()
+        .map(|b| {
+            let (first, end) = (range.start.max(b * bt), range.end.min((b + 1) * bt));
+            let shift = b * bt;
+            // SAFETY: in bounds (checked above) and disjoint from every
+            // other job's block (`PoolPtr`); `pool` is borrowed mutably.
+            let block = unsafe { base.part(table[b] as usize * bw, bw) };
+            let local = |j: usize, hh: usize, out: &mut [f32]| src(j + shift, hh, out);
+            quantize_range(
+                s,
+                l,
+                t,
+                block,
+                &[0],
+                first - shift..end - shift,
+                sinks + shift,
+                &local,
+                codec,
+                means,
+            )
+        })
+        .collect();
+    results.into_iter().collect()
 }
 
 /// Quantizes relative tokens `range` of tensor `t` into the blocks of `table`,

@@ -577,7 +577,10 @@ mod tests {
             let (mut a, mut b) = (x.clone(), x.clone());
             fwht(&mut a, block);
             fwht_body(&mut b, block);
-            assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()), "block {block}");
+            assert!(
+                a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()),
+                "block {block}"
+            );
         }
     }
 
