@@ -251,8 +251,8 @@ fn token_row<L: Lanes>(plan: &Plan, q: &Quant, src: Src, off: usize, part: &mut 
                 (lo, hi) = quant::group_lo_hi((c0..c0 + g).map(|i| scalar_at(src, i, plan.dtype)));
             }
             let p = quant::GroupParams {
-                scale: quant::round_to_scale((hi - lo) / maxc, q.scale),
-                zero: quant::round_to_scale(lo, q.scale),
+                scale: round_scale1::<L>((hi - lo) / maxc, q.scale),
+                zero: round_scale1::<L>(lo, q.scale),
             };
             if !p.is_finite() {
                 return false;
@@ -266,8 +266,8 @@ fn token_row<L: Lanes>(plan: &Plan, q: &Quant, src: Src, off: usize, part: &mut 
             p
         };
         let i = tl.param_index(off, c0);
-        write_param(&mut part[tl.scales_offset..], i, p.scale, q.scale);
-        write_param(&mut part[tl.zeros_offset..], i, p.zero, q.scale);
+        write_param::<L>(&mut part[tl.scales_offset..], i, p.scale, q.scale);
+        write_param::<L>(&mut part[tl.zeros_offset..], i, p.zero, q.scale);
     }
     true
 }
@@ -342,8 +342,8 @@ fn channel_groups<L: Lanes>(
             let part = &mut job.block[hh * plan.head_words + plan.offset..][..tl.words];
             for c in 0..d {
                 let i = tl.param_index(off0, c);
-                write_param(&mut part[tl.scales_offset..], i, lo[c], q.scale);
-                write_param(&mut part[tl.zeros_offset..], i, hi[c], q.scale);
+                write_param::<L>(&mut part[tl.scales_offset..], i, lo[c], q.scale);
+                write_param::<L>(&mut part[tl.zeros_offset..], i, hi[c], q.scale);
             }
         }
         for k in 0..g {
@@ -378,13 +378,24 @@ fn scalar_at(src: Src, i: usize, dtype: Dtype) -> f32 {
     }
 }
 
+/// `quant::round_to_scale` of one value.
+#[inline(always)]
+fn round_scale1<L: Lanes>(x: f32, dtype: ScaleDtype) -> f32 {
+    match dtype {
+        // SAFETY: the caller runs under `L`'s instruction set.
+        ScaleDtype::F16 => unsafe { L::f16_round(x) },
+        ScaleDtype::F32 => x,
+    }
+}
+
 /// Same as the cache's `write_param` (f16 halves share a word).
 #[inline(always)]
-fn write_param(words: &mut [u32], i: usize, x: f32, dtype: ScaleDtype) {
+fn write_param<L: Lanes>(words: &mut [u32], i: usize, x: f32, dtype: ScaleDtype) {
     match dtype {
         ScaleDtype::F16 => {
             let shift = 16 * (i % 2);
-            let b = half::f16::from_f32(x).to_bits() as u32;
+            // SAFETY: the caller runs under `L`'s instruction set.
+            let b = unsafe { L::f16_bits(x) } as u32;
             words[i / 2] = (words[i / 2] & !(0xffff << shift)) | (b << shift);
         }
         ScaleDtype::F32 => words[i] = x.to_bits(),
@@ -411,7 +422,7 @@ fn store_row_words<L: Lanes>(src: Src, dtype: Dtype, words: &mut [u32]) {
                 while c + L::N <= d && c + L::N <= 2 * words.len() {
                     // SAFETY: `c + N <= d` values in the row and `c + N`
                     // halves in `words`.
-                    unsafe { L::store16(L::load(src, c, dtype), halves.add(c), dtype) };
+                    unsafe { L::store16(load_for_store16::<L>(src, c, dtype), halves.add(c), dtype) };
                     c += L::N;
                 }
             }
@@ -427,6 +438,20 @@ fn store_row_words<L: Lanes>(src: Src, dtype: Dtype, words: &mut [u32]) {
                 words[d / 2] &= 0xffff;
             }
         }
+    }
+}
+
+/// Values `i..i + N` of `src` for [`Lanes::store16`]: f16 stores round
+/// f32 input themselves (rounding twice gives the same bits), so the input
+/// goes in as it is; other dtypes are rounded first.
+///
+/// # Safety
+/// As [`Lanes::load`].
+#[inline(always)]
+unsafe fn load_for_store16<L: Lanes>(src: Src, i: usize, dtype: Dtype) -> L::F {
+    match (src, dtype) {
+        (Src::Input(x), Dtype::F16) => L::load_f32(x.as_ptr().add(i)),
+        _ => L::load(src, i, dtype),
     }
 }
 
@@ -462,7 +487,13 @@ fn round_into_bits_body<L: Lanes>(src: &[f32], dst: &mut [u16], dtype: Dtype) {
     let mut c = 0;
     while c + L::N <= n {
         // SAFETY: `c + N <= n` on both sides.
-        unsafe { L::store16(L::load(Src::Input(src), c, dtype), dst.as_mut_ptr().add(c), dtype) };
+        unsafe {
+            L::store16(
+                load_for_store16::<L>(Src::Input(src), c, dtype),
+                dst.as_mut_ptr().add(c),
+                dtype,
+            )
+        };
         c += L::N;
     }
     for i in c..n {
@@ -603,6 +634,12 @@ trait Lanes {
     /// Rounded to the scale dtype.
     unsafe fn round_scale(x: Self::F, dtype: ScaleDtype) -> Self::F;
     unsafe fn all_finite(x: Self::F) -> bool;
+    /// One value rounded to f16 and widened back, and its f16 bits
+    /// (`half`'s conversions, inline: a group's parameters are converted
+    /// once or twice per group, and the library call was a quarter of a
+    /// write's time).
+    unsafe fn f16_round(x: f32) -> f32;
+    unsafe fn f16_bits(x: f32) -> u16;
     /// `encode` of every lane, one code a byte at `out`.
     unsafe fn encode(x: Self::F, zero: Self::F, scale: Self::F, max_code: f32, out: *mut u8);
     /// 16-bit storage of values already representable in `dtype`.
@@ -668,6 +705,14 @@ impl Lanes for Scalar {
     #[inline(always)]
     unsafe fn all_finite(x: f32) -> bool {
         x.is_finite()
+    }
+    #[inline(always)]
+    unsafe fn f16_round(x: f32) -> f32 {
+        half::f16::from_f32(x).to_f32()
+    }
+    #[inline(always)]
+    unsafe fn f16_bits(x: f32) -> u16 {
+        half::f16::from_f32(x).to_bits()
     }
     #[inline(always)]
     unsafe fn encode(x: f32, zero: f32, scale: f32, max_code: f32, out: *mut u8) {
@@ -787,6 +832,14 @@ impl Lanes for Avx512 {
             ScaleDtype::F16 => _mm512_cvtph_ps(_mm512_cvtps_ph::<HALF>(x)),
             ScaleDtype::F32 => x,
         }
+    }
+    #[inline(always)]
+    unsafe fn f16_round(x: f32) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph::<HALF>(_mm_set_ss(x))))
+    }
+    #[inline(always)]
+    unsafe fn f16_bits(x: f32) -> u16 {
+        _mm_extract_epi16::<0>(_mm_cvtps_ph::<HALF>(_mm_set_ss(x))) as u16
     }
     #[inline(always)]
     unsafe fn all_finite(x: __m512) -> bool {
@@ -917,6 +970,14 @@ impl Lanes for Avx2 {
             ScaleDtype::F16 => _mm256_cvtph_ps(_mm256_cvtps_ph::<HALF>(x)),
             ScaleDtype::F32 => x,
         }
+    }
+    #[inline(always)]
+    unsafe fn f16_round(x: f32) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph::<HALF>(_mm_set_ss(x))))
+    }
+    #[inline(always)]
+    unsafe fn f16_bits(x: f32) -> u16 {
+        _mm_extract_epi16::<0>(_mm_cvtps_ph::<HALF>(_mm_set_ss(x))) as u16
     }
     #[inline(always)]
     unsafe fn all_finite(x: __m256) -> bool {
