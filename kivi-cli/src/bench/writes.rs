@@ -122,6 +122,7 @@ pub fn run(
     schemes: &[String],
     tokens: usize,
     reps: usize,
+    isa: Isa,
     command: String,
     progress: &mut dyn FnMut(&str),
 ) -> Result<WriteReport, String> {
@@ -152,6 +153,8 @@ pub fn run(
             let mut fast = PagedCache::new(s.clone(), config).map_err(|e| e.to_string())?;
             let mut reference = PagedCache::new(s, config).map_err(|e| e.to_string())?;
             reference.set_write_isa(None);
+            // `--no-avx512` / `--scalar` cap the vectorised writes too.
+            fast.set_write_isa(Some(isa));
             let path = fast.write_isa().map_or("reference", Isa::name).to_string();
             let (mut tf, mut tr) = (Timing::default(), Timing::default());
             for rep in 0..=reps {
@@ -199,12 +202,14 @@ pub fn run(
 }
 
 /// `kivi bench --writes`: every preset unless `schemes` names some;
-/// `tokens` per extend (`--prefill-tokens`), `reps` (default 5).
+/// `tokens` per extend (`--prefill-tokens`), `reps` (default 5), the
+/// vectorised writes capped at `isa` (`--no-avx512`, `--scalar`).
 pub fn main(
     layouts: &[Layout],
     schemes: Vec<String>,
     tokens: usize,
     reps: Option<usize>,
+    isa: Isa,
     json: bool,
     out: Option<&std::path::Path>,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -215,7 +220,7 @@ pub fn main(
         schemes
     };
     let mut log = |m: &str| eprintln!("kivi bench: {m}");
-    let report = run(layouts, &schemes, tokens, reps.unwrap_or(5), command, &mut log)?;
+    let report = run(layouts, &schemes, tokens, reps.unwrap_or(5), isa, command, &mut log)?;
     let text = serde_json::to_string_pretty(&report)?;
     if let Some(path) = out {
         std::fs::write(path, &text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
@@ -284,7 +289,7 @@ mod tests {
             head_dim: 32,
         };
         let schemes = vec!["kivi2".to_string(), "f16".to_string(), "codec2".to_string()];
-        let r = run(&[l], &schemes, 200, 1, "test".into(), &mut |_| {}).unwrap();
+        let r = run(&[l], &schemes, 200, 1, Isa::Avx512, "test".into(), &mut |_| {}).unwrap();
         // codec2 binds only to head_dim 256: skipped with a note
         assert_eq!(r.rows.len(), 4);
         assert!(r.notes.iter().any(|n| n.contains("codec2")));

@@ -119,7 +119,13 @@ pub fn run(a: Args) -> super::Result {
         return Err("contexts and batches must be positive".into());
     }
     if a.writes {
-        return crate::bench::writes::main(&layouts, a.schemes, a.prefill_tokens, a.reps, a.json, a.out.as_deref());
+        let isa = match (a.scalar, a.no_avx512) {
+            (true, _) => kivi_runtime::cpu::Isa::Scalar,
+            (false, true) => kivi_runtime::cpu::Isa::Avx2,
+            _ => kivi_runtime::cpu::Isa::Avx512,
+        };
+        let out = a.out.as_deref();
+        return crate::bench::writes::main(&layouts, a.schemes, a.prefill_tokens, a.reps, isa, a.json, out);
     }
     let params = CpuParams {
         splits: a.splits,
