@@ -3,15 +3,126 @@
 
 use crate::cache::{PagedCache, SeqId};
 use crate::error::{Error, Result};
-use crate::reference::{self, AttnParams};
+use crate::reference::{self, round_inputs, AttnParams};
 use kivi_spec::Tensor;
 
-/// Decode attention for one query per sequence.
+/// Decode attention for one query per sequence, and attention for a causal
+/// block of new queries per sequence (chunked prefill, speculative
+/// verification).
 pub trait Backend: Sync {
     /// Short name (`reference`, `cpu`, `sim`, `cuda`).
     fn name(&self) -> &'static str;
     /// `q` is `[B, Hq, D]` for the `B` sequences in `seqs`; returns `[B, Hq, D]`.
     fn decode(&self, cache: &PagedCache, seqs: &[SeqId], q: &[f32], attn: AttnParams) -> Result<Vec<f32>>;
+
+    /// Appends each block's keys and values to its sequence and returns the
+    /// attention output of every new query, `[sum of n, Hq, D]` in the order
+    /// of `blocks`.
+    ///
+    /// A block behaves exactly like streaming: row `i` of a block is what
+    /// [`PagedCache::append`] of its `k_i, v_i` followed by [`Self::decode`]
+    /// of `q_i` gives (docs/semantics.md, "Many new queries"), so outputs and
+    /// cache do not depend on how a prompt is cut into blocks. A sequence may
+    /// appear more than once; its blocks go in the order given.
+    ///
+    /// Errors leave the cache unchanged; an error about one block comes as
+    /// [`Error::InSequence`] with its index in `blocks`. Backends that have
+    /// no such kernel yet (the generated device kernels) keep this default,
+    /// which refuses with [`Error::Unavailable`] and touches nothing.
+    ///
+    /// ```
+    /// use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, NewTokens, PagedCache};
+    /// use kivi_spec::{presets, Heads};
+    /// let s = presets::kivi2().with_shape(Heads::Gqa { q: 4, kv: 2 }, 32).unwrap();
+    /// let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(512)).unwrap();
+    /// let seq = cache.add_sequence();
+    /// let kv = |n: usize| -> Vec<f32> { (0..n * 2 * 32).map(|i| (i as f32 * 0.1).sin()).collect() };
+    /// cache.extend(seq, &kv(200), &kv(200)).unwrap();
+    /// // Seven new tokens: each query sees the cache and the new tokens up to its own.
+    /// let (k, v) = (kv(7), kv(7));
+    /// let q = vec![0.5f32; 7 * 4 * 32];
+    /// let attn = AttnParams::of(&s, s.shape().unwrap());
+    /// let out = CpuBackend::default()
+    ///     .attend_block(&mut cache, &[NewTokens { seq, q: &q, k: &k, v: &v }], attn)
+    ///     .unwrap();
+    /// assert_eq!((out.len(), cache.len(seq).unwrap()), (7 * 4 * 32, 207));
+    /// ```
+    fn attend_block(&self, cache: &mut PagedCache, blocks: &[NewTokens], attn: AttnParams) -> Result<Vec<f32>> {
+        let _ = (cache, blocks, attn);
+        Err(Error::Unavailable {
+            backend: self.name(),
+            reason: "many-query attention (attend_block) is not generated for this backend yet".into(),
+        })
+    }
+}
+
+/// One sequence's causal block of `n` new tokens for [`Backend::attend_block`].
+#[derive(Clone, Copy, Debug)]
+pub struct NewTokens<'a> {
+    pub seq: SeqId,
+    /// Queries, `[n, Hq, D]`: one per new token.
+    pub q: &'a [f32],
+    /// Keys and values of the new tokens, `[n, Hkv, D]`.
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+}
+
+/// Checks every block's shapes, sequence and queries (finite in the
+/// activation dtype) before anything is appended; returns each block's `n`.
+/// Keys and values are checked by the append itself.
+pub fn check_blocks(cache: &PagedCache, blocks: &[NewTokens]) -> Result<Vec<usize>> {
+    let shape = cache.shape();
+    let (qrow, kvrow) = (shape.q_heads * shape.head_dim, shape.kv_heads * shape.head_dim);
+    let mut past: Vec<(SeqId, usize)> = Vec::new();
+    let mut ns = Vec::with_capacity(blocks.len());
+    for (b, blk) in blocks.iter().enumerate() {
+        let in_seq = |e: Error| Error::InSequence {
+            seq: b,
+            source: Box::new(e),
+        };
+        let n = blk.k.len() / kvrow;
+        if blk.k.len() != n * kvrow || blk.v.len() != blk.k.len() || blk.q.len() != n * qrow {
+            return Err(in_seq(Error::Shape {
+                what: "block of new tokens",
+                expected: format!(
+                    "q = [n, {}, {}] and k, v = [n, {}, {}]",
+                    shape.q_heads, shape.head_dim, shape.kv_heads, shape.head_dim
+                ),
+                got: format!("{}, {} and {} values", blk.q.len(), blk.k.len(), blk.v.len()),
+            }));
+        }
+        // The position of each query, for the error message: after the
+        // sequence's tokens and its earlier blocks in this batch.
+        let at = match past.iter().position(|(s, _)| *s == blk.seq) {
+            Some(at) => at,
+            None => {
+                past.push((blk.seq, cache.len(blk.seq).map_err(in_seq)?));
+                past.len() - 1
+            }
+        };
+        let len = past[at].1;
+        round_inputs(cache.scheme(), "query", blk.q, shape.q_heads, shape.head_dim).map_err(|e| match e {
+            Error::NonFinite {
+                tensor,
+                value,
+                token,
+                head,
+                channel,
+                policy,
+            } => in_seq(Error::NonFinite {
+                tensor,
+                value,
+                token: token + len,
+                head,
+                channel,
+                policy,
+            }),
+            e => in_seq(e),
+        })?;
+        past[at].1 += n;
+        ns.push(n);
+    }
+    Ok(ns)
 }
 
 /// Checks `q` against the batch and returns the per-sequence query length.
@@ -61,5 +172,86 @@ impl Backend for ReferenceBackend {
             )?);
         }
         Ok(out)
+    }
+
+    /// By its definition on the cache's own views: for each block, the view
+    /// before it (whose rows past the stored tokens are the full-precision
+    /// window) and its rounded inputs give the full-precision rows, the
+    /// views after every append the stored ones; then
+    /// [`reference::block_attention_views`].
+    fn attend_block(&self, cache: &mut PagedCache, blocks: &[NewTokens], attn: AttnParams) -> Result<Vec<f32>> {
+        let ns = check_blocks(cache, blocks)?;
+        let mut checkpoints = Vec::with_capacity(blocks.len());
+        let mut kept = Vec::with_capacity(blocks.len());
+        for (b, blk) in blocks.iter().enumerate() {
+            let step = match cache.checkpoint(blk.seq) {
+                Ok(cp) => {
+                    checkpoints.push(cp);
+                    append_keeping_rows(cache, blk)
+                }
+                Err(e) => Err(e),
+            };
+            match step {
+                Ok(k) => kept.push(k),
+                Err(e) => {
+                    undo(cache, checkpoints);
+                    return Err(Error::InSequence {
+                        seq: b,
+                        source: Box::new(e),
+                    });
+                }
+            }
+        }
+        let mut out = Vec::new();
+        for ((blk, &n), (past, full)) in blocks.iter().zip(&ns).zip(&kept) {
+            let end = (past + n) * cache.shape().kv_heads * cache.shape().head_dim;
+            let attended = [Tensor::Key, Tensor::Value]
+                .map(|t| cache.dequantize(blk.seq, t))
+                .into_iter()
+                .collect::<Result<Vec<_>>>()
+                .and_then(|stored| {
+                    reference::block_attention_views(
+                        cache.scheme(),
+                        *past,
+                        blk.q,
+                        [&stored[0][..end], &stored[1][..end]],
+                        [&full[0], &full[1]],
+                        attn,
+                    )
+                });
+            match attended {
+                Ok(o) => out.extend(o),
+                Err(e) => {
+                    undo(cache, checkpoints);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Appends one block and returns the sequence's length before it and the
+/// full-precision rows of its tokens: the cache's view before the append
+/// (whose rows past the stored tokens are the window), then the block's
+/// inputs rounded to the activation dtype.
+fn append_keeping_rows(cache: &mut PagedCache, blk: &NewTokens) -> Result<(usize, [Vec<f32>; 2])> {
+    let shape = cache.shape();
+    let past = cache.len(blk.seq)?;
+    let mut full = [
+        cache.dequantize(blk.seq, Tensor::Key)?,
+        cache.dequantize(blk.seq, Tensor::Value)?,
+    ];
+    cache.extend(blk.seq, blk.k, blk.v)?;
+    for (f, (x, name)) in full.iter_mut().zip([(blk.k, "key"), (blk.v, "value")]) {
+        f.extend(round_inputs(cache.scheme(), name, x, shape.kv_heads, shape.head_dim)?);
+    }
+    Ok((past, full))
+}
+
+/// Restores checkpoints newest first (see [`PagedCache::restore`]).
+pub(crate) fn undo(cache: &mut PagedCache, checkpoints: Vec<crate::cache::Checkpoint>) {
+    for cp in checkpoints.into_iter().rev() {
+        cache.restore(cp);
     }
 }

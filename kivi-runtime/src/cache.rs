@@ -824,6 +824,36 @@ impl PagedCache {
     pub fn codec(&self, t: Tensor) -> Option<&TensorCodec> {
         self.codecs[ti(t)].as_ref()
     }
+
+    /// What [`Self::restore`] needs to undo later appends to sequence `id`:
+    /// a copy of its bookkeeping and sink and window rows, not of its blocks.
+    /// Many-query attention appends one block of tokens per sequence of a
+    /// batch and must leave the cache unchanged when a later one fails.
+    pub(crate) fn checkpoint(&self, id: SeqId) -> Result<Checkpoint> {
+        Ok(Checkpoint {
+            id,
+            seq: self.seq(id)?.clone(),
+        })
+    }
+
+    /// Undoes every append to the checkpoint's sequence since it was taken.
+    /// Enough because an append writes only blocks it takes from the free
+    /// list and token slots past a block's stored tokens, which no reader
+    /// looks at; the blocks it took go back in the order it took them, so
+    /// checkpoints restored newest first give back the free list exactly.
+    pub(crate) fn restore(&mut self, cp: Checkpoint) {
+        if let Some(seq) = self.seqs.get_mut(&cp.id) {
+            let taken = seq.table.get(cp.seq.table.len()..).unwrap_or(&[]);
+            self.free.extend(taken.iter().rev());
+            *seq = cp.seq;
+        }
+    }
+}
+
+/// A sequence's state before some appends ([`PagedCache::checkpoint`]).
+pub(crate) struct Checkpoint {
+    id: SeqId,
+    seq: Sequence,
 }
 
 /// The per-channel centering means of tensor `i` over the first `nc`

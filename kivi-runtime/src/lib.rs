@@ -5,7 +5,9 @@
 //! - [`quant`] — the quantization math (one copy on the host).
 //! - [`cache`] — the paged cache with exact memory accounting.
 //! - [`cpu`] — fused dequantize + decode attention on the CPU.
-//! - [`backend`] — the interface every backend implements.
+//! - [`backend`] — the interface every backend implements: decode (one
+//!   query per sequence) and [`Backend::attend_block`] (a causal block of
+//!   new queries: chunked prefill, speculative verification).
 //! - [`device`] — the device layer: the GPU path's host code, run on a GPU
 //!   ([`cuda`]) or on the simulated device ([`sim`]) alike.
 
@@ -19,7 +21,7 @@ pub mod quant;
 pub mod reference;
 pub mod sim;
 
-pub use backend::{Backend, ReferenceBackend};
+pub use backend::{Backend, NewTokens, ReferenceBackend};
 pub use cache::{CacheConfig, MemoryReport, PagedCache, RawRows, SeqId, SeqView};
 pub use cpu::{CpuBackend, CpuParams};
 pub use error::{Error, Result};

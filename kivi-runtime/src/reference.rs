@@ -256,3 +256,145 @@ pub fn attend(s: &Scheme, q: &[f32], k: &[f32], v: &[f32], params: AttnParams) -
     let vv = cache_view(s, Tensor::Value, v)?;
     decode_attention(s, q, &kv, &vv, params)
 }
+
+/// Tokens a cache of `tokens` tokens holds *stored* for tensor `t`: its
+/// sinks (exact) and its quantized tokens. The tokens after them are the
+/// full-precision window (docs/semantics.md, "Many new queries").
+///
+/// A stored token never changes afterwards (streaming ≡ prefill: the
+/// quantized groups, centering means and codebooks of a prefix are those of
+/// any longer sequence), and the count only grows with `tokens`.
+pub fn stored_tokens(s: &Scheme, t: Tensor, tokens: usize) -> usize {
+    let r = regions(s, t, tokens);
+    r.sinks + r.quantized
+}
+
+/// What the query at position `tokens - 1` of a block reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QueryView {
+    /// First token it attends to (the sliding window's start, else 0).
+    pub start: usize,
+    /// One past the last: the query's own token, `past + i + 1`.
+    pub end: usize,
+    /// Per tensor (key, value): tokens `start..stored[t]` come from the
+    /// cache as stored ([`stored_tokens`] at `end`); `stored[t]..end` at
+    /// full precision, rounded to the activation dtype.
+    pub stored: [usize; 2],
+}
+
+impl QueryView {
+    /// The view of the query whose token makes the sequence `tokens` long.
+    pub fn at(s: &Scheme, params: AttnParams, tokens: usize) -> QueryView {
+        QueryView {
+            start: params.window.map_or(0, |w| tokens.saturating_sub(w)),
+            end: tokens,
+            stored: [Tensor::Key, Tensor::Value].map(|t| stored_tokens(s, t, tokens).min(tokens)),
+        }
+    }
+}
+
+/// Many-query attention by its definition: streaming. `k`, `v` are a whole
+/// sequence (`[past + n, Hkv, D]`), `q` the queries of its last `n` tokens
+/// (`[n, Hq, D]`). Row `i` of the result (`[n, Hq, D]`) is
+/// [`attend`] over the first `past + i + 1` tokens — what appending token
+/// `past + i` and decoding its query gives. Quantizes the sequence `n`
+/// times: for tests of [`block_attention`], which gives the same bits.
+pub fn block_attention_streaming(
+    s: &Scheme,
+    past: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    params: AttnParams,
+) -> Result<Vec<f32>> {
+    let (n, qrow, kvrow) = block_dims(s, past, q, k, v)?;
+    let mut out = Vec::with_capacity(q.len());
+    for i in 0..n {
+        let t = past + i + 1;
+        out.extend(attend(
+            s,
+            &q[i * qrow..(i + 1) * qrow],
+            &k[..t * kvrow],
+            &v[..t * kvrow],
+            params,
+        )?);
+    }
+    Ok(out)
+}
+
+/// Many-query attention from one view of the whole sequence: the same
+/// numbers as [`block_attention_streaming`], bit for bit, because a stored
+/// token never changes ([`stored_tokens`]). Arguments and result as there.
+pub fn block_attention(
+    s: &Scheme,
+    past: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    params: AttnParams,
+) -> Result<Vec<f32>> {
+    let shape = shape_of(s)?;
+    let (h, d) = (shape.kv_heads, shape.head_dim);
+    block_dims(s, past, q, k, v)?;
+    let kf = cache_view(s, Tensor::Key, k)?;
+    let vf = cache_view(s, Tensor::Value, v)?;
+    let kr = round_inputs(s, "key", k, h, d)?;
+    let vr = round_inputs(s, "value", v, h, d)?;
+    block_attention_views(s, past, q, [&kf, &vf], [&kr, &vr], params)
+}
+
+/// The core of [`block_attention`], shared with the paged cache's
+/// reference backend: `stored` are the cache views of key and value after
+/// the block (`[past + n, Hkv, D]`), `full` the same tokens at full
+/// precision (rounded); only the rows of `full` past
+/// `stored_tokens(past)` are read. Query `i` sees, per tensor, `stored`
+/// before [`QueryView::stored`] and `full` from there to its own token.
+pub fn block_attention_views(
+    s: &Scheme,
+    past: usize,
+    q: &[f32],
+    stored: [&[f32]; 2],
+    full: [&[f32]; 2],
+    params: AttnParams,
+) -> Result<Vec<f32>> {
+    let (n, qrow, kvrow) = block_dims(s, past, q, stored[0], stored[1])?;
+    if full.iter().any(|f| f.len() != stored[0].len()) {
+        return Err(Error::Shape {
+            what: "full-precision rows",
+            expected: format!("{} values, like the stored view", stored[0].len()),
+            got: format!("{} and {}", full[0].len(), full[1].len()),
+        });
+    }
+    let mut out = Vec::with_capacity(q.len());
+    for i in 0..n {
+        let qv = QueryView::at(s, params, past + i + 1);
+        // This query's view of each tensor, up to its own token.
+        let [kv, vv] = [0, 1].map(|t| {
+            let mut x = stored[t][..qv.end * kvrow].to_vec();
+            x[qv.stored[t] * kvrow..].copy_from_slice(&full[t][qv.stored[t] * kvrow..qv.end * kvrow]);
+            x
+        });
+        out.extend(decode_attention(s, &q[i * qrow..(i + 1) * qrow], &kv, &vv, params)?);
+    }
+    Ok(out)
+}
+
+/// Checks a block's shapes: returns `n` and the values per query and per
+/// key row.
+fn block_dims(s: &Scheme, past: usize, q: &[f32], k: &[f32], v: &[f32]) -> Result<(usize, usize, usize)> {
+    let shape = shape_of(s)?;
+    let (qrow, kvrow) = (shape.q_heads * shape.head_dim, shape.kv_heads * shape.head_dim);
+    let tokens = k.len() / kvrow;
+    let n = q.len() / qrow;
+    if k.len() != v.len() || k.len() != tokens * kvrow || q.len() != n * qrow || tokens != past + n {
+        return Err(Error::Shape {
+            what: "block of queries",
+            expected: format!(
+                "q = [n, {}, {}] and k, v = [{past} + n, {}, {}]",
+                shape.q_heads, shape.head_dim, shape.kv_heads, shape.head_dim
+            ),
+            got: format!("{}, {} and {} values", q.len(), k.len(), v.len()),
+        });
+    }
+    Ok((n, qrow, kvrow))
+}

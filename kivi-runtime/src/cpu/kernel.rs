@@ -85,6 +85,13 @@ fn kind_of(codec: &Codec, t: Tensor, isa: Isa) -> Kind {
 
 impl Plan {
     pub fn new(cache: &PagedCache, isa: Isa, tile: usize) -> Plan {
+        Plan::for_heads(cache, isa, tile, cache.shape().group_size())
+    }
+
+    /// A plan whose tasks serve `heads` query heads per KV head instead of
+    /// the GQA group: many-query attention (`block.rs`) passes the groups
+    /// of several queries as one, so that each tile is read once for all.
+    pub fn for_heads(cache: &PagedCache, isa: Isa, tile: usize, heads: usize) -> Plan {
         let s = cache.scheme();
         let shape = cache.shape();
         let l = cache.layout();
@@ -122,7 +129,7 @@ impl Plan {
                 if isa == Isa::Avx512
                     && gshift >= 4
                     && scale == [ScaleDtype::F16; 2]
-                    && shape.group_size().is_multiple_of(4)
+                    && heads.is_multiple_of(4)
                     && tile.is_multiple_of(ROWS)
                     && l.block_tokens.is_multiple_of(ROWS) =>
             {
@@ -142,7 +149,7 @@ impl Plan {
             sinks: s.sinks as usize,
             hkv: shape.kv_heads,
             d: shape.head_dim,
-            group: shape.group_size(),
+            group: heads,
             block_tokens: l.block_tokens,
             dtype: s.dtype,
             kinds,

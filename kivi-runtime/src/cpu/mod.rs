@@ -32,18 +32,24 @@
 //!   domain and un-rotated once per split, with `(sum p) m` added for the
 //!   value means. `kernel_path` reports these as `<isa>+codec`.
 //!
+//! Many new queries per sequence (`Backend::attend_block`: chunked
+//! prefill, speculative verification) run in `block.rs`: the long common
+//! part of their context through the same split kernel, the queries of a
+//! chunk as one wide group, the recent tokens per query.
+//!
 //! The inner loops exist three times: AVX-512F and AVX2 + FMA + F16C (chosen
 //! at run time with `is_x86_feature_detected!`) and a portable scalar
 //! version that is always compiled and tested. [`CpuParams::scalar`] or the environment variable
 //! `KIVI_CPU_SCALAR=1` (read once) force the scalar one.
 
+mod block;
 mod fused;
 mod kernel;
 mod probe;
 mod simd;
 pub(crate) mod write;
 
-use crate::backend::{check_batch, Backend};
+use crate::backend::{check_batch, Backend, NewTokens};
 use crate::cache::{PagedCache, SeqId, SeqView};
 use crate::error::{Error, Result};
 use crate::quant::round_to_dtype;
@@ -343,6 +349,15 @@ impl Backend for CpuBackend {
             pool(self.params.threads)?.install(|| self.run(cache, seqs, q, attn))
         } else {
             self.run(cache, seqs, q, attn)
+        }
+    }
+    /// Many-query attention: see `block.rs` for how the work is cut.
+    fn attend_block(&self, cache: &mut PagedCache, blocks: &[NewTokens], attn: AttnParams) -> Result<Vec<f32>> {
+        check_params(&self.params)?;
+        if self.params.threads > 0 {
+            pool(self.params.threads)?.install(|| self.run_block(cache, blocks, attn))
+        } else {
+            self.run_block(cache, blocks, attn)
         }
     }
 }
