@@ -10,6 +10,7 @@
 //! jax) run the same shapes from a Python venv ([`peers`]).
 
 pub mod peers;
+pub mod writes;
 
 use kivi_runtime::rand::Rng;
 use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, CpuParams, PagedCache, ReferenceBackend};

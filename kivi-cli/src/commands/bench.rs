@@ -73,6 +73,10 @@ pub struct Args {
     /// Tokens for the prefill/append/memory table
     #[arg(long, default_value = "32k", value_parser = crate::args::count)]
     prefill_tokens: usize,
+    /// Only the cache-write table: append/extend tokens/s and GB/s per scheme
+    /// (default: every preset), vectorised and reference writes side by side
+    #[arg(long)]
+    writes: bool,
     /// Print the report as JSON on stdout (progress goes to stderr)
     #[arg(long)]
     json: bool,
@@ -113,6 +117,15 @@ pub fn run(a: Args) -> super::Result {
         .collect::<Result<Vec<_>, _>>()?;
     if contexts.iter().chain(&batches).any(|&x| x == 0) {
         return Err("contexts and batches must be positive".into());
+    }
+    if a.writes {
+        let isa = match (a.scalar, a.no_avx512) {
+            (true, _) => kivi_runtime::cpu::Isa::Scalar,
+            (false, true) => kivi_runtime::cpu::Isa::Avx2,
+            _ => kivi_runtime::cpu::Isa::Avx512,
+        };
+        let out = a.out.as_deref();
+        return crate::bench::writes::main(&layouts, a.schemes, a.prefill_tokens, a.reps, isa, a.json, out);
     }
     let params = CpuParams {
         splits: a.splits,
