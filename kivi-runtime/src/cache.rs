@@ -11,6 +11,13 @@
 //! reserved, and groups are quantized before anything a reader can see
 //! changes. On error the cache is exactly as before.
 //!
+//! Writes are vectorised (`cpu/write.rs`: AVX-512, AVX2 or one-lane
+//! scalar, blocks in parallel for long extends) and store the same bits
+//! as the reference path, the `quant.rs` functions group by group, which
+//! [`PagedCache::set_write_isa`]`(None)` selects and which also reports
+//! every bad input. Tensors with a codec pipeline are quantized by
+//! `quant.rs` on either path.
+//!
 //! ```
 //! use kivi_runtime::{PagedCache, CacheConfig};
 //! use kivi_spec::{presets, Heads, Tensor};
