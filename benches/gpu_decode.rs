@@ -57,24 +57,29 @@ fn args() -> Args {
             "--out" => a.out = it.next(),
             "--quick" => a.quick = true,
             "--precompile" => a.precompile = it.next(),
+            // The `kivi` program's spelling and usage-error style: one line,
+            // the possible values, exit status 2.
             "--backend" => match it.next().as_deref() {
                 Some("cuda") => a.backend = DeviceKind::Cuda,
                 Some("sim") => a.backend = DeviceKind::Sim,
-                other => {
-                    eprintln!("gpu_decode: --backend {other:?}: expected cuda or sim");
-                    std::process::exit(64);
-                }
+                Some(other) => usage(&format!(
+                    "invalid value '{other}' for '--backend <BACKEND>' [possible values: cuda, sim]"
+                )),
+                None => usage("a value is required for '--backend <BACKEND>' [possible values: cuda, sim]"),
             },
             "--bench" => {} // cargo bench passes it
-            other => {
-                eprintln!(
-                    "gpu_decode: unknown argument `{other}`; expected --backend cuda|sim, --out FILE, --quick, --precompile ARCH"
-                );
-                std::process::exit(64);
-            }
+            other => usage(&format!(
+                "unexpected argument '{other}' found; expected --backend cuda|sim, --out FILE, --quick, --precompile ARCH"
+            )),
         }
     }
     a
+}
+
+/// A usage error: one line on stderr, exit status 2.
+fn usage(msg: &str) -> ! {
+    eprintln!("gpu_decode: error: {msg}");
+    std::process::exit(2);
 }
 
 fn precompile(arch: &str) -> Result<(), Error> {

@@ -26,6 +26,7 @@
 //! 7. report memory (exact bytes from the caches), error against f16 and
 //!    against exact f32 attention, and timings.
 
+use kivi::runtime::rand::Rng;
 use kivi::runtime::reference;
 use kivi::{AttnParams, Backend, CacheConfig, CpuBackend, PagedCache, ReferenceBackend, Scheme, SeqId, Shape};
 use std::time::{Duration, Instant};
@@ -55,23 +56,6 @@ struct Workload {
     q: Vec<f32>,
 }
 
-/// A small deterministic generator (xorshift64*), so every run sees the same data.
-struct Rng(u64);
-
-impl Rng {
-    fn uniform(&mut self) -> f32 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        ((self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40) as f32 + 0.5) / (1u64 << 24) as f32
-    }
-    /// Standard normal (Box-Muller).
-    fn normal(&mut self) -> f32 {
-        let (u, v) = (self.uniform(), self.uniform());
-        (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
-    }
-}
-
 fn context_from_args() -> Result<usize, String> {
     match std::env::args().nth(1) {
         None => Ok(DEFAULT_CONTEXT),
@@ -91,7 +75,7 @@ fn context_from_args() -> Result<usize, String> {
 /// and each query head looks for a few specific past tokens.
 fn synthetic_workload(shape: Shape, tokens: usize, seed: u64) -> Workload {
     let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     // Per KV head and channel: offset, spread and a rotation frequency.
     let mut bias = vec![0f32; hkv * d];
     let mut spread = vec![1f32; hkv * d];
@@ -99,15 +83,15 @@ fn synthetic_workload(shape: Shape, tokens: usize, seed: u64) -> Workload {
     for h in 0..hkv {
         for c in 0..d {
             freq[h * d + c] = 10000f32.powf(-((c / 2 * 2) as f32) / d as f32);
-            spread[h * d + c] = 0.5 + 0.5 * rng.uniform();
+            spread[h * d + c] = 0.5 + 0.5 * rng.open01();
         }
         // 4 outlier channels per head: magnitudes 8..20 with a fixed sign,
         // varying over tokens no more than other channels do. Per-channel
         // groups absorb them; per-token groups stretch to cover them.
         for _ in 0..4 {
-            let c = (rng.uniform() * d as f32) as usize % d;
-            let sign = if rng.uniform() < 0.5 { -1.0 } else { 1.0 };
-            bias[h * d + c] = sign * (8.0 + 12.0 * rng.uniform());
+            let c = (rng.open01() * d as f32) as usize % d;
+            let sign = if rng.open01() < 0.5 { -1.0 } else { 1.0 };
+            bias[h * d + c] = sign * (8.0 + 12.0 * rng.open01());
         }
     }
     let mut k = vec![0f32; tokens * hkv * d];
@@ -131,7 +115,7 @@ fn synthetic_workload(shape: Shape, tokens: usize, seed: u64) -> Workload {
         let kvh = head / group;
         for pick in 0..3 {
             let span = if pick < 2 { tokens.min(128) } else { tokens };
-            let t = tokens - 1 - (rng.uniform() * span as f32) as usize % span;
+            let t = tokens - 1 - (rng.open01() * span as f32) as usize % span;
             for c in 0..d {
                 let centred = k[(t * hkv + kvh) * d + c] - bias[kvh * d + c];
                 q[head * d + c] += 1.5 * centred;

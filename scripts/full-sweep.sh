@@ -3,7 +3,8 @@
 # device layer (CI runs each of these once, under the default schedule):
 # every generated-kernel test of kivi-runtime — every decode variant of every
 # preset on the main layouts, every prefill/append variant, the corner-case
-# schemes, odd shapes, the barrier-deletion proof — under each of the
+# schemes, odd shapes, the codec pipeline (and every decode variant of
+# codec2 and codec15, KIVI_FULL_SWEEP=1), the barrier-deletion proof — under each of the
 # simulator's strict thread schedules (in order, reverse, two seeded
 # permutations), so a race that one order hides shows up in another.
 #
@@ -17,13 +18,13 @@ cd "$(dirname "$0")/.."
 logs="${1:-target/full-sweep}"
 mkdir -p "$logs"
 tests=(--test sim_variants --test sim_schemes --test sim_extend --test sim_smoke
-       --test device_decode --test device_extend --test sim_barriers --test sim_strict)
+       --test device_decode --test device_extend --test device_codecs --test sim_barriers --test sim_strict)
 failed=0
 start=$SECONDS
 for sched in inorder reverse 1 2; do
     log="$logs/sched-$sched.log"
     echo "==> KIVI_SIM_SCHEDULE=$sched"
-    if KIVI_SIM_SCHEDULE="$sched" cargo test -p kivi-runtime "${tests[@]}" -- --nocapture >"$log" 2>&1; then
+    if KIVI_FULL_SWEEP=1 KIVI_SIM_SCHEDULE="$sched" cargo test -p kivi-runtime "${tests[@]}" -- --nocapture >"$log" 2>&1; then
         echo "    ok"
     else
         echo "    FAILED (see $log)"

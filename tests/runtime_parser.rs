@@ -123,6 +123,50 @@ fn future_fields_are_not_supported_yet() {
     }
 }
 
+/// A Rust type suffix on a number is refused where the number stands (syn
+/// keeps the suffix aside, so `300u8` used to read as 300), in every
+/// numeric position: field values, codec arguments, head counts, floats.
+#[test]
+fn numbers_with_type_suffixes_are_refused() {
+    let q = "quant(bits = 2, axis = token, group = 32)";
+    for (text, lit) in [
+        (format!("S {{ key: {q}, value: full, residual: 300u8 }}"), "300u8"),
+        (format!("S {{ key: {q}, value: full, sinks: 4usize }}"), "4usize"),
+        (
+            "S { key: quant(bits = 2u32, axis = token, group = 32), value: full }".to_string(),
+            "2u32",
+        ),
+        (
+            "S { key: quant(bits = 2, axis = token, group = 32i64), value: full }".to_string(),
+            "32i64",
+        ),
+        (format!("S {{ key: {q}, value: full, head_dim: 128u16 }}"), "128u16"),
+        (
+            format!("S {{ key: {q}, value: full, heads: gqa(q = 8u8, kv = 2) }}"),
+            "8u8",
+        ),
+        (
+            format!("S {{ key: {q}, value: full, softmax_scale: 0.125f32 }}"),
+            "0.125f32",
+        ),
+        (format!("S {{ key: {q}, value: full, softmax_scale: 1f64 }}"), "1f64"),
+    ] {
+        let e = kivi::parse_scheme(&text).unwrap_err();
+        assert!(
+            e.message.contains(&format!("`{lit}` has a type suffix"))
+                && e.message.contains("numbers in a scheme are plain"),
+            "{text}: {}",
+            e.message
+        );
+        assert_eq!(e.column, text.find(lit).unwrap() + 1, "{text}");
+    }
+    // The plain forms parse.
+    kivi::parse_scheme(&format!(
+        "S {{ key: {q}, value: full, residual: 128, softmax_scale: 0.125 }}"
+    ))
+    .unwrap();
+}
+
 /// The codec pipeline parses identically through the macro and at run time.
 #[test]
 fn macro_and_runtime_parser_agree_on_the_codec_pipeline() {

@@ -2,13 +2,14 @@
 //! CUDA, tune, benchmark and evaluate. Every failure is a one-line message
 //! and a non-zero exit, never a panic.
 
+mod args;
 mod bench;
 mod commands;
 mod npy;
 mod plot;
 
-use clap::error::ErrorKind;
-use clap::{Parser, Subcommand};
+use clap::error::{ContextKind, ContextValue, ErrorKind};
+use clap::{CommandFactory, Parser, Subcommand};
 
 /// clap's error as one line: its first line without the `error: ` prefix,
 /// and the valid values when it lists them.
@@ -29,9 +30,19 @@ fn usage_line(e: &clap::Error) -> String {
                     .collect();
                 format!("{first} {}", missing.join(", "))
             }
+            // `kivi show kivi2`: schemes are named by a flag everywhere; say
+            // so where the subcommand takes one (its usage line names it).
+            ErrorKind::UnknownArgument if positional(e) && text.contains("--scheme <SCHEME>") => {
+                format!("{first}; name a scheme with --scheme NAME")
+            }
             _ => first.to_string(),
         },
     }
+}
+
+/// Whether clap refused a bare word (not a flag).
+fn positional(e: &clap::Error) -> bool {
+    matches!(e.get(ContextKind::InvalidArg), Some(ContextValue::String(a)) if !a.starts_with('-'))
 }
 
 #[derive(Parser)]
@@ -61,6 +72,15 @@ enum Command {
     Eval(commands::eval::Args),
     /// Generate text with Gemma 3 270M on a kivi cache
     Generate(commands::generate::Args),
+    /// Print a shell completion script, e.g. `kivi completions bash > ~/.local/share/bash-completion/completions/kivi`
+    Completions(Completions),
+}
+
+#[derive(clap::Args)]
+struct Completions {
+    /// The shell to complete for
+    #[arg(value_enum)]
+    shell: clap_complete::Shell,
 }
 
 /// Dies quietly on a closed pipe (`kivi schemes | head`), as Unix tools do,
@@ -105,9 +125,183 @@ fn main() {
         Command::Bench(a) => commands::bench::run(a),
         Command::Eval(a) => commands::eval::run(a),
         Command::Generate(a) => commands::generate::run(a),
+        Command::Completions(a) => {
+            clap_complete::generate(a.shell, &mut Cli::command(), "kivi", &mut std::io::stdout());
+            Ok(())
+        }
     };
     if let Err(e) = result {
         eprintln!("kivi: error: {e}");
         std::process::exit(1);
+    }
+}
+
+/// The one CLI convention, checked over clap's own model of every
+/// subcommand (enumerated from `Cli::command()`, so a new subcommand is
+/// held to it without editing this list):
+/// - a scheme is named by `--scheme NAME` (one) or `--schemes A,B` (many),
+///   never positionally;
+/// - a flag that takes a list is plural and comma-separated, and one whose
+///   help says "comma-separated" really is a list;
+/// - `--backend` is a fixed choice whose values the help lists;
+/// - every token count (contexts, lengths, windows, tiles) takes `1k`/`32k`
+///   suffixes through the one parser, and refuses junk.
+#[cfg(test)]
+mod convention {
+    use super::Cli;
+    use clap::{Arg, Command, CommandFactory};
+    use std::ffi::OsStr;
+
+    /// Every subcommand, nested ones included, but not clap's `help`.
+    fn walk(cmd: &Command, out: &mut Vec<Command>) {
+        for sub in cmd.get_subcommands() {
+            if sub.get_name() != "help" {
+                out.push(sub.clone());
+                walk(sub, out);
+            }
+        }
+    }
+
+    fn subcommands() -> Vec<Command> {
+        let mut root = Cli::command();
+        root.build();
+        let mut out = Vec::new();
+        walk(&root, &mut out);
+        assert!(out.len() >= 8, "only {} subcommands found", out.len());
+        out
+    }
+
+    fn help(a: &Arg) -> String {
+        let mut h = a.get_help().map(|s| s.to_string()).unwrap_or_default();
+        if let Some(l) = a.get_long_help() {
+            h.push(' ');
+            h.push_str(&l.to_string());
+        }
+        h.to_lowercase()
+    }
+
+    fn takes_value(a: &Arg) -> bool {
+        a.get_num_args().is_some_and(|n| n.takes_values())
+    }
+
+    /// Whether `kivi SUB --flag VALUE` gets past clap, with every other
+    /// argument made optional so that only this value is judged.
+    fn parses(cmd: &Command, a: &Arg, v: &str) -> bool {
+        let long = format!("--{}", a.get_long().unwrap_or_default());
+        let probe = cmd.clone().mut_args(|x| x.required(false));
+        probe
+            .try_get_matches_from([OsStr::new("kivi"), OsStr::new(&long), OsStr::new(v)])
+            .is_ok()
+    }
+
+    /// Flags that are token counts, by name or by what their help says.
+    fn is_token_count(a: &Arg) -> bool {
+        let long = a.get_long().unwrap_or("");
+        let h = help(a);
+        takes_value(a)
+            && (long.contains("context")
+                || long.contains("token")
+                || ["window", "lens", "prefix", "tile"].contains(&long)
+                || h.contains("tokens"))
+    }
+
+    #[test]
+    fn no_scheme_is_positional() {
+        for cmd in subcommands() {
+            for a in cmd.get_positionals() {
+                let id = a.get_id().as_str();
+                assert!(
+                    !id.contains("scheme"),
+                    "kivi {}: the scheme is positional (`{id}`); use --scheme NAME",
+                    cmd.get_name()
+                );
+            }
+            for a in cmd
+                .get_arguments()
+                .filter(|a| a.get_long().is_some_and(|l| l.contains("scheme")))
+            {
+                let long = a.get_long().unwrap_or("");
+                assert!(
+                    ["scheme", "schemes", "schemes-file"].contains(&long),
+                    "kivi {}: --{long} is not --scheme or --schemes",
+                    cmd.get_name()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn list_flags_are_plural_and_comma_separated() {
+        for cmd in subcommands() {
+            for a in cmd.get_arguments().filter(|a| takes_value(a)) {
+                let long = a.get_long().unwrap_or("");
+                let list = a.get_value_delimiter() == Some(',');
+                if list {
+                    assert!(
+                        long.ends_with('s'),
+                        "kivi {} --{long}: a list flag is plural",
+                        cmd.get_name()
+                    );
+                }
+                if help(a).contains("comma-separated") {
+                    assert!(
+                        list,
+                        "kivi {} --{long}: says comma-separated but is one value",
+                        cmd.get_name()
+                    );
+                }
+                // The singular spellings of the list flags are gone.
+                assert!(
+                    !["batch", "layout", "peer"].contains(&long),
+                    "kivi {} --{long}: list flags are plural",
+                    cmd.get_name()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn backend_flags_are_fixed_choices_listed_in_help() {
+        let mut seen = 0;
+        for mut cmd in subcommands() {
+            let help_text = cmd.render_long_help().to_string();
+            let name = cmd.get_name().to_string();
+            for a in cmd.get_arguments().filter(|a| a.get_long() == Some("backend")) {
+                seen += 1;
+                let values = a.get_possible_values();
+                assert!(!values.is_empty(), "kivi {name} --backend is free text");
+                for v in &values {
+                    assert!(
+                        help_text.contains(v.get_name()),
+                        "kivi {name} --help does not list backend `{}`",
+                        v.get_name()
+                    );
+                }
+                assert!(!parses(&cmd, a, "tpu"), "kivi {name} --backend accepts `tpu`");
+            }
+        }
+        assert!(seen >= 3, "only {seen} --backend flags found");
+    }
+
+    #[test]
+    fn token_counts_take_size_suffixes() {
+        let mut seen = 0;
+        for cmd in subcommands() {
+            for a in cmd.get_arguments().filter(|a| is_token_count(a)) {
+                seen += 1;
+                let long = a.get_long().unwrap_or("");
+                for ok in ["512", "1k", "32K", "1m"] {
+                    assert!(parses(&cmd, a, ok), "kivi {} --{long} refuses `{ok}`", cmd.get_name());
+                }
+                for bad in ["1x", "k", "-1", ""] {
+                    assert!(
+                        !parses(&cmd, a, bad),
+                        "kivi {} --{long} accepts `{bad}`",
+                        cmd.get_name()
+                    );
+                }
+            }
+        }
+        assert!(seen >= 8, "only {seen} token-count flags found");
     }
 }

@@ -2,6 +2,7 @@
 //! of bad input, which must give a non-zero exit and exactly one line on
 //! stderr naming the problem — never a panic or a backtrace.
 
+use kivi_runtime::rand::Rng;
 use kivi_runtime::{reference, AttnParams};
 use kivi_spec::{presets, Heads, Tensor};
 use std::path::PathBuf;
@@ -130,23 +131,16 @@ fn npy_read(path: &str) -> (Vec<usize>, Vec<f32>) {
     (shape, data)
 }
 
-fn rng(seed: &mut u64) -> f32 {
-    *seed ^= *seed << 13;
-    *seed ^= *seed >> 7;
-    *seed ^= *seed << 17;
-    ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-}
-
-fn random(n: usize, seed: &mut u64) -> Vec<f32> {
-    (0..n).map(|_| rng(seed)).collect()
+fn random(n: usize, rng: &mut Rng) -> Vec<f32> {
+    rng.vec(n)
 }
 
 /// q [hq, d], k and v [t, hkv, d] written to the scratch dir.
 fn problem(s: &Scratch, t: usize, hq: usize, hkv: usize, d: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let mut seed = 0x5eed_u64 + t as u64;
-    let q = random(hq * d, &mut seed);
-    let k = random(t * hkv * d, &mut seed);
-    let v = random(t * hkv * d, &mut seed);
+    let mut rng = Rng::new(0x5eed + t as u64);
+    let q = random(hq * d, &mut rng);
+    let k = random(t * hkv * d, &mut rng);
+    let v = random(t * hkv * d, &mut rng);
     npy_f32(&s.path("q.npy"), &[hq, d], &q);
     npy_f32(&s.path("k.npy"), &[t, hkv, d], &k);
     npy_f32(&s.path("v.npy"), &[t, hkv, d], &v);
@@ -192,12 +186,12 @@ fn schemes_lists_every_preset_with_summary_and_hash() {
 
 #[test]
 fn show_reports_exact_bytes() {
-    let out = ok(&["show", "kivi2", "--heads", "gqa:32:8", "--head-dim", "128"]);
+    let out = ok(&["show", "--scheme", "kivi2", "--heads", "gqa:32:8", "--head-dim", "128"]);
     assert!(
         out.contains("key          48 = codes 32 + scales 8 + zeros 8 + outliers 0"),
         "{out}"
     );
-    let codec = ok(&["show", "codec2", "--heads", "mqa:4", "--head-dim", "256"]);
+    let codec = ok(&["show", "--scheme", "codec2", "--heads", "mqa:4", "--head-dim", "256"]);
     assert!(
         codec.contains("key         122 = codes 104 + scales 2 + zeros 0 + outliers 16"),
         "{codec}"
@@ -205,7 +199,8 @@ fn show_reports_exact_bytes() {
     assert!(codec.contains("all-in 2.9375 bits per element"), "{codec}");
     assert!(out.contains("total        96"), "{out}");
     assert!(out.contains("heads: gqa(q = 32, kv = 8),"), "{out}");
-    let j: serde_json::Value = serde_json::from_str(&ok(&["show", "kivi2", "--context", "1000", "--json"])).unwrap();
+    let j: serde_json::Value =
+        serde_json::from_str(&ok(&["show", "--scheme", "kivi2", "--context", "1000", "--json"])).unwrap();
     let b = &j["bytes_per_token_per_head"];
     assert_eq!(b["per_token"], 96.0);
     assert_eq!(b["key"]["total"], 48.0);
@@ -225,8 +220,17 @@ fn show_reports_exact_bytes() {
     assert!(m["total"].as_u64().unwrap() >= f.total() as u64);
 
     // Other head layouts and a 3-bit scheme from a file.
-    let j: serde_json::Value =
-        serde_json::from_str(&ok(&["show", "f16", "--heads", "mqa:4", "--head-dim", "256", "--json"])).unwrap();
+    let j: serde_json::Value = serde_json::from_str(&ok(&[
+        "show",
+        "--scheme",
+        "f16",
+        "--heads",
+        "mqa:4",
+        "--head-dim",
+        "256",
+        "--json",
+    ]))
+    .unwrap();
     assert_eq!(j["bytes_per_token_per_head"]["per_token"], 1024.0);
     assert_eq!(j["shape"]["kv_heads"], 1);
     let s = Scratch::new("show");
@@ -236,7 +240,8 @@ fn show_reports_exact_bytes() {
         "three { key: quant(bits = 3, axis = channel, group = 32), value: full }",
     )
     .unwrap();
-    let j: serde_json::Value = serde_json::from_str(&ok(&["show", &file, "--heads", "mha:2", "--json"])).unwrap();
+    let j: serde_json::Value =
+        serde_json::from_str(&ok(&["show", "--scheme", &file, "--heads", "mha:2", "--json"])).unwrap();
     // Keys: 128 3-bit codes, 10 per word, 13 words = 52 bytes; one f16 scale
     // and zero per channel per 32 tokens = 16 bytes per token. Values: an
     // f16 row of 256 bytes.
@@ -245,13 +250,26 @@ fn show_reports_exact_bytes() {
 
 #[test]
 fn show_rejects_bad_arguments() {
-    fails(&["show", "kivi9"], "unknown scheme `kivi9`");
-    fails(&["show", "kivi2", "--head-dim", "48"], "does not divide head_dim 48");
+    fails(&["show", "--scheme", "kivi9"], "unknown scheme `kivi9`");
     fails(
-        &["show", "kivi2", "--heads", "gqa:30:8"],
+        &["show", "--scheme", "kivi2", "--head-dim", "48"],
+        "does not divide head_dim 48",
+    );
+    fails(
+        &["show", "--scheme", "kivi2", "--heads", "gqa:30:8"],
         "30 query heads is not a multiple of 8 kv heads",
     );
-    fails(&["show", "kivi2", "--context", "0"], "--context 0 is out of range");
+    fails(
+        &["show", "--scheme", "kivi2", "--context", "0"],
+        "`0` is not a positive count",
+    );
+    fails(
+        &["show", "--scheme", "kivi2", "--context", "2m"],
+        "--context 2097152 is out of range",
+    );
+    // The scheme is a flag everywhere; a bare word says so.
+    fails(&["show", "kivi2"], "name a scheme with --scheme NAME");
+    fails(&["codegen", "kivi2"], "name a scheme with --scheme NAME");
     let s = Scratch::new("show-bad");
     let file = s.path("bad.kivi");
     std::fs::write(
@@ -259,7 +277,7 @@ fn show_rejects_bad_arguments() {
         "bad {\n  key: quant(bits = 2, axis = channel, group = 32),\n  value: full,\n  rope: yes,\n}\n",
     )
     .unwrap();
-    let e = fails(&["show", &file], "not supported yet");
+    let e = fails(&["show", "--scheme", &file], "not supported yet");
     assert!(e.contains(&format!("{file}:4:3: field `rope`")), "{e}");
 }
 
@@ -330,10 +348,10 @@ fn attend_matches_the_oracle_on_both_backends() {
 fn attend_batches_with_lengths_and_float16_inputs() {
     let s = Scratch::new("batch");
     let (b, t, hq, hkv, d) = (3, 40, 4, 1, 32);
-    let mut seed = 99u64;
-    let q = random(b * hq * d, &mut seed);
-    let mut k = random(b * t * hkv * d, &mut seed);
-    let v = random(b * t * hkv * d, &mut seed);
+    let mut rng = Rng::new(99);
+    let q = random(b * hq * d, &mut rng);
+    let mut k = random(b * t * hkv * d, &mut rng);
+    let v = random(b * t * hkv * d, &mut rng);
     let lens = [1usize, 33, 40];
     // Padding past a sequence's length is never read, even when it is NaN.
     for (i, &n) in lens.iter().enumerate() {
@@ -509,8 +527,12 @@ fn attend_rejects_bad_input_with_one_line() {
     run(&["--lens", "3"], "--lens needs batched inputs");
     run(&["--scale", "0"], "--scale 0 must be a finite positive number");
     run(&["--scale", "NaN"], "--scale NaN must be a finite positive number");
-    run(&["--window", "0"], "--window 0");
-    run(&["--block-tokens", "0"], "block size 0 tokens is out of range");
+    run(
+        &["--window", "0"],
+        "'0' for '--window <WINDOW>': `0` is not a positive count",
+    );
+    run(&["--block-tokens", "0"], "`0` is not a positive count");
+    run(&["--lens", "3,x"], "`x` is not a count");
     run(&["--block-tokens", "48"], "not a multiple of the key channel group 32");
     run(&["--out", &file("no/such/dir/out.npy")], "cannot write");
     fails(
@@ -599,14 +621,14 @@ fn writes_to_a_closed_pipe_do_not_panic() {
 fn attend_on_the_simulated_device_agrees_with_the_reference() {
     let s = Scratch::new("attend-sim");
     let (b, t, hq, hkv, d) = (3, 130, 8, 2, 64);
-    let mut seed = 7u64;
-    let q = random(b * hq * d, &mut seed);
-    let k: Vec<f32> = random(b * t * hkv * d, &mut seed)
+    let mut rng = Rng::new(7);
+    let q = random(b * hq * d, &mut rng);
+    let k: Vec<f32> = random(b * t * hkv * d, &mut rng)
         .iter()
         .enumerate()
         .map(|(i, x)| if i % d == 5 { x * 8.0 } else { *x })
         .collect();
-    let v = random(b * t * hkv * d, &mut seed);
+    let v = random(b * t * hkv * d, &mut rng);
     let p = paths(&s);
     npy_f32(&p[0], &[b, hq, d], &q);
     npy_f32(&p[1], &[b, t, hkv, d], &k);

@@ -24,7 +24,7 @@ const SMALL: &[&str] = &[
     "64",
     "--contexts",
     "300",
-    "--batch",
+    "--batches",
     "1,2",
     "--budget",
     "2",
@@ -153,7 +153,7 @@ fn json_plot_pin_and_bad_flags() {
     }
 }
 
-/// The one scheme rule (`kivi_spec::load_scheme`): `kivi show kivi2` and
+/// The one scheme rule (`kivi_spec::load_scheme`): `kivi show --scheme kivi2` and
 /// `kivi tune --scheme kivi2` load the same scheme — the preset — even when
 /// a file named `kivi2` sits in the working directory; `./kivi2` loads the
 /// file in both. (Before, `show` tried the file first and `tune` the preset.)
@@ -180,7 +180,7 @@ fn show_and_tune_load_the_same_scheme_when_a_file_shadows_a_preset() {
     let shape = ["--heads", "gqa:8:2", "--head-dim", "64"];
     let cache = format!("{d}/cache");
     for (name, want) in [("kivi2", "kivi2"), ("./kivi2", "fromfile")] {
-        let mut show = vec!["show", name, "--json"];
+        let mut show = vec!["show", "--scheme", name, "--json"];
         show.extend_from_slice(&shape);
         let (s, show_err) = run(&show);
         let mut tune = vec![
@@ -195,7 +195,7 @@ fn show_and_tune_load_the_same_scheme_when_a_file_shadows_a_preset() {
             &cache,
         ];
         tune.extend_from_slice(&shape);
-        tune.extend_from_slice(&["--contexts", "300", "--batch", "1", "--budget", "1"]);
+        tune.extend_from_slice(&["--contexts", "300", "--batches", "1", "--budget", "1"]);
         let (t, tune_err) = run(&tune);
         assert_eq!(s["name"], want, "show {name}: {s}");
         let tuned = &t.as_array().map_or(&t, |a| &a[0]);
@@ -237,7 +237,7 @@ fn tune_on_the_simulated_device_and_round_trip_its_bundle() {
         "32",
         "--contexts",
         "100",
-        "--batch",
+        "--batches",
         "1",
         "--budget",
         "30",

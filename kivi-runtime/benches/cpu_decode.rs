@@ -32,13 +32,8 @@ fn main() {
         )
         .expect("shape");
     let shape = s.shape().expect("bound");
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    let mut rnd = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    };
+    let mut rng = kivi_runtime::rand::Rng::new(0x9e37_79b9_7f4a_7c15);
+    let mut rnd = move || rng.f32();
     let k: Vec<f32> = (0..context * hkv * d)
         .map(|i| (i % d % 5) as f32 * 0.5 - 1.0 + rnd())
         .collect();

@@ -11,6 +11,13 @@
 //! reserved, and groups are quantized before anything a reader can see
 //! changes. On error the cache is exactly as before.
 //!
+//! Writes are vectorised (`cpu/write.rs`: AVX-512, AVX2 or one-lane
+//! scalar, blocks in parallel for long extends) and store the same bits
+//! as the reference path, the `quant.rs` functions group by group, which
+//! [`PagedCache::set_write_isa`]`(None)` selects and which also reports
+//! every bad input. Tensors with a codec pipeline are quantized by
+//! `quant.rs` on either path.
+//!
 //! ```
 //! use kivi_runtime::{PagedCache, CacheConfig};
 //! use kivi_spec::{presets, Heads, Tensor};
@@ -26,6 +33,7 @@
 //! assert_eq!(cache.dequantize(seq, Tensor::Key).unwrap().len(), 300 * 2 * 64);
 //! ```
 
+use crate::cpu::{write, CpuParams, Isa};
 use crate::error::{Error, Result};
 use crate::quant::{self, dequantize, quantize_group, GroupParams, TensorCodec};
 use crate::reference::round_inputs;
@@ -148,6 +156,11 @@ pub struct PagedCache {
     next_id: SeqId,
     /// The codec pipeline of each quantized tensor.
     codecs: [Option<TensorCodec>; 2],
+    /// The instruction set of the vectorised writes; `None`: the reference
+    /// path (`quant.rs` group by group, as the oracle does).
+    write_isa: Option<Isa>,
+    /// The path the last successful write took (`None`: the reference).
+    last_write: Option<Isa>,
 }
 
 /// Where a token of one tensor lives.
@@ -252,8 +265,50 @@ impl PagedCache {
             seqs: BTreeMap::new(),
             next_id: 0,
             codecs: [Tensor::Key, Tensor::Value].map(|t| TensorCodec::of(&scheme, t, shape.head_dim)),
+            // `KIVI_CPU_SCALAR=1` caps the writes as it caps the decode.
+            write_isa: Some(CpuParams::default().isa(shape.head_dim)),
+            last_write: None,
             scheme,
         })
+    }
+
+    /// Chooses how [`Self::append`] and [`Self::extend`] write: `Some(isa)`
+    /// the vectorised writes on at most `isa` (capped to what this CPU has;
+    /// `Isa::Scalar` is their portable one-lane form), `None` the reference
+    /// path (the codec's `quant.rs` functions group by group, as the oracle
+    /// calls them). Every choice stores the same bits; the reference path
+    /// is there to check that and to measure against.
+    ///
+    /// ```
+    /// use kivi_runtime::{cpu::Isa, CacheConfig, PagedCache};
+    /// use kivi_spec::{presets, Heads};
+    /// let s = presets::kivi2().with_shape(Heads::Mha(2), 64).unwrap();
+    /// let rows: Vec<f32> = (0..300 * 128).map(|i| (i as f32 * 0.7).sin()).collect();
+    /// let mut pools = Vec::new();
+    /// for isa in [None, Some(Isa::Scalar), Some(Isa::Avx512)] {
+    ///     let mut c = PagedCache::new(s.clone(), CacheConfig::for_tokens(512)).unwrap();
+    ///     c.set_write_isa(isa);
+    ///     let id = c.add_sequence();
+    ///     c.extend(id, &rows, &rows).unwrap();
+    ///     pools.push(c.pool().to_vec());
+    /// }
+    /// assert!(pools.iter().all(|p| *p == pools[0]));
+    /// ```
+    pub fn set_write_isa(&mut self, isa: Option<Isa>) {
+        let d = self.shape.head_dim;
+        self.write_isa = isa.map(|i| Isa::select(i == Isa::Scalar, i == Isa::Avx512, d));
+    }
+
+    /// The instruction set the writes use (`None`: the reference path).
+    pub fn write_isa(&self) -> Option<Isa> {
+        self.write_isa
+    }
+
+    /// The path the last successful [`Self::extend`] or [`Self::append`]
+    /// took: the vectorised writes' instruction set, or `None` for the
+    /// reference path (chosen, or taken for input it declined).
+    pub fn last_write_path(&self) -> Option<Isa> {
+        self.last_write
     }
 
     pub fn scheme(&self) -> &Scheme {
@@ -353,8 +408,209 @@ impl PagedCache {
                 got: format!("{} and {}", k.len(), v.len()),
             });
         }
-        let n = k.len() / (h * d);
         let old_tokens = self.seq(id)?.tokens;
+        // Bad input, and anything the vectorised writes decline, takes the
+        // reference path: it names the offending value and changes nothing.
+        if let Some(isa) = self.write_isa {
+            if self.inputs_ok(isa, [k, v], old_tokens) && self.extend_fast(isa, id, [k, v], old_tokens)? {
+                self.last_write = Some(isa);
+                return Ok(());
+            }
+        }
+        self.extend_reference(id, k, v, old_tokens)?;
+        self.last_write = None;
+        Ok(())
+    }
+
+    /// Whether every input value is finite in the activation dtype and
+    /// storable by its tensor's groups (what `round_inputs` and
+    /// [`check_storable`] check, vectorised; they report the error).
+    fn inputs_ok(&self, isa: Isa, x: [&[f32]; 2], old_tokens: usize) -> bool {
+        use rayon::prelude::*;
+        let row = self.shape.kv_heads * self.shape.head_dim;
+        let dtype = self.scheme.dtype;
+        [Tensor::Key, Tensor::Value].iter().all(|&t| {
+            let x = x[ti(t)];
+            // Elements from `from` on are range-checked too.
+            let (limit, from) = match storable_bound(&self.scheme, t) {
+                Some((limit, first)) => (limit, first.saturating_sub(old_tokens) * row),
+                None => (f32::MAX, x.len()),
+            };
+            const CHUNK: usize = 1 << 16;
+            if x.len() <= CHUNK {
+                return write::inputs_ok(isa, x, dtype, from, limit);
+            }
+            x.par_chunks(CHUNK).enumerate().all(|(c, part)| {
+                let from = from.saturating_sub(c * CHUNK);
+                write::inputs_ok(isa, part, dtype, from, limit)
+            })
+        })
+    }
+
+    /// The vectorised writes, once the inputs are known to be good. Tensors
+    /// with a codec pipeline (centering, rotation, outliers, Lloyd–Max
+    /// levels) are quantized by the reference `quantize_range`; everything
+    /// else (uniform codes, `full` rows, windows, sinks) by `cpu/write.rs`,
+    /// over (block, KV head) pieces in parallel when there are many.
+    /// `Ok(false)`: declined with nothing visible changed.
+    fn extend_fast(&mut self, isa: Isa, id: SeqId, x: [&[f32]; 2], old_tokens: usize) -> Result<bool> {
+        let (h, d) = (self.shape.kv_heads, self.shape.head_dim);
+        let n = x[0].len() / (h * d);
+        let new_tokens = old_tokens + n;
+        let target = [
+            regions(&self.scheme, Tensor::Key, new_tokens).quantized,
+            regions(&self.scheme, Tensor::Value, new_tokens).quantized,
+        ];
+        let pipeline = [0, 1].map(|i| self.codecs[i].as_ref().is_some_and(|c| !c.is_plain_uniform()));
+        // Pipeline tensors take `quant.rs`'s path, which reads rounded rows.
+        let mut rounded: [Option<Vec<f32>>; 2] = [None, None];
+        for t in [Tensor::Key, Tensor::Value] {
+            if pipeline[ti(t)] {
+                // Validated above; were it to fail, the reference path reports it.
+                let Ok(r) = round_inputs(&self.scheme, t.name(), x[ti(t)], h, d) else {
+                    return Ok(false);
+                };
+                rounded[ti(t)] = Some(r);
+            }
+        }
+        let bt = self.layout.block_tokens;
+        let PagedCache {
+            scheme,
+            layout,
+            pool,
+            free,
+            max_blocks,
+            seqs,
+            codecs,
+            ..
+        } = self;
+        let seq = seqs.get_mut(&id).ok_or(Error::UnknownSequence(id))?;
+        let blocks = target[0].max(target[1]).div_ceil(bt);
+        let need = blocks.saturating_sub(seq.table.len());
+        if need > free.len() {
+            return Err(Error::OutOfBlocks {
+                need,
+                free: free.len(),
+                total: *max_blocks,
+            });
+        }
+        // The fresh blocks join the table now (no allocation once the table
+        // has grown) and leave it again if anything fails below.
+        let split = free.len() - need;
+        let old_len = seq.table.len();
+        seq.table.extend(free[split..].iter().rev());
+        let sinks = scheme.sinks as usize;
+        let mut new_means: [Option<Vec<f32>>; 2] = [None, None];
+        for t in [Tensor::Key, Tensor::Value] {
+            let i = ti(t);
+            let Some(nc) = scheme.center_of(t) else { continue };
+            if seq.means[i].is_none() && new_tokens >= nc {
+                let input = rounded[i].as_deref().expect("centered tensors are pipeline tensors");
+                new_means[i] = Some(center_means(scheme.dtype, sinks, seq, i, input, old_tokens, nc, h, d));
+            }
+        }
+        let mut writes = Vec::new();
+        for t in [Tensor::Key, Tensor::Value] {
+            let i = ti(t);
+            let range = seq.quantized[i]..target[i];
+            if range.is_empty() {
+                continue;
+            }
+            if let Some(input) = rounded[i].as_deref() {
+                let seq_ref: &Sequence = seq;
+                let src = |j: usize, hh: usize, out: &mut [f32]| {
+                    let p = sinks + j;
+                    if p >= old_tokens {
+                        out.copy_from_slice(&input[((p - old_tokens) * h + hh) * d..][..d]);
+                    } else {
+                        let base = ((j % seq_ref.ring_cap[i]) * h + hh) * d;
+                        for (c, o) in out.iter_mut().enumerate() {
+                            *o = seq_ref.ring[i].get(base + c);
+                        }
+                    }
+                };
+                let means = new_means[i].as_deref().or(seq.means[i].as_deref());
+                let r = quantize_blocks(
+                    scheme,
+                    layout,
+                    t,
+                    pool,
+                    &seq.table,
+                    range,
+                    sinks,
+                    &src,
+                    codecs[i].as_ref(),
+                    means,
+                );
+                if let Err(e) = r {
+                    seq.table.truncate(old_len);
+                    return Err(e);
+                }
+                continue;
+            }
+            let quant = codecs[i].as_ref().map(|c| c.quant);
+            writes.push(TensorWrite {
+                range,
+                plan: write::Plan {
+                    tl: layout.tensor(t),
+                    head_words: layout.head_words,
+                    offset: layout.tensor_offset(0, t),
+                    quant,
+                    dtype: scheme.dtype,
+                    isa: write::tensor_isa(isa, quant.as_ref(), d),
+                },
+                rows: write::Rows {
+                    input: x[i],
+                    ring: seq.ring[i].raw(),
+                    ring_cap: seq.ring_cap[i],
+                    sinks,
+                    old_tokens,
+                    heads: h,
+                    d,
+                },
+            });
+        }
+        let ok = write_blocks(layout, pool, &seq.table, &writes);
+        drop(writes);
+        if !ok {
+            seq.table.truncate(old_len);
+            return Ok(false);
+        }
+        // Commit: nothing below can fail.
+        free.truncate(split);
+        for (m, new) in seq.means.iter_mut().zip(new_means) {
+            if new.is_some() {
+                *m = new;
+            }
+        }
+        let row = h * d;
+        for t in [Tensor::Key, Tensor::Value] {
+            let i = ti(t);
+            for p in old_tokens..new_tokens {
+                let src = &x[i][(p - old_tokens) * row..][..row];
+                let (buf, base) = if p < sinks {
+                    (&mut seq.sinks[i], p * row)
+                } else if p >= sinks + target[i] {
+                    (&mut seq.ring[i], ((p - sinks) % seq.ring_cap[i]) * row)
+                } else {
+                    continue;
+                };
+                match buf {
+                    Buf::Half(v, dt) => write::round_into_bits(isa, src, &mut v[base..base + row], *dt),
+                    // f32 activations are stored as given (rounding is the identity).
+                    Buf::Single(v) => v[base..base + row].copy_from_slice(src),
+                }
+            }
+            seq.quantized[i] = target[i];
+        }
+        seq.tokens = new_tokens;
+        Ok(true)
+    }
+
+    /// [`Self::extend`] on the reference path.
+    fn extend_reference(&mut self, id: SeqId, k: &[f32], v: &[f32], old_tokens: usize) -> Result<()> {
+        let (h, d) = (self.shape.kv_heads, self.shape.head_dim);
+        let n = k.len() / (h * d);
         let shift = |e: Error| match e {
             Error::NonFinite {
                 tensor,
@@ -412,33 +668,17 @@ impl PagedCache {
             if means[i].is_some() || new_tokens < n {
                 continue;
             }
-            let mut rows = vec![0f32; n * h * d];
-            for p in 0..n {
-                for hh in 0..h {
-                    let out = &mut rows[(p * h + hh) * d..][..d];
-                    if p >= old_tokens {
-                        out.copy_from_slice(&inputs[i][((p - old_tokens) * h + hh) * d..][..d]);
-                    } else if p < sinks {
-                        for (c, o) in out.iter_mut().enumerate() {
-                            *o = seq.sinks[i].get((p * h + hh) * d + c);
-                        }
-                    } else {
-                        let base = (((p - sinks) % seq.ring_cap[i]) * h + hh) * d;
-                        for (c, o) in out.iter_mut().enumerate() {
-                            *o = seq.ring[i].get(base + c);
-                        }
-                    }
-                }
-            }
-            let mut m = Vec::with_capacity(h * d);
-            for hh in 0..h {
-                m.extend(quant::channel_mean(
-                    (0..n).map(|p| &rows[(p * h + hh) * d..][..d]),
-                    d,
-                    self.scheme.dtype,
-                ));
-            }
-            means[i] = Some(m);
+            means[i] = Some(center_means(
+                self.scheme.dtype,
+                sinks,
+                seq,
+                i,
+                &inputs[i],
+                old_tokens,
+                n,
+                h,
+                d,
+            ));
         }
         for t in [Tensor::Key, Tensor::Value] {
             let i = ti(t);
@@ -623,10 +863,185 @@ pub(crate) struct Checkpoint {
     seq: Sequence,
 }
 
+/// The per-channel centering means of tensor `i` over the first `nc`
+/// tokens, `[Hkv][D]`: stored rows (sinks, ring) for tokens before
+/// `old_tokens`, `input` (rounded, from `old_tokens` on) for the rest.
+#[allow(clippy::too_many_arguments)]
+fn center_means(
+    dtype: Dtype,
+    sinks: usize,
+    seq: &Sequence,
+    i: usize,
+    input: &[f32],
+    old_tokens: usize,
+    nc: usize,
+    h: usize,
+    d: usize,
+) -> Vec<f32> {
+    let mut rows = vec![0f32; nc * h * d];
+    for p in 0..nc {
+        for hh in 0..h {
+            let out = &mut rows[(p * h + hh) * d..][..d];
+            if p >= old_tokens {
+                out.copy_from_slice(&input[((p - old_tokens) * h + hh) * d..][..d]);
+            } else if p < sinks {
+                for (c, o) in out.iter_mut().enumerate() {
+                    *o = seq.sinks[i].get((p * h + hh) * d + c);
+                }
+            } else {
+                let base = (((p - sinks) % seq.ring_cap[i]) * h + hh) * d;
+                for (c, o) in out.iter_mut().enumerate() {
+                    *o = seq.ring[i].get(base + c);
+                }
+            }
+        }
+    }
+    let mut m = Vec::with_capacity(h * d);
+    for hh in 0..h {
+        m.extend(quant::channel_mean(
+            (0..nc).map(|p| &rows[(p * h + hh) * d..][..d]),
+            d,
+            dtype,
+        ));
+    }
+    m
+}
+
+/// The pool, shared by the parallel writes of one extend: each writes only
+/// its own (block, KV head, tensor) part, and a block table holds no block
+/// twice, so no two of them touch the same word.
+struct PoolPtr(*mut u32, usize);
+// SAFETY: see above; the parts handed out are disjoint.
+unsafe impl Send for PoolPtr {}
+unsafe impl Sync for PoolPtr {}
+
+impl PoolPtr {
+    /// Words `start..start + len`.
+    ///
+    /// # Safety
+    /// In bounds, and no other live slice overlaps them.
+    #[allow(clippy::mut_from_ref)] // the point: disjoint parts for parallel jobs
+    unsafe fn part(&self, start: usize, len: usize) -> &mut [u32] {
+        debug_assert!(start + len <= self.1);
+        std::slice::from_raw_parts_mut(self.0.add(start), len)
+    }
+}
+
+/// Below this many values a thread hand-off costs more than it saves (an
+/// append writes one token, or one channel group every G tokens).
+const PARALLEL_VALUES: usize = 1 << 15;
+
+/// One tensor's share of a vectorised write: relative tokens `range`.
+struct TensorWrite<'a> {
+    range: std::ops::Range<usize>,
+    plan: write::Plan<'a>,
+    rows: write::Rows<'a>,
+}
+
+/// Writes every tensor's range with the vectorised writes (`cpu/write.rs`),
+/// one job per block (every head, both tensors); blocks in parallel when
+/// there are enough values to pay for it. `false`: a group's parameters
+/// overflow their dtype (nothing visible has changed).
+fn write_blocks(l: &BlockLayout, pool: &mut [u32], table: &[u32], writes: &[TensorWrite]) -> bool {
+    use rayon::prelude::*;
+    let (bt, bw) = (l.block_tokens, l.block_words);
+    let Some(lo) = writes.iter().map(|w| w.range.start / bt).min() else {
+        return true;
+    };
+    let hi = writes.iter().map(|w| w.range.end.div_ceil(bt)).max().unwrap_or(lo);
+    let job = |block: &mut [u32], b: usize| {
+        writes.iter().all(|w| {
+            let first = w.range.start.max(b * bt);
+            let end = w.range.end.min((b + 1) * bt);
+            first >= end
+                || write::run(
+                    &w.plan,
+                    &w.rows,
+                    &mut write::Job {
+                        block,
+                        first,
+                        n: end - first,
+                    },
+                )
+        })
+    };
+    let values: usize = writes.iter().map(|w| w.range.len()).sum::<usize>() * l.shape.kv_heads * l.shape.head_dim;
+    if values < PARALLEL_VALUES || hi - lo < 2 {
+        return (lo..hi).all(|b| {
+            let start = table[b] as usize * bw;
+            job(&mut pool[start..start + bw], b)
+        });
+    }
+    // Every block must lie in the pool before any is handed out.
+    if (lo..hi).any(|b| (table[b] as usize + 1) * bw > pool.len()) {
+        return false;
+    }
+    let base = PoolPtr(pool.as_mut_ptr(), pool.len());
+    (lo..hi).into_par_iter().all(|b| {
+        // SAFETY: in bounds (checked above) and disjoint from every other
+        // job's block (`PoolPtr`); `pool` is borrowed mutably for the call.
+        let block = unsafe { base.part(table[b] as usize * bw, bw) };
+        job(block, b)
+    })
+}
+
 /// Words of a tensor part of one block of the pool.
 fn part_mut<'a>(l: &BlockLayout, pool: &'a mut [u32], block: u32, h: usize, t: Tensor) -> &'a mut [u32] {
     let start = block as usize * l.block_words + l.tensor_offset(h, t);
     &mut pool[start..start + l.tensor(t).words]
+}
+
+/// [`quantize_range`] block by block, blocks in parallel when there are
+/// enough values to pay for it. Each block is handed over as a pool of its
+/// own (table `[0]`, tokens shifted to it, `sinks` shifted alike so that an
+/// error names the true token); the first error in token order wins, as
+/// in one sequential pass.
+#[allow(clippy::too_many_arguments)]
+fn quantize_blocks(
+    s: &Scheme,
+    l: &BlockLayout,
+    t: Tensor,
+    pool: &mut [u32],
+    table: &[u32],
+    range: std::ops::Range<usize>,
+    sinks: usize,
+    src: &(dyn Fn(usize, usize, &mut [f32]) + Sync),
+    codec: Option<&TensorCodec>,
+    means: Option<&[f32]>,
+) -> Result<()> {
+    use rayon::prelude::*;
+    let (bt, bw) = (l.block_tokens, l.block_words);
+    let blocks = range.start / bt..range.end.div_ceil(bt);
+    let values = range.len() * l.shape.kv_heads * l.shape.head_dim;
+    if values < PARALLEL_VALUES || blocks.len() < 2 || blocks.clone().any(|b| (table[b] as usize + 1) * bw > pool.len())
+    {
+        return quantize_range(s, l, t, pool, table, range, sinks, src, codec, means);
+    }
+    let base = PoolPtr(pool.as_mut_ptr(), pool.len());
+    let results: Vec<Result<()>> = blocks
+        .into_par_iter()
+        .map(|b| {
+            let (first, end) = (range.start.max(b * bt), range.end.min((b + 1) * bt));
+            let shift = b * bt;
+            // SAFETY: in bounds (checked above) and disjoint from every
+            // other job's block (`PoolPtr`); `pool` is borrowed mutably.
+            let block = unsafe { base.part(table[b] as usize * bw, bw) };
+            let local = |j: usize, hh: usize, out: &mut [f32]| src(j + shift, hh, out);
+            quantize_range(
+                s,
+                l,
+                t,
+                block,
+                &[0],
+                first - shift..end - shift,
+                sinks + shift,
+                &local,
+                codec,
+                means,
+            )
+        })
+        .collect();
+    results.into_iter().collect()
 }
 
 /// Quantizes relative tokens `range` of tensor `t` into the blocks of `table`,
@@ -945,6 +1360,25 @@ impl<'a> SeqView<'a> {
     }
 }
 
+/// The largest magnitude a (rounded) value of tensor `t` may have, and the
+/// first position held to it; `None` for a `full` tensor.
+pub(crate) fn storable_bound(scheme: &Scheme, t: Tensor) -> Option<(f32, usize)> {
+    let q = scheme.codec(t).quant()?;
+    // A pipeline transforms values before quantizing them: an orthonormal
+    // rotation of `n` channels can grow one by up to sqrt(n), centering
+    // subtracts a mean of up to the limit (and that mean may come from sink
+    // tokens, so those are checked too). Bound the raw values accordingly.
+    let mut limit = quant::storable_limit(q);
+    if let Some(r) = scheme.rotation.filter(|r| r.apply.has(t)) {
+        limit /= (r.block as f32).sqrt();
+    }
+    let centered = scheme.center.is_some_and(|c| c.apply.has(t));
+    if centered {
+        limit /= 2.0;
+    }
+    Some((limit, if centered { 0 } else { scheme.sinks as usize }))
+}
+
 /// Refuses, with [`Error::OutOfRange`], a value that some group of its
 /// tensor could not quantize (its scale or zero point would overflow the
 /// scale dtype): refused later, when it leaves the window, it would wedge
@@ -961,21 +1395,7 @@ pub(crate) fn check_storable(
     d: usize,
 ) -> Result<()> {
     for (t, given) in [(Tensor::Key, given[0]), (Tensor::Value, given[1])] {
-        if let Codec::Quant(q) = scheme.codec(t) {
-            // A pipeline transforms values before quantizing them: an
-            // orthonormal rotation of `n` channels can grow one by up
-            // to sqrt(n), centering subtracts a mean of up to the limit
-            // (and that mean may come from sink tokens, so those are
-            // checked too). Bound the raw values accordingly.
-            let mut limit = quant::storable_limit(q);
-            if let Some(r) = scheme.rotation.filter(|r| r.apply.has(t)) {
-                limit /= (r.block as f32).sqrt();
-            }
-            let centered = scheme.center.is_some_and(|c| c.apply.has(t));
-            if centered {
-                limit /= 2.0;
-            }
-            let first = if centered { 0 } else { scheme.sinks as usize };
+        if let (Codec::Quant(q), Some((limit, first))) = (scheme.codec(t), storable_bound(scheme, t)) {
             for (i, x) in rounded[ti(t)].iter().enumerate() {
                 let token = old_tokens + i / (h * d);
                 if token >= first && x.abs() > limit {

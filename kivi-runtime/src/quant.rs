@@ -52,15 +52,30 @@ impl GroupParams {
     }
 }
 
-/// `lo`/`hi` of a group, then `s = (hi - lo) / (2^b - 1)` and `z = lo`, each
-/// rounded to the scale dtype. Returns the params and `(lo, hi)`.
-pub fn group_params(values: impl IntoIterator<Item = f32>, q: &Quant) -> (GroupParams, f32, f32) {
+/// The least and the greatest of `values` (NaNs skipped), with `-0` below
+/// `+0`: the sign of a zero `lo` or `hi` is stored (as the zero point's
+/// bits), so it is defined here rather than left to the order in which a
+/// compiler or a vector unit compares (`f32::min` may return either zero).
+/// The result does not depend on the order of `values`.
+pub fn group_lo_hi(values: impl IntoIterator<Item = f32>) -> (f32, f32) {
     let mut lo = f32::INFINITY;
     let mut hi = f32::NEG_INFINITY;
     for x in values {
-        lo = lo.min(x);
-        hi = hi.max(x);
+        if x < lo || (x == lo && x.is_sign_negative()) {
+            lo = x;
+        }
+        if x > hi || (x == hi && x.is_sign_positive()) {
+            hi = x;
+        }
     }
+    (lo, hi)
+}
+
+/// `lo`/`hi` of a group ([`group_lo_hi`]), then `s = (hi - lo) / (2^b - 1)`
+/// and `z = lo`, each rounded to the scale dtype. Returns the params and
+/// `(lo, hi)`.
+pub fn group_params(values: impl IntoIterator<Item = f32>, q: &Quant) -> (GroupParams, f32, f32) {
+    let (lo, hi) = group_lo_hi(values);
     let scale = (hi - lo) / q.max_code() as f32;
     (
         GroupParams {
@@ -126,7 +141,54 @@ pub fn sign_vector(seed: u32, d: usize) -> Vec<f32> {
 /// Butterflies in f64, one rounding to f32 at the end (so the result does
 /// not depend on how a caller batches rows).
 fn fwht(x: &mut [f32], block: usize) {
-    let mut buf = vec![0f64; block];
+    // The same body compiled three times: LLVM vectorises the butterflies
+    // under AVX-512 or AVX2, and an f64 add or subtract is the same IEEE
+    // operation in a vector lane as in a scalar register, so every build
+    // gives the same bits (the sums are not reordered).
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f") {
+            // SAFETY: the feature was just detected.
+            return unsafe { fwht_avx512(x, block) };
+        }
+        if is_x86_feature_detected!("avx2") {
+            // SAFETY: as above.
+            return unsafe { fwht_avx2(x, block) };
+        }
+    }
+    fwht_body(x, block)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn fwht_avx512(x: &mut [f32], block: usize) {
+    fwht_body(x, block)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn fwht_avx2(x: &mut [f32], block: usize) {
+    fwht_body(x, block)
+}
+
+#[inline(always)]
+fn fwht_body(x: &mut [f32], block: usize) {
+    // On the stack (blocks are at most MAX_HEAD_DIM = 1024 channels): the
+    // cache rotates every token it quantizes, and a heap buffer per row was
+    // a measurable part of a write. The common blocks (up to 256) zero a
+    // quarter of it.
+    let mut small = [0f64; 256];
+    let mut big;
+    let mut heap = Vec::new();
+    let buf: &mut [f64] = if block <= small.len() {
+        &mut small[..block]
+    } else if block <= 1024 {
+        big = [0f64; 1024];
+        &mut big[..block]
+    } else {
+        heap.resize(block, 0.0);
+        &mut heap
+    };
     let norm = 1.0 / (block as f64).sqrt();
     for chunk in x.chunks_mut(block) {
         for (b, v) in buf.iter_mut().zip(chunk.iter()) {
@@ -135,15 +197,16 @@ fn fwht(x: &mut [f32], block: usize) {
         let mut h = 1;
         while h < block {
             for i in (0..block).step_by(2 * h) {
-                for j in i..i + h {
-                    let (a, b) = (buf[j], buf[j + h]);
-                    buf[j] = a + b;
-                    buf[j + h] = a - b;
+                let (lo, hi) = buf[i..i + 2 * h].split_at_mut(h);
+                for (a, b) in lo.iter_mut().zip(hi.iter_mut()) {
+                    let (x, y) = (*a, *b);
+                    *a = x + y;
+                    *b = x - y;
                 }
             }
             h *= 2;
         }
-        for (v, b) in chunk.iter_mut().zip(&buf) {
+        for (v, b) in chunk.iter_mut().zip(buf.iter()) {
             *v = (*b * norm) as f32;
         }
     }
@@ -190,6 +253,29 @@ pub fn channel_mean<'a>(rows: impl IntoIterator<Item = &'a [f32]>, d: usize, dty
 /// Channels of the `k` entries of largest magnitude in `row`, ascending.
 /// Ties go to the lower channel.
 pub fn top_k_abs(row: &[f32], k: usize) -> Vec<usize> {
+    // A few outliers per token (the presets keep 2 or 4): one pass that
+    // keeps the best `k` so far, best first, instead of sorting every
+    // channel. Same order, so the same channels: a larger magnitude first,
+    // and among equal ones the lower channel (met first, kept ahead).
+    if k <= 16 {
+        let mut best: Vec<(f32, usize)> = Vec::with_capacity(k + 1);
+        for (i, x) in row.iter().enumerate() {
+            let a = x.abs();
+            if best.len() == k
+                && best
+                    .last()
+                    .is_none_or(|w| a.total_cmp(&w.0) != std::cmp::Ordering::Greater)
+            {
+                continue;
+            }
+            let at = best.partition_point(|b| b.0.total_cmp(&a) != std::cmp::Ordering::Less);
+            best.insert(at, (a, i));
+            best.truncate(k);
+        }
+        let mut idx: Vec<usize> = best.into_iter().map(|b| b.1).collect();
+        idx.sort_unstable();
+        return idx;
+    }
     let mut idx: Vec<usize> = (0..row.len()).collect();
     idx.sort_by(|&a, &b| row[b].abs().total_cmp(&row[a].abs()).then(a.cmp(&b)));
     idx.truncate(k);
@@ -219,8 +305,21 @@ pub fn lloyd_group(values: &[f32], q: &Quant, codes: &mut [u32]) -> f32 {
     let levels = kivi_spec::lloyd_max_levels(q.bits).expect("validated: lloyd_max bits have a table");
     let ss: f64 = values.iter().map(|x| (*x as f64) * (*x as f64)).sum();
     let rms = round_to_scale((ss / values.len() as f64).sqrt() as f32, q.scale);
+    // The decision thresholds of `lloyd_encode`, computed once per group
+    // rather than once per value (the same f32 operations, so the same codes).
+    // (Tables have at most 16 levels: Lloyd–Max codes are 1 to 4 bits.)
+    let mut thresholds = [0f32; 15];
+    let nt = levels.len().saturating_sub(1);
+    for (t, w) in thresholds.iter_mut().zip(levels.windows(2)) {
+        *t = (w[0] + w[1]) * 0.5;
+    }
     for (c, x) in codes.iter_mut().zip(values) {
-        *c = lloyd_encode(if rms == 0.0 { 0.0 } else { x / rms }, levels);
+        let y = if rms == 0.0 { 0.0 } else { x / rms };
+        *c = if nt <= thresholds.len() {
+            thresholds[..nt].iter().filter(|t| y > **t).count() as u32
+        } else {
+            lloyd_encode(y, levels)
+        };
     }
     match norm {
         Norm::Rms => rms,
@@ -299,6 +398,13 @@ impl TensorCodec {
             outliers: s.outliers_of(t),
             center: s.center_of(t),
         })
+    }
+
+    /// Uniform levels and no pipeline step (no centering, rotation or
+    /// outliers): the codec of the KIVI presets, which the vectorised
+    /// cache writes (`cpu/write.rs`) handle.
+    pub fn is_plain_uniform(&self) -> bool {
+        self.quant.levels == Levels::Uniform && self.rotation.is_none() && self.outliers == 0 && self.center.is_none()
     }
 
     /// Step 1 and 2 of the pipeline, in place: subtract the mean, rotate.
@@ -457,6 +563,51 @@ mod tests {
     }
 
     #[test]
+    fn hadamard_bits_do_not_depend_on_the_instruction_set() {
+        let mut seed = 0x77u32;
+        for block in [2usize, 8, 64, 256, 512, 1024] {
+            let x: Vec<f32> = (0..2 * block)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 17;
+                    seed ^= seed << 5;
+                    f32::from_bits(0x3000_0000 + seed % 0x1800_0000) * if seed & 1 == 0 { 1.0 } else { -1.0 }
+                })
+                .collect();
+            let (mut a, mut b) = (x.clone(), x.clone());
+            fwht(&mut a, block);
+            fwht_body(&mut b, block);
+            assert!(
+                a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()),
+                "block {block}"
+            );
+        }
+    }
+
+    #[test]
+    fn top_k_selection_equals_the_sort() {
+        let mut seed = 0x51u32;
+        for n in [1usize, 2, 5, 31, 64, 256] {
+            for k in [0usize, 1, 2, 4, 16, 17] {
+                let row: Vec<f32> = (0..n)
+                    .map(|_| {
+                        seed ^= seed << 13;
+                        seed ^= seed >> 17;
+                        seed ^= seed << 5;
+                        // few distinct magnitudes and both zeros: many ties
+                        [0.0, -0.0, 1.0, -1.0, 2.5, -2.5, 0.25][(seed % 7) as usize]
+                    })
+                    .collect();
+                let mut idx: Vec<usize> = (0..n).collect();
+                idx.sort_by(|&a, &b| row[b].abs().total_cmp(&row[a].abs()).then(a.cmp(&b)));
+                idx.truncate(k);
+                idx.sort_unstable();
+                assert_eq!(top_k_abs(&row, k), idx, "n {n} k {k}");
+            }
+        }
+    }
+
+    #[test]
     fn top_k_and_means() {
         assert_eq!(top_k_abs(&[0.5, -3.0, 2.0, 3.0, 0.1], 2), vec![1, 3]);
         assert_eq!(top_k_abs(&[1.0, 1.0, 1.0], 2), vec![0, 1]);
@@ -466,17 +617,10 @@ mod tests {
 
     #[test]
     fn pack_unpack_round_trip_every_width() {
-        let mut seed = 0x9e3779b9u32;
+        let mut rng = crate::rand::Rng::new(0x9e37_79b9);
         for bits in kivi_spec::ALLOWED_BITS {
             for n in [1usize, 7, 31, 32, 33, 100, 128, 257] {
-                let codes: Vec<u32> = (0..n)
-                    .map(|_| {
-                        seed ^= seed << 13;
-                        seed ^= seed >> 17;
-                        seed ^= seed << 5;
-                        seed & ((1 << bits) - 1)
-                    })
-                    .collect();
+                let codes: Vec<u32> = (0..n).map(|_| rng.next_u32() & ((1 << bits) - 1)).collect();
                 let mut words = vec![0xdead_beefu32; n.div_ceil((32 / bits) as usize)];
                 pack(&codes, bits, &mut words);
                 let mut back = vec![0; n];

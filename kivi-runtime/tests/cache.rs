@@ -39,7 +39,7 @@ fn codec_pipelines_stream_equals_prefill_and_the_oracle() {
 }
 
 fn stream_prefill_oracle(all: Vec<Scheme>, min_cases: usize) {
-    let mut rng = Rng(0x5eed);
+    let mut rng = Rng::new(0x5eed);
     let mut cases = 0;
     for s in all {
         for (heads, d) in layouts() {
@@ -101,7 +101,7 @@ fn stream_prefill_oracle(all: Vec<Scheme>, min_cases: usize) {
 
 #[test]
 fn quantized_elements_within_half_step_plus_parameter_rounding() {
-    let mut rng = Rng(42);
+    let mut rng = Rng::new(42);
     for s in schemes() {
         let Some(s) = bound(&s, Heads::Gqa { q: 4, kv: 2 }, 64) else {
             continue;
@@ -154,7 +154,7 @@ fn quantized_elements_within_half_step_plus_parameter_rounding() {
 fn blocks_are_reused_after_free_without_leaking() {
     let s = presets::kivi2().with_shape(Heads::Gqa { q: 4, kv: 2 }, 64).unwrap();
     let row = 2 * 64;
-    let mut rng = Rng(7);
+    let mut rng = Rng::new(7);
     let mut c = PagedCache::new(
         s.clone(),
         CacheConfig {
@@ -205,7 +205,7 @@ fn blocks_are_reused_after_free_without_leaking() {
 
 #[test]
 fn memory_report_is_the_sum_of_allocations() {
-    let mut rng = Rng(3);
+    let mut rng = Rng::new(3);
     for s in schemes().into_iter().chain(codec_schemes()) {
         let Some(s) = bound(&s, Heads::Gqa { q: 8, kv: 4 }, 128) else {
             continue;
@@ -294,7 +294,7 @@ fn snapshot(c: &PagedCache, id: SeqId) -> (Vec<f32>, Vec<f32>, MemoryReport, usi
 fn bad_input_is_refused_and_changes_nothing() {
     let s = presets::kivi2().with_shape(Heads::Mha(2), 32).unwrap();
     let row = 64;
-    let mut rng = Rng(9);
+    let mut rng = Rng::new(9);
     let mut c = PagedCache::new(
         s.clone(),
         CacheConfig {

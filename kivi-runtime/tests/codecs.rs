@@ -35,7 +35,7 @@ fn mse(a: &[f32], b: &[f32]) -> f64 {
 fn lloyd_max_distortion_matches_max_1960() {
     // MSE of the optimal quantizer of N(0, 1) (Max 1960, Table I).
     let theory = [(1, 0.3634), (2, 0.1175), (3, 0.03454), (4, 0.009497)];
-    let mut rng = Rng(17);
+    let mut rng = Rng::new(17);
     let x = gaussian(&mut rng, 2000 * 256);
     for (bits, want) in theory {
         let s = scheme(
@@ -65,7 +65,7 @@ fn lloyd_max_distortion_matches_max_1960() {
 
 #[test]
 fn l2_norm_keeps_each_group_norm() {
-    let mut rng = Rng(5);
+    let mut rng = Rng::new(5);
     let x = gaussian(&mut rng, 50 * 64);
     let s = scheme(
         "L { key: quant(bits = 2, axis = token, group = 64, levels = lloyd_max, norm = l2, scale = f32), value: full, dtype: f32 }",
@@ -82,7 +82,7 @@ fn l2_norm_keeps_each_group_norm() {
 fn outliers_come_back_to_the_activation_dtype() {
     // One huge entry per token: without outlier storage it wrecks its group;
     // with it, it is exact to f16 and the rest of the group is better too.
-    let mut rng = Rng(9);
+    let mut rng = Rng::new(9);
     let d = 64;
     let mut x = gaussian(&mut rng, 40 * d);
     for t in 0..40 {
@@ -117,7 +117,7 @@ fn outliers_come_back_to_the_activation_dtype() {
 fn centering_and_rotation_are_undone() {
     // A large per-channel offset (what Gemma's keys carry): centering takes
     // it out before quantizing, so the error is that of the small part.
-    let mut rng = Rng(11);
+    let mut rng = Rng::new(11);
     let d = 128;
     let t = 300;
     let mut x = gaussian(&mut rng, t * d);

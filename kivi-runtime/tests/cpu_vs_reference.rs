@@ -5,6 +5,7 @@
 //! Tolerance: max |cpu - ref| <= 1e-5 * max |ref| over each output.
 
 use kivi_runtime::cpu::Isa;
+use kivi_runtime::rand::Rng;
 use kivi_runtime::*;
 use kivi_spec::{presets, Axis, Codec, Dtype, Flush, Heads, Levels, Quant, ScaleDtype, Scheme};
 
@@ -19,16 +20,6 @@ fn layouts() -> [Heads; 4] {
     ]
 }
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
-
 /// Keys with per-channel offsets and scales (what makes channel-axis
 /// quantization matter) and a few outlier tokens; plain noise for values.
 fn tensor(rng: &mut Rng, tokens: usize, hkv: usize, d: usize, key: bool) -> Vec<f32> {
@@ -39,7 +30,7 @@ fn tensor(rng: &mut Rng, tokens: usize, hkv: usize, d: usize, key: bool) -> Vec<
                 let base = if key { ((c * 7) % 5) as f32 - 2.0 } else { 0.0 };
                 let amp = if key { 0.5 + (c % 3) as f32 } else { 1.0 };
                 let spike = if t % 97 == 5 { 3.0 } else { 1.0 };
-                x.push(base + amp * spike * rng.next());
+                x.push(base + amp * spike * rng.f32());
             }
         }
     }
@@ -65,7 +56,7 @@ fn check(s: &Scheme, heads: Heads, d: u32, lens: &[usize], params: &[CpuParams],
     let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
     let total: usize = lens.iter().sum();
     let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(total + 64 * lens.len())).unwrap();
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let mut seqs = Vec::new();
     for (i, &n) in lens.iter().enumerate() {
         let id = cache.add_sequence();
@@ -83,7 +74,7 @@ fn check(s: &Scheme, heads: Heads, d: u32, lens: &[usize], params: &[CpuParams],
         }
         seqs.push(id);
     }
-    let q: Vec<f32> = (0..lens.len() * hq * d).map(|_| 2.0 * rng.next()).collect();
+    let q: Vec<f32> = (0..lens.len() * hq * d).map(|_| 2.0 * rng.f32()).collect();
     let attn = AttnParams::of(&s, shape);
     let want = ReferenceBackend.decode(&cache, &seqs, &q, attn).unwrap();
     for p in params {

@@ -131,7 +131,7 @@ fn extend_on(cuda: &Arc<dyn Device>) {
         let cfg = CacheConfig::for_tokens(4096);
         let mut host = PagedCache::new(s.clone(), cfg).unwrap();
         let mut dev = DeviceCache::new(cuda.clone(), s, lens.len(), 600, cfg).unwrap();
-        let mut rng = Rng(40 + i as u64);
+        let mut rng = Rng::new(40 + i as u64);
         let ids: Vec<u64> = lens.iter().map(|_| host.add_sequence()).collect();
         // prefill: one batch of unequal lengths
         let ks: Vec<Vec<f32>> = lens.iter().map(|&t| rng.vec(t * row)).collect();
@@ -192,7 +192,7 @@ fn bad_extend_on(cuda: &Arc<dyn Device>) {
     let row = 3 * 96;
     let cfg = CacheConfig::for_tokens(1024);
     let mut dev = DeviceCache::new(cuda.clone(), &s, 1, 300, cfg).unwrap();
-    let mut rng = Rng(5);
+    let mut rng = Rng::new(5);
     dev.extend(&[10], &rng.vec(10 * row), &rng.vec(10 * row)).unwrap();
     let before = dev.download_pool().unwrap();
     let mut k = rng.vec(row);
@@ -227,7 +227,7 @@ fn undo_on(cuda: &Arc<dyn Device>) {
     let mut dev = DeviceCache::new(cuda.clone(), &s, 2, 500, cfg).unwrap();
     let mut host = PagedCache::new(s.clone(), cfg).unwrap();
     let ids = [host.add_sequence(), host.add_sequence()];
-    let mut rng = Rng(9);
+    let mut rng = Rng::new(9);
     let (k, v) = (rng.vec(2 * 45 * row), rng.vec(2 * 45 * row));
     dev.extend(&[45, 45], &k, &v).unwrap();
     for b in 0..2 {
@@ -335,7 +335,7 @@ fn every_prefill_and_append_variant_matches_paged_cache() {
                     let mut host = PagedCache::new(s.clone(), cfg).unwrap();
                     let mut dc = DeviceCache::new(dev.clone(), s, lens.len(), 200, cfg).unwrap();
                     let ids: Vec<u64> = lens.iter().map(|_| host.add_sequence()).collect();
-                    let mut rng = Rng(1000 + 10 * i as u64 + j as u64);
+                    let mut rng = Rng::new(1000 + 10 * i as u64 + j as u64);
                     let ks: Vec<Vec<f32>> = lens.iter().map(|&t| rng.vec(t * row)).collect();
                     let vs: Vec<Vec<f32>> = lens.iter().map(|&t| rng.vec(t * row)).collect();
                     for (b, &id) in ids.iter().enumerate() {

@@ -7,25 +7,13 @@
 //! CPU tolerance, as for decode: max |cpu - ref| <= 1e-5 * max |ref| over
 //! each query's output row.
 
+use kivi_runtime::rand::Rng;
 use kivi_runtime::reference::{self, QueryView};
 use kivi_runtime::*;
 use kivi_spec::{presets, Axis, Codec, Dtype, Flush, Heads, Quant, ScaleDtype, Scheme, Tensor};
 
 const PASTS: [usize; 6] = [0, 1, 31, 33, 127, 1000];
 const BLOCKS: [usize; 5] = [1, 2, 7, 33, 128];
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    fn vec(&mut self, len: usize, amp: f32) -> Vec<f32> {
-        (0..len).map(|_| amp * self.next()).collect()
-    }
-}
 
 /// Keys with per-channel offsets and scales and a few spiky tokens (what
 /// makes the quantized and full-precision views differ), noise for values.
@@ -37,7 +25,7 @@ fn tensor(rng: &mut Rng, tokens: usize, hkv: usize, d: usize, key: bool) -> Vec<
                 let base = if key { ((c * 7) % 5) as f32 - 2.0 } else { 0.0 };
                 let amp = if key { 0.5 + (c % 3) as f32 } else { 1.0 };
                 let spike = if t % 97 == 5 { 3.0 } else { 1.0 };
-                x.push(base + amp * spike * rng.next());
+                x.push(base + amp * spike * rng.f32());
             }
         }
     }
@@ -57,7 +45,7 @@ struct Case {
 fn cases(s: &Scheme, shapes: &[(usize, usize)], seed: u64) -> Vec<Case> {
     let shape = s.shape().unwrap();
     let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     shapes
         .iter()
         .map(|&(past, n)| Case {
@@ -65,7 +53,7 @@ fn cases(s: &Scheme, shapes: &[(usize, usize)], seed: u64) -> Vec<Case> {
             n,
             k: tensor(&mut rng, past + n, hkv, d, true),
             v: tensor(&mut rng, past + n, hkv, d, false),
-            q: rng.vec(n * hq * d, 2.0),
+            q: rng.vec(n * hq * d).iter().map(|x| 2.0 * x).collect(),
         })
         .collect()
 }

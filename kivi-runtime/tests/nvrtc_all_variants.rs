@@ -1,4 +1,5 @@
-//! Every variant of every kernel of every preset, at three head layouts,
+//! Every variant of every kernel of every preset, at three head layouts
+//! (and of the codec-pipeline presets and schemes where they bind),
 //! compiled by NVRTC for sm_80 and sm_90 to PTX and CUBIN, with the resource
 //! use ptxas reports (registers, spills, shared memory). No GPU needed.
 //!
@@ -12,12 +13,13 @@
 //! go through the artifact cache (`$KIVI_CACHE_DIR`, else `~/.cache/kivi`),
 //! so a second run is quick.
 
+mod codec_util;
+
 use kivi_runtime::cuda::{ptxas, Arch, Compiler, NvrtcOptions, Origin};
 use kivi_spec::{presets, Heads, Scheme};
 use kivi_templates::{generate, variants, Kernel};
 use rayon::prelude::*;
 use std::collections::BTreeMap;
-use std::fmt::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -64,23 +66,6 @@ struct Row {
     resources: Vec<ptxas::Resources>,
     error: Option<String>,
     ptx: String,
-}
-
-fn json_str(s: &str) -> String {
-    let mut o = String::from("\"");
-    for c in s.chars() {
-        match c {
-            '"' => o.push_str("\\\""),
-            '\\' => o.push_str("\\\\"),
-            '\n' => o.push_str("\\n"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(o, "\\u{:04x}", c as u32);
-            }
-            c => o.push(c),
-        }
-    }
-    o.push('"');
-    o
 }
 
 fn target_dir() -> PathBuf {
@@ -133,6 +118,38 @@ fn every_variant_compiles_for_sm80_and_sm90() {
             }
         }
     }
+    // The codec pipeline: every variant of the pipeline presets where they
+    // bind (head_dim 256), and of each codec scheme of `device_codecs` at
+    // the first layout it binds.
+    let mut pipeline = 0;
+    let codecs: Vec<Scheme> = presets::pipeline()
+        .iter()
+        .filter_map(|p| p.with_shape(Heads::Mqa(4), 256).ok())
+        .chain(
+            codec_util::codec_schemes()
+                .into_iter()
+                .filter_map(|c| LAYOUTS.iter().find_map(|&(h, d)| c.with_shape(h, d).ok())),
+        )
+        .collect();
+    assert!(codecs.len() >= 10, "{} codec schemes bound", codecs.len());
+    for s in codecs {
+        for kernel in Kernel::ALL {
+            let vs = variants(&s, kernel);
+            assert!(!vs.is_empty(), "{}: no {kernel} variants", s.name);
+            for v in vs {
+                for &arch in &archs {
+                    pipeline += 1;
+                    jobs.push(Job {
+                        scheme: s.clone(),
+                        kernel,
+                        variant: v,
+                        arch,
+                    });
+                }
+            }
+        }
+    }
+    report!("nvrtc_all_variants: {pipeline} of the jobs are codec-pipeline kernels");
     let rows: Vec<Row> = jobs
         .par_iter()
         .map(|j| {
@@ -252,40 +269,40 @@ fn every_variant_compiles_for_sm80_and_sm90() {
             e.3 += 1;
         }
     }
-    let mut json = String::new();
-    let _ = writeln!(json, "{{\n  \"nvrtc\": {},", json_str(compiler.version()));
-    let _ = writeln!(json, "  \"wall_seconds\": {wall:.3},");
-    let _ = writeln!(json, "  \"variants\": [");
-    for (i, r) in rows.iter().enumerate() {
-        let res: Vec<String> = r
-            .resources
-            .iter()
-            .map(|x| {
-                format!(
-                    "{{\"function\": {}, \"registers\": {}, \"spill_stores\": {}, \"spill_loads\": {}, \"stack_frame\": {}, \"shared\": {}, \"cmem0\": {}}}",
-                    json_str(&x.function),
-                    x.registers,
-                    x.spill_stores,
-                    x.spill_loads,
-                    x.stack_frame,
-                    x.shared,
-                    x.cmem0
-                )
+    let variants: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|r| {
+            let res: Vec<serde_json::Value> = r
+                .resources
+                .iter()
+                .map(|x| {
+                    serde_json::json!({
+                        "function": x.function,
+                        "registers": x.registers,
+                        "spill_stores": x.spill_stores,
+                        "spill_loads": x.spill_loads,
+                        "stack_frame": x.stack_frame,
+                        "shared": x.shared,
+                        "cmem0": x.cmem0,
+                    })
+                })
+                .collect();
+            serde_json::json!({
+                "name": r.name,
+                "arch": r.arch.name(),
+                "origin": r.origin,
+                "seconds": r.seconds,
+                "error": r.error,
+                "resources": res,
             })
-            .collect();
-        let _ = writeln!(
-            json,
-            "    {{\"name\": {}, \"arch\": {}, \"origin\": {}, \"seconds\": {:.4}, \"error\": {}, \"resources\": [{}]}}{}",
-            json_str(&r.name),
-            json_str(&r.arch.name()),
-            json_str(r.origin),
-            r.seconds,
-            r.error.as_deref().map_or("null".to_string(), json_str),
-            res.join(", "),
-            if i + 1 == rows.len() { "" } else { "," }
-        );
-    }
-    let _ = writeln!(json, "  ]\n}}");
+        })
+        .collect();
+    let report = serde_json::json!({
+        "nvrtc": compiler.version(),
+        "wall_seconds": wall,
+        "variants": variants,
+    });
+    let json = serde_json::to_string_pretty(&report).expect("a JSON value serializes");
     let path = target_dir().join("kivi-nvrtc-report.json");
     let _ = std::fs::create_dir_all(target_dir());
     std::fs::write(&path, json).expect("write the report");

@@ -325,7 +325,7 @@ fn prefill_ok(s: &Scheme, k: &SimExtend, lens: &[usize], seed: u64) -> Result<()
     let row = shape.kv_heads * shape.head_dim;
     let total: usize = lens.iter().sum();
     let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(total + 64 * lens.len())).unwrap();
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let (mut ks, mut vs, mut ids) = (Vec::new(), Vec::new(), Vec::new());
     for &t in lens {
         let kk = rng.vec(t * row);
@@ -363,7 +363,7 @@ fn append_ok(s: &Scheme, k: &SimExtend, starts: &[usize], steps: usize, seed: u6
     let shape = s.shape().unwrap();
     let row = shape.kv_heads * shape.head_dim;
     let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(2048)).unwrap();
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let mut ids = Vec::new();
     for &t in starts {
         let id = cache.add_sequence();
@@ -486,4 +486,90 @@ fn barrier_sites_are_found_in_template_order() {
     assert_eq!(m.source.lines().count(), g.source.lines().count());
     assert_eq!(sites(&m.source).len(), 5);
     assert_ne!(m.hash, g.hash);
+}
+
+/// The codec pipeline's barriers (`kivi_codec_decode.cuh`,
+/// `kivi_codec_extend.cuh`, pasted only into pipeline schemes' sources):
+/// the same deletion rule, on one scheme that takes every step — Lloyd–Max
+/// l2 keys and channel-axis values, both rotated with a sign flip, with
+/// outliers and centered — for the default decode variant and a one-split
+/// one, and the default prefill and append kernels.
+#[test]
+fn deleting_any_codec_pipeline_barrier_that_orders_something_is_caught() {
+    let t = std::time::Instant::now();
+    let s = scheme(
+        "codecmix { key: quant(bits = 2, axis = token, group = 32, levels = lloyd_max, norm = l2), \
+         value: quant(bits = 2, axis = channel, group = 16), \
+         rotation: hadamard(block = 32, apply = [key, value], signs = 3), \
+         outliers: sparse(per_token = 2, apply = [key, value]), \
+         center: channel_mean(tokens = 12, apply = [key, value]), residual: 16, sinks: 2 }",
+    )
+    .with_shape(Heads::Gqa { q: 8, kv: 2 }, 64)
+    .unwrap();
+    let with_mutants = |g: Generated| -> (Generated, Mutants) {
+        let muts = sites(&g.source)
+            .into_iter()
+            .filter(|site| site.file.starts_with("kivi_codec_"))
+            .map(|site| {
+                let m = mutant(&g, &site);
+                (site, m)
+            })
+            .collect();
+        (g, muts)
+    };
+    let mut jobs: Vec<(Kernel, Generated, Mutants)> = Vec::new();
+    for v in [default_variant(&s, Kernel::Decode), variant("t64.tile32.s1.h1.w1.u1")] {
+        let (g, m) = with_mutants(generate(&s, Kernel::Decode, &v).unwrap());
+        jobs.push((Kernel::Decode, g, m));
+    }
+    for k in [Kernel::Prefill, Kernel::Append] {
+        let (g, m) = with_mutants(generate(&s, k, &default_variant(&s, k)).unwrap());
+        jobs.push((k, g, m));
+    }
+    let all: Vec<&Generated> = jobs
+        .iter()
+        .flat_map(|(_, g, ms)| std::iter::once(g).chain(ms.iter().map(|(_, m)| m)))
+        .collect();
+    let lib = compile(&all).unwrap();
+    let compiled = t.elapsed();
+    let b = Batch::new(&s, &DECODE_LENS, 90, true);
+    let want = b.reference(AttnParams::of(&s, s.shape().unwrap()));
+    let (mut dec, mut ext) = (Tally::default(), Tally::default());
+    for (i, (kernel, g, muts)) in jobs.iter().enumerate() {
+        let seed = 95 + i as u64;
+        let check = |g: &Generated| -> Result<(), String> {
+            match kernel {
+                Kernel::Decode => decode_ok(&s, g, &lib, &b, &want),
+                _ => {
+                    let k = SimExtend::with_library(&s, g.clone(), lib.clone()).map_err(|e| e.to_string())?;
+                    if *kernel == Kernel::Prefill {
+                        prefill_ok(&s, &k, &[1, 31, 33, 127, 301], seed)
+                    } else {
+                        // from empty through the centering tokens, and flushes
+                        append_ok(&s, &k, &[0, 11, 17, 40], 3, seed)
+                    }
+                }
+            }
+        };
+        let fails = under_schedules(|| check(g));
+        assert!(fails.is_empty(), "{} fails without any deletion: {fails:?}", g.name);
+        let tally = if *kernel == Kernel::Decode { &mut dec } else { &mut ext };
+        for (site, m) in muts {
+            tally.add(site, under_schedules(|| check(m)));
+        }
+    }
+    report(&format!(
+        "sim: codec-pipeline barrier deletions: {} sources, {} mutants, compile {compiled:.1?}, total {:.1?}",
+        jobs.len(),
+        jobs.iter().map(|j| j.2.len()).sum::<usize>(),
+        t.elapsed()
+    ));
+    assert!(
+        dec.rows.len() >= 5 && ext.rows.len() >= 4,
+        "{} / {}",
+        dec.rows.len(),
+        ext.rows.len()
+    );
+    dec.check("codec decode", &["kivi_codec_decode.cuh"]);
+    ext.check("codec prefill/append", &["kivi_codec_extend.cuh"]);
 }

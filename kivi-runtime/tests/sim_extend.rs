@@ -31,7 +31,7 @@ fn check_prefill(s: &Scheme, kernel: &SimExtend, lens: &[usize], seed: u64) {
     let row = shape.kv_heads * shape.head_dim;
     let total: usize = lens.iter().sum();
     let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(total + 64 * lens.len())).unwrap();
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let mut ks = Vec::new();
     let mut vs = Vec::new();
     let mut ids = Vec::new();
@@ -75,7 +75,7 @@ fn check_append(s: &Scheme, kernel: &SimExtend, starts: &[usize], steps: usize, 
     let shape = s.shape().unwrap();
     let row = shape.kv_heads * shape.head_dim;
     let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(4096)).unwrap();
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let mut ids = Vec::new();
     for &t in starts {
         let id = cache.add_sequence();

@@ -80,15 +80,13 @@ extern "C" __global__ void partial_shuffle(int* __restrict__ out) {
 #[test]
 fn f16_conversions_match_the_half_crate_bit_for_bit() {
     let n = 65536usize;
-    let mut seed = 0x1234_5678u32;
+    let mut rng = kivi_runtime::rand::Rng::new(0x1234_5678);
     // Every f16 pattern's value, then random and edge-case floats around the f16 range.
     let mut x: Vec<f32> = (0..n as u32 / 2)
         .map(|i| half::f16::from_bits(i as u16).to_f32())
         .collect();
     while x.len() < n {
-        seed ^= seed << 13;
-        seed ^= seed >> 17;
-        seed ^= seed << 5;
+        let seed = rng.next_u32();
         let e = (seed % 60) as i32 - 30; // 2^-30 .. 2^30: subnormals, overflow
         let m = 1.0 + (seed >> 8) as f32 / (1u32 << 24) as f32;
         let sign = if seed & 1 == 0 { 1.0 } else { -1.0 };

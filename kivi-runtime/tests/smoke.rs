@@ -1,21 +1,14 @@
 use kivi_runtime::*;
 use kivi_spec::{presets, Heads, Tensor};
 
-fn rng(seed: &mut u64) -> f32 {
-    *seed ^= *seed << 13;
-    *seed ^= *seed >> 7;
-    *seed ^= *seed << 17;
-    ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-}
-
 #[test]
 fn smoke_cache_matches_reference() {
     let s = presets::kivi2().with_shape(Heads::Gqa { q: 8, kv: 2 }, 64).unwrap();
     let t = 300;
-    let mut seed = 7u64;
-    let k: Vec<f32> = (0..t * 2 * 64).map(|_| rng(&mut seed)).collect();
-    let v: Vec<f32> = (0..t * 2 * 64).map(|_| rng(&mut seed)).collect();
-    let q: Vec<f32> = (0..8 * 64).map(|_| rng(&mut seed)).collect();
+    let mut rng = rand::Rng::new(7);
+    let k: Vec<f32> = (0..t * 2 * 64).map(|_| rng.f32()).collect();
+    let v: Vec<f32> = (0..t * 2 * 64).map(|_| rng.f32()).collect();
+    let q: Vec<f32> = (0..8 * 64).map(|_| rng.f32()).collect();
     let mut c = PagedCache::new(s.clone(), CacheConfig::for_tokens(1000)).unwrap();
     let a = c.add_sequence();
     for i in 0..t {

@@ -1,4 +1,4 @@
-//! The one scheme loader: what a scheme argument (`kivi show ARG`,
+//! The one scheme loader: what a scheme argument (`kivi show --scheme ARG`,
 //! `kivi tune --scheme ARG`, `kivi eval --schemes ARG,...`, a library
 //! caller) means.
 //!

@@ -74,10 +74,25 @@ fn err<T>(span: Span, msg: impl std::fmt::Display) -> syn::Result<T> {
     Err(syn::Error::new(span, msg))
 }
 
+/// Refuses a Rust type suffix on a number (`300u8`, `0.5f32`): syn parses
+/// the digits and keeps the suffix aside, so without this `300u8` would
+/// read as 300 — a scheme's numbers are plain.
+fn no_suffix(span: Span, text: String, suffix: &str, digits: &str) -> syn::Result<()> {
+    if suffix.is_empty() {
+        Ok(())
+    } else {
+        err(
+            span,
+            format!("`{text}` has a type suffix `{suffix}`; numbers in a scheme are plain, e.g. `{digits}`"),
+        )
+    }
+}
+
 fn parse_u32(input: ParseStream, what: &str) -> syn::Result<(u32, Span)> {
     let lit: LitInt = input
         .parse()
         .map_err(|e| syn::Error::new(e.span(), format!("expected an integer for {what}")))?;
+    no_suffix(lit.span(), lit.to_string(), lit.suffix(), lit.base10_digits())?;
     let v = lit
         .base10_parse::<u32>()
         .map_err(|_| syn::Error::new(lit.span(), format!("{what} = {lit} is not a valid size")))?;
@@ -477,6 +492,11 @@ fn parse_number(input: ParseStream) -> syn::Result<(f32, Span)> {
     let lit: syn::Lit = input
         .parse()
         .map_err(|e| syn::Error::new(e.span(), "expected a positive number"))?;
+    match &lit {
+        syn::Lit::Int(i) => no_suffix(i.span(), i.to_string(), i.suffix(), i.base10_digits())?,
+        syn::Lit::Float(f) => no_suffix(f.span(), f.to_string(), f.suffix(), f.base10_digits())?,
+        _ => {}
+    }
     let v = match &lit {
         syn::Lit::Float(f) => f.base10_parse::<f32>()?,
         syn::Lit::Int(i) => i.base10_parse::<f32>()?,

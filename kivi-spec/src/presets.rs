@@ -72,9 +72,7 @@ pub fn f16() -> Scheme {
 /// Chosen by the per-layer attention-output study on a calibration text
 /// (Apache-2.0, not the evaluation text): docs/accuracy.md. Its 256-wide
 /// groups and Hadamard blocks bind to head_dim 256 (Gemma 3) and its
-/// multiples only. Needs the codec
-/// pipeline (reference and CPU backends; not yet the CUDA templates), so it
-/// is in [`pipeline`], not [`all`].
+/// multiples only, so it is in [`pipeline`], not [`all`].
 pub fn codec2() -> Scheme {
     crate::parse_scheme(
         "codec2 {
@@ -115,9 +113,9 @@ pub fn all() -> Vec<Scheme> {
 }
 
 /// The presets that use the codec pipeline (rotations, Lloyd–Max levels,
-/// outliers, centering): the reference and CPU backends run them; the CUDA
-/// templates refuse them (`kivi_templates::check_supported`) until they
-/// learn the pipeline, when they move to [`all`].
+/// outliers, centering). Every backend runs them (the CUDA templates
+/// generate the pipeline); they are kept out of [`all`] because they bind
+/// only head_dims that 256 divides, and [`all`] binds every layout.
 pub fn pipeline() -> Vec<Scheme> {
     vec![codec2(), codec15()]
 }

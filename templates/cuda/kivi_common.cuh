@@ -179,4 +179,53 @@ template <class T> __device__ __forceinline__ u32 encode(float x, float s, float
   return (u32)fminf(fmaxf(c, 0.0f), hi);
 }
 
+// ---- the codec pipeline (kivi_runtime::quant, DESIGN.md §8) ----
+
+// Whether the seeded sign flip negates channel `d`: bit 63 of the (d+1)-th
+// SplitMix64 output from state T::SEED (kivi_runtime::quant::sign_vector,
+// re-derived here rather than shipped as a table).
+template <class T> __device__ __forceinline__ bool flip(int d) {
+  u64 z = T::SEED + (u64)(d + 1) * 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return (z >> 63) != 0;
+}
+
+// What code `c` of tensor T stands for before its group's parameters: the
+// code itself (uniform: x^ = c * s + z) or its Lloyd–Max level (x^ = s * L[c]).
+template <class T> __device__ __forceinline__ float code_level(u32 c) {
+  if constexpr (T::LLOYD) {
+    return T::level(c);
+  } else {
+    return (float)c;
+  }
+}
+
+// Decoded value of code `c` with its group's scale (or norm) and zero point.
+template <class T> __device__ __forceinline__ float dequant(u32 c, float s, float z) {
+  if constexpr (T::LLOYD) {
+    return T::level(c) * s;
+  } else {
+    return fmaf((float)c, s, z);
+  }
+}
+
+// Element `k` of a row stored raw in the activation dtype (16-bit pairs or f32 words).
+template <class C> __device__ __forceinline__ float raw_word_value(const u32* w, int k) {
+  if constexpr (C::ACT == ACT_F32) {
+    return __uint_as_float(w[k]);
+  } else {
+    return Act<C::ACT>::load(half_of(w[k >> 1], k));
+  }
+}
+
+// Outlier `k` of token `off` of a block part: its channel and stored correction.
+template <class C, class T> __device__ __forceinline__ int outlier_channel(const u32* part, int off, int k) {
+  return (int)half_of(part[T::OIDX + off * T::OIW + (k >> 1)], k);
+}
+template <class C, class T> __device__ __forceinline__ float outlier_value(const u32* part, int off, int k) {
+  return raw_word_value<C>(part + T::OVAL + off * T::OVW, k);
+}
+
 }  // namespace kivi

@@ -38,12 +38,20 @@ template <class C, class T> struct Lanes {
   __device__ __forceinline__ static int word(int k, int tl) { return (k * T::TEAM + tl) * C::WIDTH; }
 };
 
+// Code `i` of a word of tensor T.
+template <class T> __device__ __forceinline__ u32 code_at(u32 word, int i) {
+  return (word >> (i * T::BITS)) & ((1u << T::BITS) - 1u);
+}
+
 // q . k for the row `r` of a key, this lane's share, every head of the block.
+// `qr` is the query in the domain the key's codes live in (rotated when the
+// key is); sink and window rows are raw, so a rotated key scores them
+// against the raw query kept in shared memory (`sq_raw`, [H][D], scaled).
 template <class C, int H>
 __device__ __forceinline__ void key_dot(const RowRef<C>& r, int tl,
                                         const float (&qr)[H][Lanes<C, typename C::K>::CH],
                                         const float (&qsum)[H][Lanes<C, typename C::K>::SLOTS],
-                                        float (&s)[H]) {
+                                        const float* sq_raw, float (&s)[H]) {
   typedef typename C::K K;
   typedef Lanes<C, K> L;
 #pragma unroll
@@ -66,28 +74,35 @@ __device__ __forceinline__ void key_dot(const RowRef<C>& r, int tl,
           }
         } else if constexpr (K::TOKEN_AXIS && K::GROUP % K::CPW == 0) {
           // one (s, z) per word: fold them in after the code dot product
+          // (Lloyd–Max: s * (q . L[c]), no zero point)
           const int pi = param_index<C, K>(r.off, d0);
           const float sc = load_param<K>(r.part + K::SCALES, pi);
-          const float zp = load_param<K>(r.part + K::ZEROS, pi);
           float dot[H];
 #pragma unroll
           for (int h = 0; h < H; ++h) dot[h] = 0.0f;
 #pragma unroll
           for (int i = 0; i < K::CPW; ++i) {
-            const float c = word_value<C, K>(wv[j], i);
+            const float c = code_level<K>(code_at<K>(wv[j], i));
 #pragma unroll
             for (int h = 0; h < H; ++h) dot[h] = fmaf(qr[h][slot * K::CPW + i], c, dot[h]);
           }
+          if constexpr (K::LLOYD) {
 #pragma unroll
-          for (int h = 0; h < H; ++h) s[h] += sc * dot[h] + zp * qsum[h][slot];
+            for (int h = 0; h < H; ++h) s[h] += sc * dot[h];
+          } else {
+            const float zp = load_param<K>(r.part + K::ZEROS, pi);
+#pragma unroll
+            for (int h = 0; h < H; ++h) s[h] += sc * dot[h] + zp * qsum[h][slot];
+          }
         } else {
 #pragma unroll
           for (int i = 0; i < K::CPW; ++i) {
             const int d = d0 + i;
             if (d < C::D) {
               const int pi = param_index<C, K>(r.off, d);
-              const float x = fmaf(word_value<C, K>(wv[j], i), load_param<K>(r.part + K::SCALES, pi),
-                                   load_param<K>(r.part + K::ZEROS, pi));
+              float zp = 0.0f;
+              if constexpr (!K::LLOYD) zp = load_param<K>(r.part + K::ZEROS, pi);
+              const float x = dequant<K>(code_at<K>(wv[j], i), load_param<K>(r.part + K::SCALES, pi), zp);
 #pragma unroll
               for (int h = 0; h < H; ++h) s[h] = fmaf(qr[h][slot * K::CPW + i], x, s[h]);
             }
@@ -104,7 +119,15 @@ __device__ __forceinline__ void key_dot(const RowRef<C>& r, int tl,
           if (d < C::D) {
             const float x = Act<C::ACT>::load(r.raw[d]);
 #pragma unroll
-            for (int h = 0; h < H; ++h) s[h] = fmaf(qr[h][(k * C::WIDTH + j) * K::CPW + i], x, s[h]);
+            for (int h = 0; h < H; ++h) {
+              float qv;
+              if constexpr (K::ROT) {
+                qv = sq_raw[h * C::D + d];
+              } else {
+                qv = qr[h][(k * C::WIDTH + j) * K::CPW + i];
+              }
+              s[h] = fmaf(qv, x, s[h]);
+            }
           }
         }
       }
@@ -112,12 +135,17 @@ __device__ __forceinline__ void key_dot(const RowRef<C>& r, int tl,
   }
 }
 
-// acc += p * v for the row `r` of a value, this lane's channels.
-template <class C, int H>
+// acc += p * v for the row `r` of a value, this lane's channels. Quantized
+// rows go to `tq`: for a value with a rotation or centering, a second
+// accumulator in the codec's domain (the split brings it back once at the
+// end); otherwise the caller passes `acc` itself. Raw rows go to `acc`. Outlier corrections are
+// added by the lane that owns their channel.
+template <class C, int H, int QCH>
 __device__ __forceinline__ void value_acc(const RowRef<C>& r, int tl, const float (&p)[H],
-                                          float (&acc)[H][Lanes<C, typename C::V>::CH]) {
+                                          float (&acc)[H][Lanes<C, typename C::V>::CH], float (&tq)[H][QCH]) {
   typedef typename C::V V;
   typedef Lanes<C, V> L;
+  static_assert(QCH == L::CH, "the quantized rows' accumulator has the lane's channels");
 #pragma unroll
   for (int k = 0; k < V::STEPS; ++k) {
     const int w0 = L::word(k, tl);
@@ -133,23 +161,27 @@ __device__ __forceinline__ void value_acc(const RowRef<C>& r, int tl, const floa
         if constexpr (V::QUANT && V::TOKEN_AXIS && V::GROUP % V::CPW == 0) {
           const int pi = param_index<C, V>(r.off, d0);
           sc = load_param<V>(r.part + V::SCALES, pi);
-          zp = load_param<V>(r.part + V::ZEROS, pi);
+          if constexpr (!V::LLOYD) zp = load_param<V>(r.part + V::ZEROS, pi);
         }
 #pragma unroll
         for (int i = 0; i < V::CPW; ++i) {
           const int d = d0 + i;
-          float x = word_value<C, V>(wv[j], i);
+          float x;
           if constexpr (V::QUANT) {
             if constexpr (V::TOKEN_AXIS && V::GROUP % V::CPW == 0) {
-              x = fmaf(x, sc, zp);
+              x = dequant<V>(code_at<V>(wv[j], i), sc, zp);
             } else {
               if (d >= C::D) continue;
               const int pi = param_index<C, V>(r.off, d);
-              x = fmaf(x, load_param<V>(r.part + V::SCALES, pi), load_param<V>(r.part + V::ZEROS, pi));
+              float z = 0.0f;
+              if constexpr (!V::LLOYD) z = load_param<V>(r.part + V::ZEROS, pi);
+              x = dequant<V>(code_at<V>(wv[j], i), load_param<V>(r.part + V::SCALES, pi), z);
             }
+          } else {
+            x = word_value<C, V>(wv[j], i);
           }
 #pragma unroll
-          for (int h = 0; h < H; ++h) acc[h][slot * V::CPW + i] = fmaf(p[h], x, acc[h][slot * V::CPW + i]);
+          for (int h = 0; h < H; ++h) tq[h][slot * V::CPW + i] = fmaf(p[h], x, tq[h][slot * V::CPW + i]);
         }
       }
     } else {
@@ -168,7 +200,44 @@ __device__ __forceinline__ void value_acc(const RowRef<C>& r, int tl, const floa
       }
     }
   }
+  if constexpr (V::OUTL > 0) {
+    if (r.part != nullptr) {
+      for (int o = 0; o < V::OUTL; ++o) {
+        const int ch = outlier_channel<C, V>(r.part, r.off, o);
+        const float corr = outlier_value<C, V>(r.part, r.off, o);
+        // the owning lane, found by comparing against its fixed channels
+        // (a run-time index would move the accumulators to local memory)
+#pragma unroll
+        for (int k = 0; k < V::STEPS; ++k) {
+#pragma unroll
+          for (int j = 0; j < C::WIDTH; ++j) {
+#pragma unroll
+            for (int i = 0; i < V::CPW; ++i) {
+              if ((L::word(k, tl) + j) * V::CPW + i == ch) {
+#pragma unroll
+                for (int h = 0; h < H; ++h) {
+                  float& a = tq[h][(k * C::WIDTH + j) * V::CPW + i];
+                  a = fmaf(p[h], corr, a);
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
 }
+
+// The codec pipeline's decode steps, defined in kivi_codec_decode.cuh
+// (pasted only into sources whose scheme has a pipeline; the calls below
+// sit in `if constexpr` branches that other schemes never instantiate).
+template <class C, int H>
+__device__ void codec_query(const typename C::act_t* __restrict__ q, const typename C::act_t* __restrict__ means_k,
+                            float qscale, float* s_q, float (&qm)[H], int b, int hq0, int hk, int tid);
+template <class C, int H, int CH>
+__device__ void codec_value_split(const float (&accq)[H][CH], float* s_w, float* s_rot, const float* s_lq,
+                                  const typename C::act_t* __restrict__ means_v, int b, int hk, int warp, int lane,
+                                  int vl, int tid);
 
 template <class C>
 __device__ __forceinline__ void decode_kernel(
@@ -176,6 +245,7 @@ __device__ __forceinline__ void decode_kernel(
     const int* __restrict__ seq_lens, const typename C::act_t* __restrict__ q,
     const typename C::act_t* __restrict__ sinks_k, const typename C::act_t* __restrict__ sinks_v,
     const typename C::act_t* __restrict__ ring_k, const typename C::act_t* __restrict__ ring_v,
+    const typename C::act_t* __restrict__ means_k, const typename C::act_t* __restrict__ means_v,
     float sm_scale, int window, float* __restrict__ part_ml, float* __restrict__ part_acc) {
   typedef typename C::K K;
   typedef typename C::V V;
@@ -190,6 +260,16 @@ __device__ __forceinline__ void decode_kernel(
   KIVI_SHARED(float, s_l, [H]);            // running sum of probabilities
   KIVI_SHARED(float, s_corr, [H]);         // rescale of the accumulators for this tile
   KIVI_SHARED(float, s_w, [NWARPS][H][C::D]);  // each warp's summed accumulators
+  // The codec pipeline (each array one float when unused): keys with a
+  // rotation, outliers or centering keep the query in shared memory, raw
+  // [0] and in the key codes' domain [1]; values with a rotation or
+  // centering sum their quantized tokens apart (probability sum s_lq,
+  // accumulator brought back to the raw domain in s_rot).
+  constexpr bool KQ = K::ROT || K::OUTL > 0 || K::CENTER;
+  constexpr bool SPLIT = V::ROT || V::CENTER;
+  KIVI_SHARED(float, s_q, [KQ ? 2 : 1][KQ ? H : 1][KQ ? C::D : 1]);
+  KIVI_SHARED(float, s_lq, [SPLIT ? H : 1]);
+  KIVI_SHARED(float, s_rot, [SPLIT ? H : 1][SPLIT ? C::D : 1]);
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -214,6 +294,8 @@ __device__ __forceinline__ void decode_kernel(
   const int kteam = tid / K::TEAM, kl = tid % K::TEAM;
   const int vteam = tid / V::TEAM, vl = tid % V::TEAM;
   const float qscale = sm_scale * 1.4426950408889634f;
+  float qm[H];  // q . m per head (centered keys)
+  if constexpr (KQ) codec_query<C, H>(q, means_k, qscale, &s_q[0][0][0], qm, b, hq0, hk, tid);
   float qr[H][LK::CH];
   float qsum[H][LK::SLOTS];
 #pragma unroll
@@ -228,7 +310,14 @@ __device__ __forceinline__ void decode_kernel(
 #pragma unroll
         for (int i = 0; i < K::CPW; ++i) {
           const int d = (LK::word(k, kl) + j) * K::CPW + i;
-          const float x = d < C::D ? Act<C::ACT>::load(qh[d]) * qscale : 0.0f;
+          float x = 0.0f;
+          if (d < C::D) {
+            if constexpr (KQ) {
+              x = s_q[1][h][d];  // rotated when the key is
+            } else {
+              x = Act<C::ACT>::load(qh[d]) * qscale;
+            }
+          }
           qr[h][slot * K::CPW + i] = x;
           qsum[h][slot] += x;
         }
@@ -236,13 +325,18 @@ __device__ __forceinline__ void decode_kernel(
     }
   }
   float acc[H][LV::CH];
+  float accq[H][SPLIT ? LV::CH : 1];
 #pragma unroll
-  for (int h = 0; h < H; ++h)
+  for (int h = 0; h < H; ++h) {
 #pragma unroll
     for (int c = 0; c < LV::CH; ++c) acc[h][c] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < (SPLIT ? LV::CH : 1); ++c) accq[h][c] = 0.0f;
+  }
   if (tid < H) {
     s_m[tid] = neg_inf();
     s_l[tid] = 0.0f;
+    if constexpr (SPLIT) s_lq[tid] = 0.0f;
   }
   __syncthreads();
 
@@ -258,7 +352,23 @@ __device__ __forceinline__ void decode_kernel(
       for (int h = 0; h < H; ++h) s[h] = 0.0f;
       if (i < n) {
         const RowRef<C> r = locate<C, K>(t0 + i, qk, pool, table, b, hk, sinks_k, ring_k);
-        key_dot<C, H>(r, kl, qr, qsum, s);
+        key_dot<C, H>(r, kl, qr, qsum, &s_q[0][0][0], s);
+        if constexpr (KQ) {
+          // once per quantized row (one lane of the team): q . m and the
+          // outliers' corrections against the query in the codes' domain
+          if (r.part != nullptr && kl == 0) {
+#pragma unroll
+            for (int h = 0; h < H; ++h) {
+              float extra = 0.0f;
+              if constexpr (K::CENTER) extra = qm[h];
+              for (int o = 0; o < K::OUTL; ++o) {
+                const int ch = outlier_channel<C, K>(r.part, r.off, o);
+                extra = fmaf(s_q[1][h][ch], outlier_value<C, K>(r.part, r.off, o), extra);
+              }
+              s[h] += extra;
+            }
+          }
+        }
       }
 #pragma unroll
       for (int o = K::TEAM / 2; o > 0; o >>= 1)
@@ -278,19 +388,28 @@ __device__ __forceinline__ void decode_kernel(
       for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(KIVI_FULL_MASK, mt, o));
       const float m_old = s_m[h];
       const float m_new = fmaxf(m_old, mt);
-      float sum = 0.0f;
+      float sum = 0.0f, sumq = 0.0f;
       for (int i = lane; i < n; i += 32) {
         const float e = exp2f(s_p[h][i] - m_new);
         s_p[h][i] = e;
         sum += e;
+        if constexpr (SPLIT) {
+          const int j = t0 + i - C::SINKS;  // a quantized value token?
+          if (j >= 0 && j < qv) sumq += e;
+        }
       }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(KIVI_FULL_MASK, sum, o);
+      if constexpr (SPLIT) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sumq += __shfl_xor_sync(KIVI_FULL_MASK, sumq, o);
+      }
       if (lane == 0) {
         const float corr = exp2f(m_old - m_new);  // 0 on the first tile (m_old = -inf)
         s_corr[h] = corr;
         s_l[h] = s_l[h] * corr + sum;
         s_m[h] = m_new;
+        if constexpr (SPLIT) s_lq[h] = s_lq[h] * corr + sumq;
       }
     }
     __syncthreads();
@@ -300,6 +419,10 @@ __device__ __forceinline__ void decode_kernel(
       const float corr = s_corr[h];
 #pragma unroll
       for (int c = 0; c < LV::CH; ++c) acc[h][c] *= corr;
+      if constexpr (SPLIT) {
+#pragma unroll
+        for (int c = 0; c < LV::CH; ++c) accq[h][c] *= corr;
+      }
     }
 #pragma unroll C::UNROLL
     for (int i = vteam; i < n; i += LV::TEAMS) {
@@ -307,11 +430,18 @@ __device__ __forceinline__ void decode_kernel(
 #pragma unroll
       for (int h = 0; h < H; ++h) pr[h] = s_p[h][i];
       const RowRef<C> r = locate<C, V>(t0 + i, qv, pool, table, b, hk, sinks_v, ring_v);
-      value_acc<C, H>(r, vl, pr, acc);
+      if constexpr (SPLIT) {
+        value_acc<C, H, LV::CH>(r, vl, pr, acc, accq);
+      } else {
+        value_acc<C, H, LV::CH>(r, vl, pr, acc, acc);
+      }
     }
     __syncthreads();  // s_p is overwritten by the next tile
   }
 
+  // A rotated or centered value's quantized tokens first: summed into
+  // s_rot and brought back to the raw domain (kivi_codec_decode.cuh).
+  if constexpr (SPLIT) codec_value_split<C, H, LV::CH>(accq, &s_w[0][0][0], &s_rot[0][0], s_lq, means_v, b, hk, warp, lane, vl, tid);
   // Sum the value teams: the teams of a warp take turns adding into the
   // warp's slice of shared memory (no shuffles: a lane may own 100+
   // accumulators), then one pass sums the warps while writing the partial.
@@ -347,6 +477,7 @@ __device__ __forceinline__ void decode_kernel(
     float x = 0.0f;
 #pragma unroll
     for (int w = 0; w < NWARPS; ++w) x += s_w[w][h][d];
+    if constexpr (SPLIT) x += s_rot[h][d];
     part_acc[(row0 + (u64)h * C::SPLITS) * C::D + d] = x;
   }
   if (tid < H) {

@@ -17,7 +17,13 @@
 // shared memory; codes are packed by one thread per word, so no two threads
 // ever write one word. A scale or zero point that overflows its dtype sets
 // status[b] = 1, a non-finite input value status[b] = 2 (PagedCache refuses
-// such an append; so must the caller, and undo what the launch wrote).
+// such an append; so must the caller, and undo what the launch wrote), an
+// outlier correction the activation dtype cannot hold status[b] = 3.
+//
+// A tensor with a codec pipeline (T::PIPE) goes through extend_pipe: its
+// centering means are taken (once the first CENTER_N tokens exist) into
+// the per-sequence `means` buffer, its rows transformed into the `work`
+// scratch, and codes, norms and outliers written from there.
 
 namespace kivi {
 
@@ -54,11 +60,24 @@ __device__ __forceinline__ void store_params(u32* sec, int base, int count, cons
   }
 }
 
+// The codec pipeline's write steps, defined in kivi_codec_extend.cuh
+// (pasted only into sources whose scheme has a pipeline; the call below
+// sits in an `if constexpr` branch other schemes never instantiate): the
+// centering means once the first CENTER_N tokens exist, then relative
+// tokens [q0, q1) centered, rotated, outliers taken out, quantized.
+template <class C, class T, class X>
+__device__ void extend_codec(u32* __restrict__ pool, const u32* __restrict__ table, int b, int h, int old, int n,
+                             int q0, int q1, const X& x_at, int max_new, const typename C::act_t* __restrict__ fresh,
+                             const typename C::act_t* sinks, const typename C::act_t* ring,
+                             typename C::act_t* __restrict__ means, float* __restrict__ work, int y, float* s_s,
+                             float* s_z, int* __restrict__ status, int tid);
+
 template <class C, class T>
 __device__ __forceinline__ void extend_tensor(u32* __restrict__ pool, const u32* __restrict__ table, int b, int h,
                                               int old, int n, const typename C::act_t* __restrict__ fresh,
                                               int max_new, typename C::act_t* __restrict__ sinks,
-                                              typename C::act_t* __restrict__ ring, int* __restrict__ status) {
+                                              typename C::act_t* __restrict__ ring, typename C::act_t* __restrict__ means,
+                                              float* __restrict__ work, int y, int* __restrict__ status) {
   typedef typename C::act_t act_t;
   KIVI_SHARED(float, s_s, [C::D]);  // scales of the group(s) being quantized
   KIVI_SHARED(float, s_z, [C::D]);  // zero points
@@ -75,7 +94,10 @@ __device__ __forceinline__ void extend_tensor(u32* __restrict__ pool, const u32*
     if (!is_finite(x)) status[b] = 2;
   }
 
-  if constexpr (!T::QUANT) {
+  if constexpr (T::PIPE) {
+    extend_codec<C, T>(pool, table, b, h, old, n, q0, q1, x_at, max_new, fresh, sinks, ring, means, work, y, s_s, s_z,
+                       status, tid);
+  } else if constexpr (!T::QUANT) {
     // `full`: the rows go to the blocks as they are, two 16-bit values or
     // one f32 per word (the upper half of an odd row's last word is zero).
     for (int e = tid; e < (q1 - q0) * T::WPT; e += C::THREADS) {
@@ -196,16 +218,19 @@ __device__ __forceinline__ void extend_kernel(u32* __restrict__ pool, const u32*
                                               typename C::act_t* __restrict__ sinks_k,
                                               typename C::act_t* __restrict__ sinks_v,
                                               typename C::act_t* __restrict__ ring_k,
-                                              typename C::act_t* __restrict__ ring_v, int* __restrict__ status) {
+                                              typename C::act_t* __restrict__ ring_v,
+                                              typename C::act_t* __restrict__ means_k,
+                                              typename C::act_t* __restrict__ means_v, float* __restrict__ work,
+                                              int* __restrict__ status) {
   const int h = blockIdx.x;
   const int b = blockIdx.z;
   const u32* table = tables + (u64)b * table_stride;
   if (blockIdx.y == 0) {
     extend_tensor<C, typename C::K>(pool, table, b, h, old_lens[b], new_counts[b], k_new, max_new, sinks_k, ring_k,
-                                    status);
+                                    means_k, work, 0, status);
   } else {
     extend_tensor<C, typename C::V>(pool, table, b, h, old_lens[b], new_counts[b], v_new, max_new, sinks_v, ring_v,
-                                    status);
+                                    means_v, work, 1, status);
   }
 }
 

@@ -97,6 +97,8 @@
   static_assert(false, "sim_shim: declare shared memory with KIVI_SHARED(type, name, dims), not __shared__"); \
   static thread_local
 #define __align__(n) alignas(n)
+// Program constants (the Lloyd–Max tables): ordinary read-only data here.
+#define __constant__
 
 struct uint3 { unsigned x, y, z; };
 struct dim3 { unsigned x, y, z; };
@@ -121,6 +123,14 @@ inline float __fsub_rn(float a, float b) { KIVI_SIM_OPAQUE(a); KIVI_SIM_OPAQUE(b
 inline float __fadd_rn(float a, float b) { KIVI_SIM_OPAQUE(a); KIVI_SIM_OPAQUE(b); float r = a + b; KIVI_SIM_OPAQUE(r); return r; }
 inline float __fmul_rn(float a, float b) { KIVI_SIM_OPAQUE(a); KIVI_SIM_OPAQUE(b); float r = a * b; KIVI_SIM_OPAQUE(r); return r; }
 inline float __frcp_rn(float x) { KIVI_SIM_OPAQUE(x); float r = 1.0f / x; KIVI_SIM_OPAQUE(r); return r; }
+// f64 arithmetic of the codec pipeline's writes (Hadamard butterflies,
+// norms, means), kept unfused for the same reason.
+inline double __dadd_rn(double a, double b) { KIVI_SIM_OPAQUE(a); KIVI_SIM_OPAQUE(b); double r = a + b; KIVI_SIM_OPAQUE(r); return r; }
+inline double __dsub_rn(double a, double b) { KIVI_SIM_OPAQUE(a); KIVI_SIM_OPAQUE(b); double r = a - b; KIVI_SIM_OPAQUE(r); return r; }
+inline double __dmul_rn(double a, double b) { KIVI_SIM_OPAQUE(a); KIVI_SIM_OPAQUE(b); double r = a * b; KIVI_SIM_OPAQUE(r); return r; }
+inline double __ddiv_rn(double a, double b) { KIVI_SIM_OPAQUE(a); KIVI_SIM_OPAQUE(b); double r = a / b; KIVI_SIM_OPAQUE(r); return r; }
+inline double __dsqrt_rn(double a) { KIVI_SIM_OPAQUE(a); double r = sqrt(a); KIVI_SIM_OPAQUE(r); return r; }
+inline float __double2float_rn(double a) { KIVI_SIM_OPAQUE(a); float r = (float)a; KIVI_SIM_OPAQUE(r); return r; }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float __expf(float x) { return expf(x); }
 inline float __exp2f(float x) { return exp2f(x); }

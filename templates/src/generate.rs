@@ -5,7 +5,7 @@
 use crate::variant::cpw;
 use crate::{EntryLaunch, Generated, Kernel, LaunchInfo, Param, ParamTy, Variant, TEMPLATES};
 use kivi_spec::layout::{default_block_tokens, window_capacity, BlockLayout, TensorLayout};
-use kivi_spec::{Axis, Codec, Dtype, Flush, Heads, Scheme, Tensor};
+use kivi_spec::{Axis, Codec, Dtype, Flush, Heads, Levels, Norm, Scheme, Tensor};
 use std::fmt::Write;
 
 /// How a team of lanes covers one row of `wpt` words with `width`-word
@@ -35,6 +35,30 @@ pub(crate) fn team_of(wpt: usize, width: usize) -> Team {
     }
 }
 
+/// The pipeline steps of tensor `t` in a kernel name: `.lm` / `.lml2`
+/// (Lloyd–Max, rms / l2 norm), `.h256` (Hadamard block, `x` + seed when
+/// signed), `.o4` (outliers per token), `.m128` (centered on 128 tokens).
+fn pipe_tag(s: &Scheme, t: Tensor) -> String {
+    let mut o = String::new();
+    let Codec::Quant(q) = s.codec(t) else { return o };
+    if let Levels::LloydMax(n) = q.levels {
+        o.push_str(if n == Norm::L2 { ".lml2" } else { ".lm" });
+    }
+    if let Some(r) = s.rotation_of(t) {
+        let _ = write!(o, ".h{}", r.block);
+        if let Some(seed) = r.signs {
+            let _ = write!(o, "x{seed}");
+        }
+    }
+    if s.outliers_of(t) > 0 {
+        let _ = write!(o, ".o{}", s.outliers_of(t));
+    }
+    if let Some(n) = s.center_of(t) {
+        let _ = write!(o, ".m{n}");
+    }
+    o
+}
+
 fn codec_tag(c: &Codec) -> String {
     match c {
         Codec::Full => "full".into(),
@@ -55,7 +79,14 @@ fn codec_tag(c: &Codec) -> String {
 /// `kivi2-k.c.g32.b2-v.t.g32.b2-r128/gqa32x8.d128` (+ `.bt128` when the
 /// block size is not the default).
 pub(crate) fn scheme_tag(s: &Scheme, block_tokens: Option<usize>) -> String {
-    let mut t = format!("{}-k.{}-v.{}", s.name, codec_tag(&s.key), codec_tag(&s.value));
+    let mut t = format!(
+        "{}-k.{}{}-v.{}{}",
+        s.name,
+        codec_tag(&s.key),
+        pipe_tag(s, Tensor::Key),
+        codec_tag(&s.value),
+        pipe_tag(s, Tensor::Value)
+    );
     if s.residual > 0 {
         let _ = write!(t, "-r{}", s.residual);
     }
@@ -176,7 +207,188 @@ fn tensor_cfg(o: &mut String, name: &str, t: Tensor, s: &Scheme, l: &BlockLayout
         let decl = format!("static constexpr {ty} {field} = {value};");
         let _ = writeln!(o, "  {decl:<44} // {what}");
     }
+    let pipe = Pipe::of(s, t, l);
+    let rows: [(&str, &str, String, &str); 16] = [
+        ("bool", "PIPE", pipe.any().to_string(), "any codec pipeline step below"),
+        (
+            "bool",
+            "LLOYD",
+            pipe.lloyd.is_some().to_string(),
+            "Lloyd–Max levels: x^ = s * level(c)",
+        ),
+        (
+            "bool",
+            "L2",
+            pipe.l2.to_string(),
+            "Lloyd–Max norm corrected to the group's L2 norm",
+        ),
+        (
+            "bool",
+            "ROT",
+            pipe.rot_block.is_some().to_string(),
+            "Hadamard-rotated rows",
+        ),
+        (
+            "int",
+            "ROT_BLOCK",
+            pipe.rot_block.unwrap_or(1).to_string(),
+            "channels per Hadamard block",
+        ),
+        (
+            "bool",
+            "SIGNS",
+            pipe.signs.is_some().to_string(),
+            "seeded sign flip before the Hadamard",
+        ),
+        (
+            "unsigned long long",
+            "SEED",
+            pipe.signs.unwrap_or(0).to_string(),
+            "seed of the sign flip",
+        ),
+        (
+            "bool",
+            "CENTER",
+            pipe.center.is_some().to_string(),
+            "per-channel means subtracted",
+        ),
+        (
+            "int",
+            "CENTER_N",
+            pipe.center.unwrap_or(0).to_string(),
+            "tokens the means are taken over",
+        ),
+        ("int", "OUTL", tl.outliers.to_string(), "sparse outliers per token"),
+        (
+            "int",
+            "OIDX",
+            tl.outlier_idx_offset.to_string(),
+            "word offset of the outlier channels (u16 pairs)",
+        ),
+        (
+            "int",
+            "OIW",
+            tl.outlier_idx_words.to_string(),
+            "words of one token's outlier channels",
+        ),
+        (
+            "int",
+            "OVAL",
+            tl.outlier_val_offset.to_string(),
+            "word offset of the outlier corrections (act)",
+        ),
+        (
+            "int",
+            "OVW",
+            tl.outlier_val_words.to_string(),
+            "words of one token's outlier corrections",
+        ),
+        (
+            "int",
+            "UNIT",
+            pipe.unit.to_string(),
+            "rows an extend pipeline transforms at once",
+        ),
+        (
+            "int",
+            "WORK",
+            pipe.work.to_string(),
+            "floats of extend scratch per (sequence, KV head)",
+        ),
+    ];
+    for (ty, field, value, what) in rows {
+        let decl = format!("static constexpr {ty} {field} = {value};");
+        let _ = writeln!(o, "  {decl:<44} // {what}");
+    }
+    if pipe.lloyd.is_some() {
+        let _ = writeln!(
+            o,
+            "  __device__ __forceinline__ static float level(unsigned int c) {{ return {name}_levels[c]; }}"
+        );
+    }
     let _ = writeln!(o, "}};");
+}
+
+/// The codec pipeline of one tensor as the templates see it (all off for a
+/// `full` tensor: the oracle runs no pipeline on those either).
+pub(crate) struct Pipe {
+    pub lloyd: Option<&'static [f32]>,
+    pub l2: bool,
+    pub rot_block: Option<usize>,
+    pub signs: Option<u32>,
+    pub center: Option<usize>,
+    pub outliers: usize,
+    /// Rows the extend kernel transforms at once: a channel group, or up to
+    /// 32 tokens (at most G, so their groups fit the `[D]` staging arrays).
+    pub unit: usize,
+    /// Floats of extend scratch: `UNIT` transformed rows, then per row the
+    /// outliers' channels and original values.
+    pub work: usize,
+}
+
+impl Pipe {
+    pub fn of(s: &Scheme, t: Tensor, l: &BlockLayout) -> Pipe {
+        let d = l.shape.head_dim;
+        let Codec::Quant(q) = s.codec(t) else {
+            return Pipe {
+                lloyd: None,
+                l2: false,
+                rot_block: None,
+                signs: None,
+                center: None,
+                outliers: 0,
+                unit: 1,
+                work: 0,
+            };
+        };
+        let (lloyd, l2) = match q.levels {
+            Levels::Uniform => (None, false),
+            Levels::LloydMax(n) => (kivi_spec::lloyd_max_levels(q.bits), n == Norm::L2),
+        };
+        let rot = s.rotation_of(t);
+        let outliers = l.tensor(t).outliers;
+        let unit = match q.axis {
+            Axis::Channel => q.group as usize,
+            Axis::Token => (q.group as usize).min(32),
+        };
+        let mut p = Pipe {
+            lloyd,
+            l2,
+            rot_block: rot.map(|r| r.block as usize),
+            signs: rot.and_then(|r| r.signs),
+            center: s.center_of(t),
+            outliers,
+            unit,
+            work: 0,
+        };
+        if p.any() {
+            p.work = unit * (d + 2 * outliers);
+        }
+        p
+    }
+    pub fn any(&self) -> bool {
+        self.lloyd.is_some() || self.rot_block.is_some() || self.center.is_some() || self.outliers > 0
+    }
+}
+
+/// Floats of extend scratch one (sequence, KV head) needs: the larger of
+/// the two tensors' `WORK` (the kernel's region stride).
+pub(crate) fn work_floats(s: &Scheme, l: &BlockLayout) -> usize {
+    Pipe::of(s, Tensor::Key, l).work.max(Pipe::of(s, Tensor::Value, l).work)
+}
+
+/// The Lloyd–Max table of a tensor as a constant-memory array, from the
+/// values `kivi_spec::lloyd_max_levels` gives the oracle (not retyped).
+fn levels_table(o: &mut String, name: &str, s: &Scheme, t: Tensor, l: &BlockLayout) {
+    if let Some(levels) = Pipe::of(s, t, l).lloyd {
+        let vals: Vec<String> = levels.iter().map(|x| format!("{x:?}f")).collect();
+        let _ = writeln!(
+            o,
+            "static __constant__ float {name}_levels[{}] = {{{}}};",
+            levels.len(),
+            vals.join(", ")
+        );
+    }
 }
 
 fn p(name: &'static str, ty: ParamTy) -> Param {
@@ -195,6 +407,8 @@ fn decode_params() -> Vec<Param> {
         p("sinks_v", PtrAct),
         p("ring_k", PtrAct),
         p("ring_v", PtrAct),
+        p("means_k", PtrAct),
+        p("means_v", PtrAct),
         p("sm_scale", F32),
         p("window", I32),
         p("part_ml", PtrF32Mut),
@@ -222,6 +436,9 @@ fn extend_params() -> Vec<Param> {
         p("sinks_v", PtrActMut),
         p("ring_k", PtrActMut),
         p("ring_v", PtrActMut),
+        p("means_k", PtrActMut),
+        p("means_v", PtrActMut),
+        p("work", PtrF32Mut),
         p("status", PtrI32Mut),
     ]
 }
@@ -253,10 +470,32 @@ fn entry(o: &mut String, name: &str, threads: u32, params: &[Param], body: &str,
 
 /// Static shared memory of the decode kernel: scores of a tile, the running
 /// max / sum / rescale per head, and one accumulator slice per warp.
-pub(crate) fn decode_shared_bytes(v: &Variant, d: usize) -> usize {
+pub(crate) fn decode_shared_bytes(v: &Variant, s: &Scheme, l: &BlockLayout) -> usize {
+    let d = l.shape.head_dim;
     let h = v.heads_per_block as usize;
     let warps = v.threads as usize / 32;
-    4 * (h * v.tile_tokens as usize + 3 * h + warps * h * d)
+    let base = h * v.tile_tokens as usize + 3 * h + warps * h * d;
+    // The query in both domains (keys with a pipeline), the quantized
+    // tokens' probability sum and accumulator of a split (values rotated or
+    // centered); one float per array when unused (the arrays exist).
+    let (kq, split) = (key_query_shared(s, l), value_split(s, l));
+    let q = if kq { 2 * h * d } else { 1 };
+    let vs = if split { h + h * d } else { 2 };
+    4 * (base + q + vs)
+}
+
+/// Whether the decode kernel keeps the query in shared memory (rotated
+/// keys read the raw query for sink and window rows, outliers read any
+/// channel, centered keys need `q . m`).
+pub(crate) fn key_query_shared(s: &Scheme, l: &BlockLayout) -> bool {
+    let p = Pipe::of(s, Tensor::Key, l);
+    p.rot_block.is_some() || p.outliers > 0 || p.center.is_some()
+}
+
+/// Whether the value's quantized tokens are summed apart (rotated or centered).
+pub(crate) fn value_split(s: &Scheme, l: &BlockLayout) -> bool {
+    let p = Pipe::of(s, Tensor::Value, l);
+    p.rot_block.is_some() || p.center.is_some()
 }
 
 pub(crate) fn combine_threads(d: usize) -> u32 {
@@ -282,7 +521,7 @@ pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant)
     );
     let _ = writeln!(
         o,
-        "//   kivi codegen {} --kernel {} --variant {}",
+        "//   kivi codegen --scheme {} --kernel {} --variant {}",
         s.name,
         kernel.name(),
         v.name()
@@ -298,11 +537,14 @@ pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant)
         let _ = writeln!(o, "//   {}", line.trim());
     }
     let _ = writeln!(o, "#include <cuda_fp16.h>\n");
+    let pipeline = Pipe::of(s, Tensor::Key, l).any() || Pipe::of(s, Tensor::Value, l).any();
     for (file, text) in TEMPLATES {
         let wanted = match file {
             "kivi_common.cuh" => true,
             "kivi_decode.cuh" => kernel == Kernel::Decode,
-            _ => matches!(kernel, Kernel::Prefill | Kernel::Append),
+            "kivi_codec_decode.cuh" => pipeline && kernel == Kernel::Decode,
+            "kivi_codec_extend.cuh" => pipeline && kernel != Kernel::Decode,
+            _ => kernel != Kernel::Decode,
         };
         if wanted {
             let _ = writeln!(o, "// ===== {file} =====");
@@ -311,6 +553,8 @@ pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant)
         }
     }
     let _ = writeln!(o, "// ===== generated configuration =====");
+    levels_table(&mut o, "KeyCfg", s, Tensor::Key, l);
+    levels_table(&mut o, "ValueCfg", s, Tensor::Value, l);
     tensor_cfg(&mut o, "KeyCfg", Tensor::Key, s, l, v, kernel);
     tensor_cfg(&mut o, "ValueCfg", Tensor::Value, s, l, v, kernel);
     let cthreads = combine_threads(d);
@@ -346,6 +590,11 @@ pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant)
     );
     let _ = writeln!(o, "  static constexpr int UNROLL = {};", v.unroll);
     let _ = writeln!(o, "  static constexpr int COMBINE_THREADS = {cthreads};");
+    let _ = writeln!(
+        o,
+        "  static constexpr int WORK = {};  // extend scratch floats per (sequence, tensor, KV head)",
+        work_floats(s, l)
+    );
     let _ = writeln!(o, "  typedef KeyCfg K;\n  typedef ValueCfg V;\n}};\n");
 
     let mut entries = Vec::new();
@@ -368,7 +617,7 @@ pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant)
                     entry: "kivi_decode".into(),
                     block: [v.threads, 1, 1],
                     grid_xy: [v.splits, (shape.kv_heads * group / h) as u32],
-                    shared_bytes: decode_shared_bytes(v, d) as u32,
+                    shared_bytes: decode_shared_bytes(v, s, l) as u32,
                     params: decode_params(),
                 });
             }

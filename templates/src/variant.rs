@@ -4,7 +4,7 @@
 
 use crate::{GenError, Kernel};
 use kivi_spec::layout::BlockLayout;
-use kivi_spec::Shape;
+use kivi_spec::{Scheme, Shape};
 use std::fmt;
 
 /// One point of a kernel's tuning space.
@@ -92,7 +92,7 @@ impl Variant {
 
     /// Why this variant cannot be instantiated for `kernel` on this layout,
     /// or `Ok` when it can.
-    pub fn check(&self, kernel: Kernel, layout: &BlockLayout) -> Result<(), GenError> {
+    pub fn check(&self, kernel: Kernel, scheme: &Scheme, layout: &BlockLayout) -> Result<(), GenError> {
         let shape = layout.shape;
         let invalid = |why: String| {
             Err(GenError::InvalidVariant {
@@ -148,13 +148,13 @@ impl Variant {
         // of the accumulator for every head of the block. Past this budget
         // ptxas spills (measured: 128 floats compile to ~170 registers, 512
         // to 255 registers and 1.8 KB of spills); do not offer such variants.
-        let regs = self.register_floats(layout);
+        let regs = self.register_floats(scheme, layout);
         if regs > MAX_REGISTER_FLOATS {
             return invalid(format!(
                 "{regs} floats of query and accumulator per thread is over the {MAX_REGISTER_FLOATS}-float register budget"
             ));
         }
-        let shared = crate::generate::decode_shared_bytes(self, shape.head_dim);
+        let shared = crate::generate::decode_shared_bytes(self, scheme, layout);
         if shared > 48 * 1024 {
             return invalid(format!(
                 "{shared} bytes of static shared memory is over the 48 KiB limit"
@@ -170,13 +170,21 @@ pub const MAX_REGISTER_FLOATS: usize = 128;
 impl Variant {
     /// Floats of query slice and accumulators per decode thread: heads per
     /// block times the channels a lane owns in a key row and a value row.
-    pub fn register_floats(&self, layout: &BlockLayout) -> usize {
+    /// A value tensor that is rotated or centered keeps a second
+    /// accumulator (its quantized tokens are summed in the codec's domain
+    /// and brought back once per split).
+    pub fn register_floats(&self, scheme: &Scheme, layout: &BlockLayout) -> usize {
         let w = self.load_width.max(1) as usize;
         let k = crate::generate::team_of(layout.key.words_per_token, w)
             .channels(layout.key.words_per_token, cpw(layout, true));
         let v = crate::generate::team_of(layout.value.words_per_token, w)
             .channels(layout.value.words_per_token, cpw(layout, false));
-        self.heads_per_block as usize * (k + v)
+        let accs = if crate::generate::value_split(scheme, layout) {
+            2
+        } else {
+            1
+        };
+        self.heads_per_block as usize * (k + accs * v)
     }
 }
 
@@ -211,7 +219,7 @@ fn head_choices(shape: &Shape) -> Vec<u32> {
 
 /// (heads per block, load width) pairs: for each head count, the widest load
 /// that keeps the thread within the register budget, and single words.
-fn head_width_pairs(layout: &BlockLayout) -> Vec<(u32, u32)> {
+fn head_width_pairs(scheme: &Scheme, layout: &BlockLayout) -> Vec<(u32, u32)> {
     let mut out = Vec::new();
     for h in head_choices(&layout.shape) {
         let fits = |w: u32| {
@@ -223,7 +231,7 @@ fn head_width_pairs(layout: &BlockLayout) -> Vec<(u32, u32)> {
                 load_width: w,
                 unroll: 1,
             };
-            v.check(Kernel::Decode, layout).is_ok()
+            v.check(Kernel::Decode, scheme, layout).is_ok()
         };
         if let Some(w) = [4, 2].into_iter().find(|&w| fits(w)) {
             out.push((h, w));
@@ -234,7 +242,7 @@ fn head_width_pairs(layout: &BlockLayout) -> Vec<(u32, u32)> {
 }
 
 /// The candidate list before validity checks, canonical default first.
-pub(crate) fn space(layout: &BlockLayout, kernel: Kernel) -> Vec<Variant> {
+pub(crate) fn space(scheme: &Scheme, layout: &BlockLayout, kernel: Kernel) -> Vec<Variant> {
     let base = Variant {
         threads: 128,
         tile_tokens: 32,
@@ -249,7 +257,7 @@ pub(crate) fn space(layout: &BlockLayout, kernel: Kernel) -> Vec<Variant> {
             .map(|threads| Variant { threads, ..base })
             .collect(),
         Kernel::Decode => {
-            let pairs = head_width_pairs(layout);
+            let pairs = head_width_pairs(scheme, layout);
             let mut out = Vec::new();
             for (threads, tile_tokens) in [(128, 32), (64, 32), (256, 64)] {
                 for splits in [8, 1] {

@@ -54,7 +54,7 @@ fn launch_shape_follows_the_variant() {
     let d = g.launch.entry("kivi_decode").unwrap();
     assert_eq!(d.block, [64, 1, 1]);
     assert_eq!(d.grid(3, 1000), [8, 8 * 4 / 2, 3]);
-    assert_eq!(d.params.len(), 13);
+    assert_eq!(d.params.len(), 15);
     let c = g.launch.entry("kivi_combine").unwrap();
     assert_eq!(c.grid(3, 1000), [32, 1, 3]);
     assert_eq!(g.launch.part_acc_len(3), 3 * 32 * 8 * 128);
@@ -161,4 +161,62 @@ fn templates_keep_to_what_the_sim_shim_implements() {
             assert!(!text.contains(banned), "{file} uses {banned}");
         }
     }
+}
+
+/// The codec pipeline: only pipeline schemes' sources paste the
+/// `kivi_codec_*` templates; the Lloyd–Max table is the one the oracle
+/// uses (`kivi_spec::lloyd_max_levels`), written as exact f32 literals;
+/// every step is spelled in the kernel name; the variant space is not
+/// empty for the pipeline presets and codec mixes on GQA, MQA and MHA.
+#[test]
+fn pipeline_sources_carry_their_steps_and_tables() {
+    let plain = kivi2();
+    for k in Kernel::ALL {
+        let g = generate(&plain, k, &default_variant(&plain, k)).unwrap();
+        assert!(!g.source.contains("===== kivi_codec_"), "{}", g.name);
+        assert!(!g.source.contains("__constant__"), "{}", g.name);
+    }
+    for h in [Heads::Gqa { q: 8, kv: 2 }, Heads::Mqa(4), Heads::Mha(2)] {
+        let s = presets::codec2().with_shape(h, 256).unwrap();
+        let d = generate(&s, Kernel::Decode, &default_variant(&s, Kernel::Decode)).unwrap();
+        assert!(
+            d.name
+                .starts_with("codec2-k.t.g256.b3.lml2.h256.o4.m128-v.t.g256.b2.lml2.h256-r128-s4/"),
+            "{}",
+            d.name
+        );
+        assert!(d.source.contains("===== kivi_codec_decode.cuh") && !d.source.contains("===== kivi_codec_extend.cuh"));
+        // the 3-bit key table, the 2-bit value table, each value exactly
+        for (tensor, bits) in [("KeyCfg", 3), ("ValueCfg", 2)] {
+            let levels = kivi_spec::lloyd_max_levels(bits).unwrap();
+            let decl = format!("static __constant__ float {tensor}_levels[{}] = {{", levels.len());
+            let at = d.source.find(&decl).unwrap_or_else(|| panic!("{decl}"));
+            let body = &d.source[at + decl.len()..];
+            let body = &body[..body.find('}').unwrap()];
+            let parsed: Vec<f32> = body
+                .split(',')
+                .map(|x| x.trim().trim_end_matches('f').parse().unwrap())
+                .collect();
+            assert_eq!(parsed, levels, "{tensor}");
+        }
+        let p = generate(&s, Kernel::Prefill, &default_variant(&s, Kernel::Prefill)).unwrap();
+        assert!(p.source.contains("===== kivi_codec_extend.cuh") && !p.source.contains("===== kivi_codec_decode.cuh"));
+        for k in Kernel::ALL {
+            assert!(!kivi_templates::variants(&s, k).is_empty(), "{} {k}", s.name);
+        }
+        assert!(kivi_templates::extend_work_floats(&s, Default::default()).unwrap() > 0);
+    }
+    assert_eq!(
+        kivi_templates::extend_work_floats(&plain, Default::default()).unwrap(),
+        0
+    );
+    // a sign seed is in the name (the kernels derive the signs from it)
+    let signed = kivi_spec::parse_scheme(
+        "S { key: quant(bits = 2, axis = channel, group = 32), value: quant(bits = 2, axis = token, group = 32),
+            rotation: hadamard(block = 64, apply = [value], signs = 9), residual: 32, heads: mha(2), head_dim: 64 }",
+    )
+    .unwrap();
+    let g = generate(&signed, Kernel::Decode, &default_variant(&signed, Kernel::Decode)).unwrap();
+    assert!(g.name.starts_with("S-k.c.g32.b2-v.t.g32.b2.h64x9-r32/"), "{}", g.name);
+    assert!(g.source.contains("SEED = 9;"));
 }

@@ -71,33 +71,6 @@ impl fmt::Display for Bucket {
     }
 }
 
-/// Parses `1k`, `4K`, `32768`, `1m` as a token count.
-pub fn parse_count(s: &str) -> Result<usize, String> {
-    let t = s.trim();
-    let (num, mul) = match t.chars().last() {
-        Some('k') | Some('K') => (&t[..t.len() - 1], 1024),
-        Some('m') | Some('M') => (&t[..t.len() - 1], 1024 * 1024),
-        _ => (t, 1),
-    };
-    match num.parse::<usize>() {
-        Ok(n) if n > 0 && n.checked_mul(mul).is_some_and(|v| v <= 1 << 30) => Ok(n * mul),
-        _ => Err(format!("`{s}` is not a positive count (examples: 512, 4k, 32k)")),
-    }
-}
-
-/// Parses a comma-separated list of counts (`1k,4k,32k`).
-pub fn parse_counts(s: &str) -> Result<Vec<usize>, String> {
-    let v: Vec<usize> = s
-        .split(',')
-        .filter(|p| !p.trim().is_empty())
-        .map(parse_count)
-        .collect::<Result<_, _>>()?;
-    if v.is_empty() {
-        return Err(format!("`{s}` names no values"));
-    }
-    Ok(v)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -130,14 +103,5 @@ mod tests {
                 assert_eq!(Bucket::of(1, t, 1).context, b.context);
             }
         }
-    }
-
-    #[test]
-    fn counts_parse() {
-        assert_eq!(parse_counts("1k, 4K,32768").unwrap(), vec![1024, 4096, 32768]);
-        assert!(parse_counts("0").is_err());
-        assert!(parse_counts("abc").is_err());
-        assert!(parse_counts("").is_err());
-        assert!(parse_count("99999999m").is_err());
     }
 }

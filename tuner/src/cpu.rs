@@ -210,19 +210,6 @@ impl Target for CpuTarget {
     }
 }
 
-/// xorshift64*: deterministic inputs without a dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        let x = self.0.wrapping_mul(0x2545_f491_4f6c_dd1d);
-        (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
-
 struct CpuWorkload<'a> {
     target: &'a CpuTarget,
     bucket: Bucket,
@@ -320,19 +307,19 @@ fn bucket_data_with(scheme: &Scheme, bucket: &Bucket, lengths: &[usize], seed: u
     }
     let (hkv, d) = (shape.kv_heads, shape.head_dim);
     let lengths = lengths.to_vec();
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ seed);
+    let mut rng = kivi_runtime::rand::Rng::new(0x9e37_79b9_7f4a_7c15 ^ seed);
     // Keys get a few outlier channels, as real keys do.
     let data: Vec<(Vec<f32>, Vec<f32>)> = lengths
         .iter()
         .map(|&t| {
             let k: Vec<f32> = (0..t * hkv * d)
-                .map(|i| rng.next() * if i % d % 17 == 3 { 6.0 } else { 1.0 })
+                .map(|i| rng.f32() * if i % d % 17 == 3 { 6.0 } else { 1.0 })
                 .collect();
-            let v: Vec<f32> = (0..t * hkv * d).map(|_| rng.next()).collect();
+            let v: Vec<f32> = (0..t * hkv * d).map(|_| rng.f32()).collect();
             (k, v)
         })
         .collect();
-    let q: Vec<f32> = (0..lengths.len() * shape.q_heads * d).map(|_| rng.next()).collect();
+    let q: Vec<f32> = (0..lengths.len() * shape.q_heads * d).map(|_| rng.f32()).collect();
     Ok((lengths, data, q))
 }
 

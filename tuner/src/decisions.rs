@@ -78,9 +78,10 @@ impl Status {
     }
 }
 
-/// Timing summary of one candidate, in seconds per call.
+/// Timing summary of one candidate, in seconds per call (`CandidateTiming`:
+/// the runtime's device `Timing` is the raw event times of one launch set).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Timing {
+pub struct CandidateTiming {
     pub median_s: f64,
     pub p20_s: f64,
     pub p80_s: f64,
@@ -89,7 +90,7 @@ pub struct Timing {
     pub gbps: f64,
 }
 
-impl Timing {
+impl CandidateTiming {
     /// Half the p20..p80 spread relative to the median: this candidate's noise.
     pub fn noise(&self) -> f64 {
         if self.median_s > 0.0 {
@@ -111,7 +112,7 @@ pub struct CandidateRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub timing: Option<Timing>,
+    pub timing: Option<CandidateTiming>,
     /// Static facts (resources, launch shape) shown by `kivi inspect`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub notes: Vec<String>,
@@ -766,7 +767,7 @@ mod tests {
     /// other entries' timings. The workspace enables `float_roundtrip`.
     #[test]
     fn timings_survive_a_read_and_write_bit_for_bit() {
-        let t = Timing {
+        let t = CandidateTiming {
             median_s: 0.01,
             p20_s: 0.009940000000000003,
             p80_s: 0.01006,
@@ -774,7 +775,7 @@ mod tests {
             gbps: 0.1,
         };
         let text = serde_json::to_string(&t).unwrap();
-        let back: Timing = serde_json::from_str(&text).unwrap();
+        let back: CandidateTiming = serde_json::from_str(&text).unwrap();
         assert_eq!(back.p20_s.to_bits(), t.p20_s.to_bits(), "{text}");
     }
 

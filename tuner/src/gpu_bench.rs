@@ -10,6 +10,7 @@
 //! checks every variant the same way before timing it.
 
 use kivi_runtime::device::{Device, DeviceCache, DeviceKind, Timing};
+use kivi_runtime::rand::Rng;
 use kivi_runtime::{reference, AttnParams, CacheConfig, Error};
 use kivi_spec::{presets, Heads, Scheme};
 use kivi_templates::{variants, Kernel, Variant};
@@ -140,19 +141,6 @@ pub struct GpuReport {
     pub variant_sweep: Vec<DecodeRow>,
 }
 
-/// A tiny deterministic generator (values in [-1, 1)).
-struct Rng(u64);
-impl Rng {
-    fn fill(&mut self, out: &mut [f32]) {
-        for o in out {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            *o = ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
-        }
-    }
-}
-
 /// The inputs of the sequences whose output is checked.
 struct Kept {
     /// (sequence index, keys, values)
@@ -164,7 +152,7 @@ struct Kept {
 fn fill(dc: &mut DeviceCache, s: &Scheme, batch: usize, ctx: usize, chunk: usize, seed: u64) -> Result<Kept, Error> {
     let shape = s.shape().expect("bound");
     let row = shape.kv_heads * shape.head_dim;
-    let mut rng = Rng(seed | 1);
+    let mut rng = Rng::new(seed);
     let checked: Vec<usize> = if batch > 1 { vec![0, batch - 1] } else { vec![0] };
     let mut kept = Kept {
         seqs: checked.iter().map(|&b| (b, Vec::new(), Vec::new())).collect(),
@@ -284,7 +272,7 @@ pub fn run(dev: std::sync::Arc<dyn Device>, o: &GpuBenchOptions) -> Result<GpuRe
                 let mut dc = cache_for(&dev, s, batch, ctx)?;
                 let kept = fill(&mut dc, s, batch, ctx, o.chunk, 17 + ctx as u64)?;
                 let mut q = vec![0f32; batch * shape.q_heads * shape.head_dim];
-                Rng(99).fill(&mut q);
+                Rng::new(99).fill(&mut q);
                 let want = references(s, &kept, &q, attn)?;
                 let r = measure(&dc, s, None, &q, attn, &want, o.warmup, o.iters, peak)?;
                 println!(
@@ -312,7 +300,7 @@ pub fn run(dev: std::sync::Arc<dyn Device>, o: &GpuBenchOptions) -> Result<GpuRe
         let mut dc = cache_for(&dev, s, batch, ctx)?;
         let kept = fill(&mut dc, s, batch, ctx, o.chunk, 5)?;
         let mut q = vec![0f32; batch * shape.q_heads * shape.head_dim];
-        Rng(7).fill(&mut q);
+        Rng::new(7).fill(&mut q);
         let want = references(s, &kept, &q, attn)?;
         let mut vs = variants(s, Kernel::Decode);
         if let Some(n) = o.sweep_limit {

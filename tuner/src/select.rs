@@ -14,7 +14,7 @@
 use crate::bucket::Bucket;
 use crate::cpu::CpuTarget;
 use crate::decisions::{cache_dir, entry_key, Store};
-use crate::tune::{self, Origin, Plan, Target};
+use crate::tune::{self, DecisionOrigin, Plan, Target};
 use kivi_runtime::{CpuBackend, CpuParams};
 use kivi_spec::Scheme;
 use std::path::PathBuf;
@@ -187,7 +187,7 @@ pub fn select_with(
     sel.warnings.extend(warnings);
     match out.into_iter().next() {
         Some(tune::Outcome {
-            origin: Origin::Failed(e),
+            origin: DecisionOrigin::Failed(e),
             ..
         }) => sel.reason = format!("tuning {bucket} failed ({e}): heuristic default"),
         Some(tune::Outcome {
@@ -195,7 +195,7 @@ pub fn select_with(
         }) => {
             sel.variant = e.chosen;
             sel.reason = e.reason;
-            sel.source = if origin == Origin::Pinned {
+            sel.source = if origin == DecisionOrigin::Pinned {
                 Source::Pinned
             } else {
                 Source::Tuned

@@ -6,7 +6,7 @@ mod common;
 use kivi_runtime::{AttnParams, Backend, CacheConfig, PagedCache, ReferenceBackend};
 use kivi_spec::{presets, Heads};
 use kivi_tuner::decisions::{Status, Store};
-use kivi_tuner::tune::{self, Origin, Plan, Target};
+use kivi_tuner::tune::{self, DecisionOrigin, Plan, Target};
 use kivi_tuner::{select_cpu, Bucket, CpuTarget, Mode, SelectOptions, Source};
 
 #[test]
@@ -27,7 +27,7 @@ fn real_cpu_tuning_run_and_cached_selection() {
     assert!(t.elapsed().as_secs_f64() < 30.0);
     assert!(w.is_empty(), "{w:?}");
     for o in &out {
-        assert!(matches!(o.origin, Origin::Tuned { .. }), "{:?}", o.origin);
+        assert!(matches!(o.origin, DecisionOrigin::Tuned { .. }), "{:?}", o.origin);
         let e = o.entry.as_ref().unwrap();
         assert_eq!(e.default, kivi_runtime::CpuParams::default().name());
         let d = e.candidate(&e.default).unwrap();
@@ -52,7 +52,7 @@ fn real_cpu_tuning_run_and_cached_selection() {
     // Second run: served from the cache, quickly.
     let t = std::time::Instant::now();
     let out = tune::run(&target, &store, &scheme, &buckets, &plan, &mut (), &mut w);
-    assert!(out.iter().all(|o| o.origin == Origin::Cached));
+    assert!(out.iter().all(|o| o.origin == DecisionOrigin::Cached));
     assert!(t.elapsed().as_secs_f64() < 2.0);
 
     // Selection returns a backend that matches the reference at odd lengths.

@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use kivi_tuner::decisions::{self, entry_key, Store};
-use kivi_tuner::tune::{self, Origin, Plan};
+use kivi_tuner::tune::{self, DecisionOrigin, Plan};
 use kivi_tuner::{select_with, Bucket, Mode, SelectOptions, Source};
 use std::collections::BTreeMap;
 
@@ -71,7 +71,11 @@ fn truncated_garbage_and_foreign_json_files_warn_and_retune() {
         assert!(!sel.warnings.is_empty(), "{what}: no warning");
         // Tuning: a warning, a re-tune, a good file again.
         let (o, w) = retune(&fresh, &st);
-        assert!(matches!(o.origin, Origin::Tuned { .. }), "{what}: {:?}", o.origin);
+        assert!(
+            matches!(o.origin, DecisionOrigin::Tuned { .. }),
+            "{what}: {:?}",
+            o.origin
+        );
         assert!(!w.is_empty(), "{what}: no warning");
         assert!(fresh.total_samples() > 0, "{what}");
         let mut w = Vec::new();
@@ -490,7 +494,7 @@ fn a_toolchain_change_moves_the_old_file_aside_with_every_scheme() {
     let st2 = Store::new(st.dir.clone(), newer.device.clone(), newer.toolchain.clone());
     assert_eq!(st2.path(), st.path(), "same device, same file");
     let (o, w) = retune(&newer, &st2);
-    assert!(matches!(o.origin, Origin::Tuned { .. }), "{:?}", o.origin);
+    assert!(matches!(o.origin, DecisionOrigin::Tuned { .. }), "{:?}", o.origin);
     // Reported, with where the old file went ...
     let note = w
         .iter()
@@ -530,7 +534,7 @@ fn bundles_export_and_import() {
     let fresh = Fake::new(fake.cands.clone());
     let st2 = Store::new(dest.clone(), fresh.device.clone(), fresh.toolchain.clone());
     let (o, w) = retune(&fresh, &st2);
-    assert_eq!(o.origin, Origin::Cached, "{w:?}");
+    assert_eq!(o.origin, DecisionOrigin::Cached, "{w:?}");
     assert_eq!(fresh.total_samples(), 0);
     // A broken bundle is refused with a reason.
     std::fs::write(&bundle, "{ nope").unwrap();

@@ -8,7 +8,7 @@ use kivi_tuner::bucket::Bucket;
 use kivi_tuner::cuda::CudaTarget;
 use kivi_tuner::decisions::{export_bundle, import_bundle, Store};
 use kivi_tuner::gpu_bench::{self, GpuBenchOptions};
-use kivi_tuner::tune::{self, Origin, Plan, Target};
+use kivi_tuner::tune::{self, DecisionOrigin, Plan, Target};
 use std::sync::Arc;
 
 fn tmp(tag: &str) -> std::path::PathBuf {
@@ -51,7 +51,7 @@ fn sim_decisions_under_a_fake_fingerprint_round_trip_through_a_bundle() {
     let buckets = [Bucket::of(2, 77, 2)];
     let out = tune::run(&target, &store, &s, &buckets, &plan, &mut (), &mut warnings);
     assert!(
-        matches!(out[0].origin, Origin::Tuned { .. }),
+        matches!(out[0].origin, DecisionOrigin::Tuned { .. }),
         "{:?} {warnings:?}",
         out[0].origin
     );
@@ -64,7 +64,7 @@ fn sim_decisions_under_a_fake_fingerprint_round_trip_through_a_bundle() {
     assert_eq!(import_bundle(&other, &bundle, &mut warnings).unwrap(), 1);
     let again = Store::new(other.clone(), fp, target.toolchain());
     let out = tune::run(&target, &again, &s, &buckets, &plan, &mut (), &mut warnings);
-    assert!(matches!(out[0].origin, Origin::Cached), "{:?}", out[0].origin);
+    assert!(matches!(out[0].origin, DecisionOrigin::Cached), "{:?}", out[0].origin);
     assert_eq!(out[0].entry.as_ref().unwrap().chosen, chosen);
     // The real simulated device has another fingerprint: no decision there.
     let real = CudaTarget::sim(&s, SimDevice::shared()).unwrap();

@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use kivi_tuner::decisions::{entry_key, Status, Store};
-use kivi_tuner::tune::{self, Origin, Plan};
+use kivi_tuner::tune::{self, DecisionOrigin, Plan};
 
 fn plan(budget: f64) -> Plan {
     Plan {
@@ -99,13 +99,8 @@ fn ties_within_noise_go_to_the_default_then_canonical_order() {
 #[test]
 fn choice_is_never_slower_than_the_default_beyond_noise() {
     // Deterministic pseudo-random timings and noise patterns.
-    let mut x = 0x1234_5678_9abc_def1u64;
-    let mut next = || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        (x >> 11) as f64 / (1u64 << 53) as f64
-    };
+    let mut rng = kivi_runtime::rand::Rng::new(0x1234_5678_9abc_def1);
+    let mut next = || rng.unit();
     for trial in 0..40 {
         let n = 2 + (next() * 8.0) as usize;
         let cands: Vec<FakeCand> = (0..n).map(|i| cand(&format!("v{i}"), 0.001 * (0.5 + next()))).collect();
@@ -159,7 +154,7 @@ fn a_hit_measures_nothing_and_a_new_variant_tunes_only_itself() {
     ]);
     let st = store(&fake, "hit");
     let (o, _) = tune_once(&fake, &st, &plan(10.0));
-    assert!(matches!(o.origin, Origin::Tuned { reused: 0, .. }));
+    assert!(matches!(o.origin, DecisionOrigin::Tuned { reused: 0, .. }));
     let chosen = o.entry.unwrap().chosen;
     assert_eq!(chosen, "a");
 
@@ -167,7 +162,7 @@ fn a_hit_measures_nothing_and_a_new_variant_tunes_only_itself() {
     let fake2 = Fake::new(fake.cands.clone());
     let (o, w) = tune_once(&fake2, &st, &plan(10.0));
     assert!(w.is_empty(), "{w:?}");
-    assert_eq!(o.origin, Origin::Cached);
+    assert_eq!(o.origin, DecisionOrigin::Cached);
     assert_eq!(fake2.total_samples(), 0);
     assert_eq!(fake2.verified.lock().unwrap().len(), 0);
 
@@ -180,7 +175,7 @@ fn a_hit_measures_nothing_and_a_new_variant_tunes_only_itself() {
     assert_eq!(fake3.sampled("c"), 0);
     assert!(fake3.sampled("d") > 0 && fake3.sampled("default") > 0 && fake3.sampled("a") > 0);
     match o.origin {
-        Origin::Tuned { measured, reused } => assert_eq!((measured, reused), (3, 2)),
+        DecisionOrigin::Tuned { measured, reused } => assert_eq!((measured, reused), (3, 2)),
         other => panic!("{other:?}"),
     }
     assert_eq!(o.entry.unwrap().chosen, "d");
@@ -207,7 +202,7 @@ fn scheme_toolchain_and_device_changes_miss_the_cache() {
         .unwrap();
     let mut w = Vec::new();
     let out = tune::run(&fake, &st, &other, &[bucket()], &plan(10.0), &mut (), &mut w);
-    assert!(matches!(out[0].origin, Origin::Tuned { .. }));
+    assert!(matches!(out[0].origin, DecisionOrigin::Tuned { .. }));
     let mut w = Vec::new();
     let f = st.load(&mut w);
     assert_eq!(f.entries.len(), 2);
@@ -218,7 +213,7 @@ fn scheme_toolchain_and_device_changes_miss_the_cache() {
     fake_tc.toolchain.compiler = "fakec 2.0".into();
     let st_tc = Store::new(st.dir.clone(), fake_tc.device.clone(), fake_tc.toolchain.clone());
     let (o, w) = tune_once(&fake_tc, &st_tc, &plan(10.0));
-    assert!(matches!(o.origin, Origin::Tuned { .. }));
+    assert!(matches!(o.origin, DecisionOrigin::Tuned { .. }));
     assert!(w.iter().any(|w| w.contains("stale")), "{w:?}");
     let mut w = Vec::new();
     assert_eq!(st_tc.load(&mut w).toolchain.compiler, "fakec 2.0");
@@ -230,7 +225,7 @@ fn scheme_toolchain_and_device_changes_miss_the_cache() {
     let st_dev = Store::new(st.dir.clone(), fake_dev.device.clone(), fake_dev.toolchain.clone());
     assert_ne!(st_dev.path(), st.path());
     let (o, w) = tune_once(&fake_dev, &st_dev, &plan(10.0));
-    assert!(matches!(o.origin, Origin::Tuned { .. }));
+    assert!(matches!(o.origin, DecisionOrigin::Tuned { .. }));
     assert!(w.is_empty(), "{w:?}");
 
     // A file for another device copied over ours: foreign, ignored.
@@ -251,7 +246,7 @@ fn pins_are_verified_kept_and_checked() {
         ..Plan::default()
     };
     let (o, _) = tune_once(&fake, &st, &p);
-    assert_eq!(o.origin, Origin::Pinned);
+    assert_eq!(o.origin, DecisionOrigin::Pinned);
     let e = o.entry.unwrap();
     assert!(e.pinned && e.chosen == "b");
     assert_eq!(fake.verified("b"), 1);
@@ -259,7 +254,7 @@ fn pins_are_verified_kept_and_checked() {
     // A later plain tune keeps the pin.
     let fake2 = Fake::new(fake.cands.clone());
     let (o, _) = tune_once(&fake2, &st, &plan(10.0));
-    assert_eq!(o.origin, Origin::Pinned);
+    assert_eq!(o.origin, DecisionOrigin::Pinned);
     assert_eq!(o.entry.unwrap().chosen, "b");
     // --force measures again and drops the pin.
     let p = Plan {
@@ -281,7 +276,7 @@ fn pins_are_verified_kept_and_checked() {
         };
         let (o, _) = tune_once(&fake3, &st, &p);
         assert!(
-            matches!(o.origin, Origin::Failed(ref e) if e.contains("cannot pin")),
+            matches!(o.origin, DecisionOrigin::Failed(ref e) if e.contains("cannot pin")),
             "{:?}",
             o.origin
         );
@@ -304,6 +299,6 @@ fn a_wrong_default_still_yields_a_verified_choice() {
     d.wrong = true;
     let fake = Fake::new(vec![d, a]);
     let (o, _) = tune_once(&fake, &store(&fake, "allwrong"), &plan(10.0));
-    assert!(matches!(o.origin, Origin::Failed(_)));
+    assert!(matches!(o.origin, DecisionOrigin::Failed(_)));
     assert!(o.entry.is_none());
 }

@@ -10,7 +10,9 @@
 //! jax) run the same shapes from a Python venv ([`peers`]).
 
 pub mod peers;
+pub mod writes;
 
+use kivi_runtime::rand::Rng;
 use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, CpuParams, PagedCache, ReferenceBackend};
 use kivi_spec::layout::Footprint;
 use kivi_spec::{Heads, Scheme};
@@ -298,27 +300,17 @@ pub fn process_cpu_ns() -> u64 {
         .sum()
 }
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
-
 /// Key/value rows `[tokens, kv_heads, head_dim]`: keys with per-channel
 /// offsets (as real keys have), values plain noise.
 fn kv_data(tokens: usize, l: Layout, seed: u64) -> (Vec<f32>, Vec<f32>) {
     let (h, d) = (l.kv_heads as usize, l.head_dim as usize);
-    let mut r = Rng(seed | 1);
+    let mut r = Rng::new(seed);
     let mut k = Vec::with_capacity(tokens * h * d);
     let mut v = Vec::with_capacity(tokens * h * d);
     for _ in 0..tokens * h {
         for c in 0..d {
-            k.push(((c * 7) % 5) as f32 * 0.5 - 1.0 + r.next());
-            v.push(r.next());
+            k.push(((c * 7) % 5) as f32 * 0.5 - 1.0 + r.f32());
+            v.push(r.f32());
         }
     }
     (k, v)
@@ -346,9 +338,9 @@ fn decode_point(
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<DecodeRow>, String> {
     let (k, v) = kv_data(context, l, 0x5eed + context as u64);
-    let mut r = Rng(77);
+    let mut r = Rng::new(77);
     let q: Vec<f32> = (0..batch * (l.q_heads * l.head_dim) as usize)
-        .map(|_| r.next())
+        .map(|_| r.f32())
         .collect();
     let cpu = CpuBackend::new(cfg.params).map_err(|e| e.to_string())?;
     let mut cases = Vec::new();

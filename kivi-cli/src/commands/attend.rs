@@ -9,6 +9,7 @@
 
 use super::schemes::{hash_hex, load_scheme};
 use super::show::memory_json;
+use crate::args::BackendChoice;
 use crate::npy::{self, Array};
 use kivi_runtime::device::{DeviceBackend, DeviceKind};
 use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, PagedCache, ReferenceBackend};
@@ -16,19 +17,13 @@ use kivi_spec::{layout, Heads, Scheme, Shape, Tensor};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum AttendBackend {
-    /// The scalar oracle (DESIGN.md §3, plainly)
-    Reference,
-    /// The fused CPU kernel
-    Cpu,
-    /// The generated CUDA kernels on the simulated device (the CPU), through
-    /// the same device cache and launches as a GPU
-    Sim,
-    /// The generated CUDA kernels on GPU 0 (fails, with the reason, where
-    /// there is no GPU, driver or NVRTC)
-    Cuda,
-}
+/// The backends `attend` runs on.
+const BACKENDS: &[BackendChoice] = &[
+    BackendChoice::Reference,
+    BackendChoice::Cpu,
+    BackendChoice::Sim,
+    BackendChoice::Cuda,
+];
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -47,19 +42,20 @@ pub struct Args {
     /// Where to write the attention output (float32, the query's shape)
     #[arg(long)]
     pub out: PathBuf,
-    #[arg(long, value_enum, default_value_t = AttendBackend::Cpu)]
-    pub backend: AttendBackend,
+    /// Backend to run decode attention on
+    #[arg(long, default_value = "cpu", value_parser = crate::args::backend(BACKENDS))]
+    pub backend: BackendChoice,
     /// Softmax scale (default: the scheme's, else 1/sqrt(D))
     #[arg(long)]
     pub scale: Option<f32>,
     /// Attend only to the last W tokens (default: the scheme's sliding window)
-    #[arg(long)]
+    #[arg(long, value_parser = crate::args::count)]
     pub window: Option<usize>,
     /// Tokens per cache block (default: the scheme's default block size)
-    #[arg(long)]
+    #[arg(long, value_parser = crate::args::count)]
     pub block_tokens: Option<usize>,
-    /// Per-sequence lengths of a batch, e.g. 5,7,1 (default: all T)
-    #[arg(long, value_delimiter = ',')]
+    /// Per-sequence lengths of a batch, comma-separated, e.g. 5,7,1 (default: all T)
+    #[arg(long, value_delimiter = ',', value_parser = crate::args::length)]
     pub lens: Option<Vec<usize>>,
     /// Print a one-object JSON summary instead of a line of text
     #[arg(long)]
@@ -224,10 +220,11 @@ pub fn run(args: Args) -> super::Result {
     let fill_ms = fill.elapsed().as_secs_f64() * 1e3;
 
     let backend: Box<dyn Backend> = match args.backend {
-        AttendBackend::Reference => Box::new(ReferenceBackend),
-        AttendBackend::Cpu => Box::new(CpuBackend::default()),
-        AttendBackend::Sim => Box::new(DeviceBackend::open(DeviceKind::Sim)?),
-        AttendBackend::Cuda => Box::new(
+        BackendChoice::Reference => Box::new(ReferenceBackend),
+        BackendChoice::Cpu => Box::new(CpuBackend::default()),
+        BackendChoice::Sim => Box::new(DeviceBackend::open(DeviceKind::Sim)?),
+        // `auto` is not offered here (BACKENDS): a run names what it measures.
+        BackendChoice::Cuda | BackendChoice::Auto => Box::new(
             DeviceBackend::open(DeviceKind::Cuda)
                 .map_err(|e| format!("{e} (`--backend sim` runs the same generated kernels on the CPU)"))?,
         ),

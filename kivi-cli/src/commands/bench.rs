@@ -21,16 +21,16 @@ pub struct Args {
     /// Add 65536 tokens to the contexts (about 2.2 GB of f16 cache at batch 8)
     #[arg(long)]
     long: bool,
-    /// Context lengths, comma-separated [default: 1024,4096,16384,32768]
-    #[arg(long, value_delimiter = ',')]
+    /// Context lengths, comma-separated [default: 1k,4k,16k,32k]
+    #[arg(long, value_delimiter = ',', value_parser = crate::args::count)]
     contexts: Vec<usize>,
-    /// Batch sizes [default: 1,8]
-    #[arg(long, value_delimiter = ',')]
+    /// Batch sizes, comma-separated [default: 1,8]
+    #[arg(long, value_delimiter = ',', value_parser = crate::args::count)]
     batches: Vec<usize>,
-    /// Head layouts: gqa (32:8, d128), mqa (4:1, d256) [default: gqa,mqa]
+    /// Head layouts, comma-separated: gqa (32:8, d128), mqa (4:1, d256) [default: gqa,mqa]
     #[arg(long, value_delimiter = ',')]
     layouts: Vec<String>,
-    /// Schemes: preset names or scheme files (see `kivi show --help`); f16 is the baseline [default: f16,int8,kivi4,kivi2]
+    /// Schemes, comma-separated: preset names or scheme files (see `kivi show --help`); f16 is the baseline [default: f16,int8,kivi4,kivi2]
     #[arg(long, value_delimiter = ',')]
     schemes: Vec<String>,
     /// Timed repetitions per point [default: 9, --quick 5]
@@ -40,7 +40,7 @@ pub struct Args {
     #[arg(long, default_value_t = CpuParams::default().splits)]
     splits: usize,
     /// Kernel tile, tokens
-    #[arg(long, default_value_t = CpuParams::default().tile_tokens)]
+    #[arg(long, default_value_t = CpuParams::default().tile_tokens, value_parser = crate::args::count)]
     tile: usize,
     /// Worker threads (0 = all cores)
     #[arg(long, default_value_t = 0)]
@@ -58,7 +58,7 @@ pub struct Args {
     /// Skip the Python peers
     #[arg(long)]
     no_peers: bool,
-    /// Peers to run: numpy, torch, jax [default: numpy,torch,jax; --quick numpy]
+    /// Peers to run, comma-separated: numpy, torch, jax [default: numpy,torch,jax; --quick numpy]
     #[arg(long, value_delimiter = ',')]
     peers: Vec<String>,
     /// The peers' venv, created on first use
@@ -71,8 +71,12 @@ pub struct Args {
     #[arg(long)]
     no_prefill: bool,
     /// Tokens for the prefill/append/memory table
-    #[arg(long, default_value_t = 32768)]
+    #[arg(long, default_value = "32k", value_parser = crate::args::count)]
     prefill_tokens: usize,
+    /// Only the cache-write table: append/extend tokens/s and GB/s per scheme
+    /// (default: every preset), vectorised and reference writes side by side
+    #[arg(long)]
+    writes: bool,
     /// Print the report as JSON on stdout (progress goes to stderr)
     #[arg(long)]
     json: bool,
@@ -113,6 +117,15 @@ pub fn run(a: Args) -> super::Result {
         .collect::<Result<Vec<_>, _>>()?;
     if contexts.iter().chain(&batches).any(|&x| x == 0) {
         return Err("contexts and batches must be positive".into());
+    }
+    if a.writes {
+        let isa = match (a.scalar, a.no_avx512) {
+            (true, _) => kivi_runtime::cpu::Isa::Scalar,
+            (false, true) => kivi_runtime::cpu::Isa::Avx2,
+            _ => kivi_runtime::cpu::Isa::Avx512,
+        };
+        let out = a.out.as_deref();
+        return crate::bench::writes::main(&layouts, a.schemes, a.prefill_tokens, a.reps, isa, a.json, out);
     }
     let params = CpuParams {
         splits: a.splits,

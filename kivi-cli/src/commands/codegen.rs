@@ -10,6 +10,7 @@ use kivi_templates::{default_variant, generate, variants, Kernel, Variant};
 #[derive(clap::Args)]
 pub struct Args {
     /// Scheme text (contains `{`), else a preset name (`kivi schemes`), else a file path (`./NAME` for a file named like a preset)
+    #[arg(long)]
     pub scheme: String,
     /// Head layout: gqa:Q:KV, mha:N or mqa:Q (default: the scheme's own, else gqa:32:8)
     #[arg(long, value_parser = parse_heads)]

@@ -24,10 +24,10 @@ pub struct Args {
     #[arg(long)]
     pub no_decode: bool,
     /// Tokens of the text to use, BOS included
-    #[arg(long, default_value_t = 768)]
+    #[arg(long, default_value_t = 768, value_parser = crate::args::count)]
     pub tokens: usize,
     /// Tokens prefilled before token-by-token decoding through the cache starts
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = crate::args::count)]
     pub prefix: usize,
     /// A text file (default: the bundled US Declaration of Independence; docs/accuracy.md used
     /// /usr/share/common-licenses/GPL-3)

@@ -15,13 +15,13 @@ pub struct Args {
     /// KV-cache scheme: `f32`, a preset name, scheme text or a scheme file (see `kivi show --help`)
     #[arg(long, default_value = "kivi2")]
     pub scheme: String,
-    /// Tokens to generate at most
-    #[arg(long, default_value_t = 64)]
+    /// Tokens to generate at most (`1k` = 1024)
+    #[arg(long, default_value = "64", value_parser = crate::args::count)]
     pub max_tokens: usize,
     /// Sampling temperature; 0 is greedy
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
-    /// Nucleus sampling: keep the most likely tokens up to this probability
+    /// Nucleus sampling: draw from the smallest most likely set whose probability reaches this
     #[arg(long, default_value_t = 1.0)]
     pub top_p: f32,
     /// Seed of the sampler
@@ -31,10 +31,10 @@ pub struct Args {
     #[arg(long)]
     pub chat: bool,
     /// Prompt tokens per prefill step
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value = "256", value_parser = crate::args::count)]
     pub prefill_chunk: usize,
     /// Tokens of context (prompt and generated); sizes the cache and the RoPE tables
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value = "4k", value_parser = crate::args::count)]
     pub max_context: usize,
     /// A Gemma 3 GGUF file (default: fetch Gemma 3 270M Q4_K_M into $KIVI_CACHE_DIR/models or .cache/models)
     #[arg(long)]

@@ -1,6 +1,7 @@
 //! `kivi inspect`: show cached tuning decisions and why they were made;
 //! export a device's decisions as a bundle.
 
+use crate::args::BackendChoice;
 use kivi_tuner::decisions::{self, Distrust, Store};
 use kivi_tuner::fingerprint::{Fingerprint, Toolchain};
 use std::path::PathBuf;
@@ -23,18 +24,13 @@ pub struct Args {
     /// (import with `kivi tune --import FILE`)
     #[arg(long)]
     export: Option<PathBuf>,
-    /// Which decisions `--export` writes: cpu (this CPU), sim (the simulated
-    /// device) or cuda (GPU 0; fails where there is none)
-    #[arg(long, value_enum, default_value_t = ExportBackend::Cpu)]
-    backend: ExportBackend,
+    /// Backend whose decisions `--export` writes
+    #[arg(long, default_value = "cpu", value_parser = crate::args::backend(BACKENDS))]
+    backend: BackendChoice,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum ExportBackend {
-    Cpu,
-    Sim,
-    Cuda,
-}
+/// The backends with decisions of their own to export.
+const BACKENDS: &[BackendChoice] = &[BackendChoice::Cpu, BackendChoice::Sim, BackendChoice::Cuda];
 
 pub fn run(args: Args) -> super::Result {
     let dir = decisions::cache_dir(args.cache_dir.as_deref())?;
@@ -42,8 +38,9 @@ pub fn run(args: Args) -> super::Result {
     let toolchain = Toolchain::current("rustc");
     if let Some(out) = &args.export {
         let (fp, tc) = match args.backend {
-            ExportBackend::Cpu => (here, toolchain),
-            ExportBackend::Sim => {
+            // `auto` and `reference` are not offered (BACKENDS); cpu is the safe reading.
+            BackendChoice::Cpu | BackendChoice::Auto | BackendChoice::Reference => (here, toolchain),
+            BackendChoice::Sim => {
                 let dev = kivi_runtime::device::SimDevice::shared();
                 let c = kivi_runtime::cuda::Compiler::new().ok();
                 (
@@ -51,7 +48,7 @@ pub fn run(args: Args) -> super::Result {
                     kivi_tuner::cuda::device_toolchain(dev.as_ref(), c.as_ref()),
                 )
             }
-            ExportBackend::Cuda => {
+            BackendChoice::Cuda => {
                 let dev = kivi_runtime::cuda::CudaDevice::new(0).map_err(|e| format!("--backend cuda: {e}"))?;
                 (
                     kivi_tuner::cuda::device_fingerprint(&dev),

@@ -13,6 +13,7 @@ const MAX_CONTEXT: usize = 1 << 20;
 #[derive(clap::Args)]
 pub struct Args {
     /// Scheme text (contains `{`), else a preset name (`kivi schemes`), else a file path (`./NAME` for a file named like a preset)
+    #[arg(long)]
     pub scheme: String,
     /// Head layout: gqa:Q:KV, mha:N or mqa:Q (default: the scheme's own, else gqa:32:8)
     #[arg(long, value_parser = parse_heads)]
@@ -20,8 +21,8 @@ pub struct Args {
     /// Head dimension (default: the scheme's own, else 128)
     #[arg(long)]
     pub head_dim: Option<u32>,
-    /// Context length, in tokens, for the totals and the paged cache
-    #[arg(long, default_value_t = 4096)]
+    /// Context length, in tokens, for the totals and the paged cache (1 to 1m; 4k = 4096)
+    #[arg(long, default_value = "4k", value_parser = crate::args::count)]
     pub context: usize,
     /// Print one JSON object instead of text
     #[arg(long)]
@@ -140,14 +141,10 @@ pub fn fill_paged(s: &Scheme, tokens: usize) -> super::Result<(MemoryReport, usi
     let mut cache = PagedCache::new(s.clone(), config)?;
     let seq = cache.add_sequence();
     let row = shape.kv_heads * shape.head_dim;
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = move || {
-        // xorshift64*: deterministic values in [-2, 2)
-        state ^= state >> 12;
-        state ^= state << 25;
-        state ^= state >> 27;
-        ((state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
-    };
+    // Deterministic values in [-2, 2): what the cache allocates depends on
+    // the shape only, but real values exercise the real write path.
+    let mut rng = kivi_runtime::rand::Rng::new(0x9e37_79b9_7f4a_7c15);
+    let mut next = move || rng.f32() * 2.0;
     let mut done = 0;
     while done < tokens {
         let n = (tokens - done).min(1024);
@@ -196,7 +193,7 @@ pub fn run(args: Args) -> super::Result {
         bound.head_dim.ok_or("no head_dim")?,
     );
     let shape = bound.shape().ok_or("scheme has no shape")?;
-    if args.context == 0 || args.context > MAX_CONTEXT {
+    if args.context > MAX_CONTEXT {
         return Err(format!(
             "--context {} is out of range; expected 1 to {MAX_CONTEXT}",
             args.context

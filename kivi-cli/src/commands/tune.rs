@@ -2,59 +2,45 @@
 //! cache the decisions.
 
 use super::schemes::load_scheme;
+use crate::args::BackendChoice;
 use kivi_spec::{Heads, Scheme};
-use kivi_tuner::bucket::{parse_counts, Bucket};
+use kivi_tuner::bucket::Bucket;
 use kivi_tuner::decisions::{self, Entry, Status, Store};
 use kivi_tuner::progress::Bar;
-use kivi_tuner::tune::{self, Origin, Outcome, Plan, Target};
+use kivi_tuner::tune::{self, DecisionOrigin, Outcome, Plan, Target};
 use kivi_tuner::CpuTarget;
 use std::path::PathBuf;
 use std::time::Instant;
 
-/// What `--backend` names.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TuneBackend {
-    /// cuda when a GPU is usable, else cpu (with a static ranking of the CUDA variants)
-    Auto,
-    Cpu,
-    Sim,
-    Cuda,
-}
-
-impl TuneBackend {
-    fn parse(s: &str) -> Result<TuneBackend, String> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "auto" => Ok(TuneBackend::Auto),
-            "cpu" => Ok(TuneBackend::Cpu),
-            "sim" => Ok(TuneBackend::Sim),
-            "cuda" => Ok(TuneBackend::Cuda),
-            other => Err(format!("--backend `{other}` is not auto, cpu, sim or cuda")),
-        }
-    }
-}
+/// The backends `tune` measures (`auto` adds a static ranking of the CUDA
+/// variants when it falls back to cpu).
+const BACKENDS: &[BackendChoice] = &[
+    BackendChoice::Auto,
+    BackendChoice::Cpu,
+    BackendChoice::Sim,
+    BackendChoice::Cuda,
+];
 
 #[derive(clap::Args)]
 pub struct Args {
     /// Scheme text (contains `{`), else a preset name (`kivi schemes`), else a file path (`./NAME` for a file named like a preset)
     #[arg(long)]
     scheme: String,
-    /// Backend to tune: auto (cuda when a GPU is usable, else cpu), cpu,
-    /// sim (the generated kernels on the simulated device) or cuda (fails
-    /// where there is no GPU)
-    #[arg(long, default_value = "auto")]
-    backend: String,
-    /// Head layout, e.g. gqa:32:8, mha:8, mqa:4 (default: the scheme's, else gqa:32:8)
-    #[arg(long)]
-    heads: Option<String>,
+    /// Backend to tune
+    #[arg(long, default_value = "auto", value_parser = crate::args::backend(BACKENDS))]
+    backend: BackendChoice,
+    /// Head layout: gqa:Q:KV, mha:N or mqa:Q (default: the scheme's own, else gqa:32:8)
+    #[arg(long, value_parser = super::show::parse_heads)]
+    heads: Option<Heads>,
     /// Head dimension (default: the scheme's, else 128)
     #[arg(long)]
     head_dim: Option<u32>,
     /// Context lengths to tune, comma-separated (each names a power-of-two bucket)
-    #[arg(long, default_value = "1k,4k,16k")]
-    contexts: String,
+    #[arg(long, value_delimiter = ',', default_value = "1k,4k,16k", value_parser = crate::args::count)]
+    contexts: Vec<usize>,
     /// Batch sizes to tune, comma-separated
-    #[arg(long, default_value = "1,4")]
-    batch: String,
+    #[arg(long, value_delimiter = ',', default_value = "1,4", value_parser = crate::args::count)]
+    batches: Vec<usize>,
     /// Time budget in seconds for all buckets that need measuring
     #[arg(long, default_value_t = 60.0)]
     budget: f64,
@@ -85,11 +71,8 @@ pub struct Args {
 }
 
 /// Binds the shape from the flags or the scheme's own.
-pub fn bind(scheme: &Scheme, heads: Option<&str>, head_dim: Option<u32>) -> super::Result<Scheme> {
-    let h = match heads {
-        Some(t) => super::show::parse_heads(t)?,
-        None => scheme.heads.unwrap_or(Heads::Gqa { q: 32, kv: 8 }),
-    };
+pub fn bind(scheme: &Scheme, heads: Option<Heads>, head_dim: Option<u32>) -> super::Result<Scheme> {
+    let h = heads.or(scheme.heads).unwrap_or(Heads::Gqa { q: 32, kv: 8 });
     let d = head_dim.or(scheme.head_dim).unwrap_or(128);
     Ok(scheme
         .with_shape(h, d)
@@ -260,12 +243,12 @@ fn print_static_ranking(scheme: &Scheme, buckets: &[Bucket], arch: kivi_runtime:
 
 fn origin_text(o: &Outcome) -> String {
     match &o.origin {
-        Origin::Cached => "cached (nothing measured)".into(),
-        Origin::Pinned => "pinned".into(),
-        Origin::Tuned { measured, reused } => {
+        DecisionOrigin::Cached => "cached (nothing measured)".into(),
+        DecisionOrigin::Pinned => "pinned".into(),
+        DecisionOrigin::Tuned { measured, reused } => {
             format!("tuned in {:.1} s ({measured} measured, {reused} reused)", o.spent_s)
         }
-        Origin::Failed(e) => format!("FAILED: {e}"),
+        DecisionOrigin::Failed(e) => format!("FAILED: {e}"),
     }
 }
 
@@ -288,14 +271,16 @@ pub fn run(args: Args) -> super::Result {
         );
         return Ok(());
     }
-    let scheme = bind(&load_scheme(&args.scheme)?, args.heads.as_deref(), args.head_dim)?;
+    let scheme = bind(&load_scheme(&args.scheme)?, args.heads, args.head_dim)?;
     let shape = scheme.shape().expect("bound");
     let gqa = shape.group_size();
-    let contexts = parse_counts(&args.contexts).map_err(|e| format!("--contexts: {e}"))?;
-    let batches = parse_counts(&args.batch).map_err(|e| format!("--batch: {e}"))?;
+    let (contexts, batches) = (&args.contexts, &args.batches);
+    if contexts.is_empty() || batches.is_empty() {
+        return Err("--contexts and --batches need at least one value each".into());
+    }
     let mut buckets: Vec<Bucket> = Vec::new();
-    for &b in &batches {
-        for &c in &contexts {
+    for &b in batches {
+        for &c in contexts {
             let k = Bucket::of(b, c, gqa);
             if !buckets.contains(&k) {
                 buckets.push(k);
@@ -306,9 +291,10 @@ pub fn run(args: Args) -> super::Result {
     let mut notes: Vec<String> = Vec::new();
     // (arch, SMs, what they describe) for a ranking of the CUDA variants on paper
     let mut static_report: Option<(kivi_runtime::cuda::Arch, u32, String)> = None;
-    let target: Box<dyn Target> = match TuneBackend::parse(&args.backend)? {
-        TuneBackend::Cpu => Box::new(CpuTarget::new(&scheme)?),
-        TuneBackend::Sim => {
+    let target: Box<dyn Target> = match args.backend {
+        // `reference` is not offered (BACKENDS): there is nothing to tune in it.
+        BackendChoice::Cpu | BackendChoice::Reference => Box::new(CpuTarget::new(&scheme)?),
+        BackendChoice::Sim => {
             let dev = kivi_runtime::device::SimDevice::shared();
             let i = dev.info();
             static_report = Some((i.arch, i.sms.max(1) as u32, "the simulated device's limits".into()));
@@ -320,10 +306,10 @@ pub fn run(args: Args) -> super::Result {
             Box::new(kivi_tuner::cuda::CudaTarget::sim(&scheme, dev)?)
         }
         // Asked for a GPU by name: no GPU is an error, never another backend.
-        TuneBackend::Cuda => Box::new(kivi_tuner::cuda::CudaTarget::new(&scheme).map_err(|why| {
+        BackendChoice::Cuda => Box::new(kivi_tuner::cuda::CudaTarget::new(&scheme).map_err(|why| {
             format!("--backend cuda: {why} (use --backend sim to tune on the simulated device, or cpu)")
         })?),
-        TuneBackend::Auto => match kivi_tuner::cuda::CudaTarget::new(&scheme) {
+        BackendChoice::Auto => match kivi_tuner::cuda::CudaTarget::new(&scheme) {
             Ok(t) => Box::new(t),
             Err(why) => {
                 // No GPU here: tune what can run, and still say how the
@@ -418,7 +404,7 @@ pub fn run(args: Args) -> super::Result {
         println!("decisions: {}", store.path().display());
         println!("elapsed: {:.1} s", t0.elapsed().as_secs_f64());
     }
-    if outcomes.iter().all(|o| matches!(o.origin, Origin::Failed(_))) {
+    if outcomes.iter().all(|o| matches!(o.origin, DecisionOrigin::Failed(_))) {
         return Err("no bucket could be tuned".into());
     }
     Ok(())

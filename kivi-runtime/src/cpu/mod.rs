@@ -47,6 +47,7 @@ mod fused;
 mod kernel;
 mod probe;
 mod simd;
+pub(crate) mod write;
 
 use crate::backend::{check_batch, Backend, NewTokens};
 use crate::cache::{PagedCache, SeqId, SeqView};

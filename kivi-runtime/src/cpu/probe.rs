@@ -160,7 +160,13 @@ mod tests {
         };
         assert!(c.fma_per_s > 1e8 && c.decode_fma_per_s > 1e8, "{c:?}");
         // The decode step issues 1.5 instructions per FMA: it cannot beat
-        // the FMA peak by more than timing noise.
-        assert!(c.decode_fma_per_s < 1.5 * c.fma_per_s, "{c:?}");
+        // the FMA peak by more than timing noise. On a loaded machine one
+        // probe can be preempted in the middle, so the ordering must hold in
+        // one of a few probes, not in every one.
+        let mut seen = vec![c];
+        while !seen.iter().any(|c| c.decode_fma_per_s < 1.5 * c.fma_per_s) && seen.len() < 5 {
+            seen.push(super::compute_ceiling(20).unwrap());
+        }
+        assert!(seen.iter().any(|c| c.decode_fma_per_s < 1.5 * c.fma_per_s), "{seen:?}");
     }
 }

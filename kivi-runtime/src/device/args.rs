@@ -85,6 +85,10 @@ pub struct DecodeArgs<'a> {
     pub sinks_v: &'a Buffer,
     pub ring_k: &'a Buffer,
     pub ring_v: &'a Buffer,
+    /// Per-channel centering means, `[batch][Hkv][D]` act (a one-element
+    /// buffer for a tensor that is not centered: the kernel never reads it).
+    pub means_k: &'a Buffer,
+    pub means_v: &'a Buffer,
     pub sm_scale: f32,
     pub window: Window,
     pub part_ml: &'a mut Buffer,
@@ -93,7 +97,7 @@ pub struct DecodeArgs<'a> {
 
 impl DecodeArgs<'_> {
     pub const ENTRY: &'static str = "kivi_decode";
-    pub const PARAMS: [&'static str; 13] = [
+    pub const PARAMS: [&'static str; 15] = [
         "pool",
         "tables",
         "table_stride",
@@ -103,6 +107,8 @@ impl DecodeArgs<'_> {
         "sinks_v",
         "ring_k",
         "ring_v",
+        "means_k",
+        "means_v",
         "sm_scale",
         "window",
         "part_ml",
@@ -135,6 +141,8 @@ impl DecodeArgs<'_> {
                 KernelArg::In(self.sinks_v),
                 KernelArg::In(self.ring_k),
                 KernelArg::In(self.ring_v),
+                KernelArg::In(self.means_k),
+                KernelArg::In(self.means_v),
                 KernelArg::F32(self.sm_scale),
                 KernelArg::I32(self.window.raw()),
                 KernelArg::Out(self.part_ml),
@@ -192,12 +200,19 @@ pub struct ExtendArgs<'a> {
     pub sinks_v: &'a mut Buffer,
     pub ring_k: &'a mut Buffer,
     pub ring_v: &'a mut Buffer,
+    /// Centering means, `[batch][Hkv][D]` act, written when the first `N`
+    /// tokens arrive (one element for a tensor that is not centered).
+    pub means_k: &'a mut Buffer,
+    pub means_v: &'a mut Buffer,
+    /// Codec-pipeline scratch: `batch * 2 * Hkv` regions of
+    /// [`kivi_templates::extend_work_floats`] f32 (one element without a pipeline).
+    pub work: &'a mut Buffer,
     /// Per sequence: 0 = stored; see [`super::cache::status_message`].
     pub status: &'a mut Buffer,
 }
 
 impl ExtendArgs<'_> {
-    pub const PARAMS: [&'static str; 13] = [
+    pub const PARAMS: [&'static str; 16] = [
         "pool",
         "tables",
         "table_stride",
@@ -210,6 +225,9 @@ impl ExtendArgs<'_> {
         "sinks_v",
         "ring_k",
         "ring_v",
+        "means_k",
+        "means_v",
+        "work",
         "status",
     ];
 
@@ -257,6 +275,9 @@ impl ExtendArgs<'_> {
                 KernelArg::Out(self.sinks_v),
                 KernelArg::Out(self.ring_k),
                 KernelArg::Out(self.ring_v),
+                KernelArg::Out(self.means_k),
+                KernelArg::Out(self.means_v),
+                KernelArg::Out(self.work),
                 KernelArg::Out(self.status),
             ],
         )
@@ -283,8 +304,8 @@ mod tests {
     /// The parameter lists here are the generator's, for every preset and kernel.
     #[test]
     fn params_match_the_generator() {
-        for p in presets::all() {
-            let s = p.with_shape(Heads::Gqa { q: 8, kv: 2 }, 64).unwrap();
+        for p in presets::listed() {
+            let s = p.with_shape(Heads::Gqa { q: 8, kv: 2 }, 256).unwrap();
             for k in Kernel::ALL {
                 let g = generate(&s, k, &default_variant(&s, k)).unwrap();
                 for e in &g.launch.entries {

@@ -79,6 +79,9 @@ fn stack_rows(dev: &dyn Device, dtype: Dtype, parts: &[RawRows<'_>], per_seq: us
 pub(crate) fn status_message(b: usize, code: i32) -> String {
     match code {
         2 => format!("a key or value of sequence {b} is not finite; the device append was refused"),
+        3 => format!(
+            "an outlier correction of sequence {b} does not fit the activation dtype; the device append was refused"
+        ),
         _ => format!(
             "a scale or zero point of sequence {b} overflowed its scale dtype during the device append \
              (use scale = f32)"
@@ -99,6 +102,7 @@ enum Part {
     Pool,
     Sinks(usize),
     Ring(usize),
+    Means(usize),
 }
 
 /// Ranges of the cache saved before an extend launch, restored if it fails.
@@ -122,6 +126,11 @@ pub struct DeviceCache {
     seq_lens: Buffer,
     sinks: [Buffer; 2],
     rings: [Buffer; 2],
+    /// Centering means `[batch][Hkv][D]` act per centered tensor (one
+    /// element otherwise), written by the extend kernel.
+    means: [Buffer; 2],
+    /// Scratch of the extend kernel's codec pipeline.
+    work: Buffer,
     /// Host copy of the bookkeeping (block tables, lengths, free blocks),
     /// mirroring [`PagedCache`]'s allocation order.
     host_tables: Vec<Vec<u32>>,
@@ -163,8 +172,19 @@ impl DeviceCache {
         let act = act_elem(scheme.dtype);
         let sinks = scheme.sinks as usize * h * d * batch;
         let ring = |t| layout::window_capacity(scheme, t).max(1) * h * d * batch;
+        let means = |t| {
+            if scheme.center_of(t).is_some() {
+                batch * h * d
+            } else {
+                1
+            }
+        };
+        let work =
+            kivi_templates::extend_work_floats(scheme, GenOptions { block_tokens: Some(bt) }).map_err(gen_err)?;
         let d_ = dev.as_ref();
         Ok(DeviceCache {
+            means: [d_.alloc(act, means(Tensor::Key))?, d_.alloc(act, means(Tensor::Value))?],
+            work: d_.alloc(Elem::F32, (batch * 2 * h * work).max(1))?,
             pool: d_.alloc(Elem::U32, words)?,
             tables: d_.alloc(Elem::U32, batch * stride)?,
             seq_lens: d_.alloc(Elem::I32, batch)?,
@@ -220,7 +240,26 @@ impl DeviceCache {
             };
             stack_rows(d_, scheme.dtype, &parts, per)
         };
+        // Centering means as the host cache holds them (zeros before the
+        // first N tokens exist: nothing is quantized then).
+        let stack_means = |t: Tensor| -> Result<Buffer> {
+            if scheme.center_of(t).is_none() {
+                return d_.alloc(act_elem(scheme.dtype), 1);
+            }
+            let mut m = vec![0f32; views.len() * h * d];
+            for (b, v) in views.iter().enumerate() {
+                for hh in 0..h {
+                    if let Some(x) = v.mean(t, hh) {
+                        m[(b * h + hh) * d..][..d].copy_from_slice(x);
+                    }
+                }
+            }
+            upload_act(d_, scheme.dtype, &m)
+        };
         Ok(DeviceCache {
+            means: [stack_means(Tensor::Key)?, stack_means(Tensor::Value)?],
+            // an upload is read-only: no extend scratch
+            work: d_.alloc(Elem::F32, 1)?,
             pool: upload(d_, cache.pool())?,
             tables: upload(d_, &tables)?,
             seq_lens: upload(d_, &lens)?,
@@ -292,6 +331,11 @@ impl DeviceCache {
         Ok(())
     }
 
+    /// Centering means of tensor `t`, `[batch][Hkv][D]` as f32 (one zero
+    /// when the tensor is not centered).
+    pub fn download_means(&self, t: Tensor) -> Result<Vec<f32>> {
+        download_act(self.dev.as_ref(), self.scheme.dtype, &self.means[ti(t)])
+    }
     /// The pool words (for comparing with a host cache).
     pub fn download_pool(&self) -> Result<Vec<u32>> {
         download(self.dev.as_ref(), &self.pool)
@@ -307,6 +351,7 @@ impl DeviceCache {
             Part::Pool => &mut self.pool,
             Part::Sinks(t) => &mut self.sinks[t],
             Part::Ring(t) => &mut self.rings[t],
+            Part::Means(t) => &mut self.means[t],
         }
     }
 
@@ -344,6 +389,10 @@ impl DeviceCache {
                 }
                 for p in (old..old + n).filter(|&p| p < sinks) {
                     want.push((Part::Sinks(ti(t)), (b * sinks + p) * row, row));
+                }
+                // the launch that brings the N-th token writes the means
+                if self.scheme.center_of(t).is_some_and(|c| old < c && old + n >= c) {
+                    want.push((Part::Means(ti(t)), b * row, row));
                 }
             }
         }
@@ -494,6 +543,7 @@ impl DeviceCache {
             let mut status_d = dev.alloc(Elem::I32, self.batch)?;
             let [sk, sv] = &mut self.sinks;
             let [rk, rv] = &mut self.rings;
+            let [mk, mv] = &mut self.means;
             ExtendArgs {
                 batch: self.batch,
                 pool: &mut self.pool,
@@ -508,6 +558,9 @@ impl DeviceCache {
                 sinks_v: sv,
                 ring_k: rk,
                 ring_v: rv,
+                means_k: mk,
+                means_v: mv,
+                work: &mut self.work,
                 status: &mut status_d,
             }
             .launch(dev.as_ref(), &module)?;
@@ -671,6 +724,8 @@ impl DecodeRun<'_> {
             sinks_v: &c.sinks[1],
             ring_k: &c.rings[0],
             ring_v: &c.rings[1],
+            means_k: &c.means[0],
+            means_v: &c.means[1],
             sm_scale: self.sm_scale,
             window: self.window,
             part_ml: &mut self.part_ml,
@@ -840,14 +895,13 @@ mod tests {
         assert_eq!(dc.lens(), &[46, 46]);
     }
 
-    /// A codec pipeline the templates cannot generate yet is refused when
-    /// the device cache is made, with the codec named.
+    /// The codec pipeline presets get a device cache (the templates
+    /// generate every codec; `tests/device_codecs.rs` checks what they do).
     #[test]
-    fn ungeneratable_codecs_are_refused_up_front() {
-        let s = presets::codec2().with_shape(Heads::Mqa(4), 256).unwrap();
-        let e = DeviceCache::new(SimDevice::shared(), &s, 1, 64, CacheConfig::for_tokens(64))
-            .err()
-            .expect("refused");
-        assert!(e.to_string().contains("rotation"), "{e}");
+    fn pipeline_presets_get_a_device_cache() {
+        for p in presets::pipeline() {
+            let s = p.with_shape(Heads::Mqa(4), 256).unwrap();
+            assert!(DeviceCache::new(SimDevice::shared(), &s, 1, 64, CacheConfig::for_tokens(64)).is_ok());
+        }
     }
 }

@@ -653,7 +653,9 @@ fn build(cxx: &str, dir: &Path, key: u64, units: &[String], gens: &[&Generated],
             write_atomic(&p, text.as_bytes())?;
         }
     }
-    let pid = std::process::id();
+    // Unique per call, not only per process: two threads of one test binary
+    // may build the same library at once and must not share temporaries.
+    let pid = temp_suffix();
     let failed = |cpp: &Path, stderr: &[u8]| {
         let names: Vec<&str> = gens.iter().map(|g| g.name.as_str()).collect();
         // The first errors are the useful ones; g++ can print megabytes.
@@ -671,7 +673,7 @@ fn build(cxx: &str, dir: &Path, key: u64, units: &[String], gens: &[&Generated],
             .iter()
             .enumerate()
             .map(|(i, unit)| {
-                let inc = &inc;
+                let (inc, pid) = (&inc, &pid);
                 sc.spawn(move || -> Result<PathBuf> {
                     let cpp = dir.join(format!("{key:016x}-{i}.cpp"));
                     write_atomic(&cpp, unit.as_bytes())?;
@@ -736,7 +738,7 @@ fn build(cxx: &str, dir: &Path, key: u64, units: &[String], gens: &[&Generated],
 }
 
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let tmp = path.with_extension(format!("tmp{}", temp_suffix()));
     std::fs::write(&tmp, bytes).map_err(|e| sim_err(format!("cannot write {}: {e}", tmp.display())))?;
     std::fs::rename(&tmp, path).map_err(|e| sim_err(format!("cannot write {}: {e}", path.display())))
 }
@@ -777,4 +779,12 @@ fn load(so: &Path, gens: &[&Generated]) -> Result<SimLibrary> {
         path: so.to_path_buf(),
         kernels,
     })
+}
+
+/// `PID-N`, different for every call in this process: names temporary files
+/// that are renamed into place, so concurrent builds never collide.
+fn temp_suffix() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!("{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
 }

@@ -192,7 +192,9 @@ impl Backend for SimBackend {
 }
 
 /// One sequence's state as the prefill/append kernels see it: its block
-/// table, token count, and sink and window buffers (`[slots][Hkv][D]`).
+/// table, token count, sink and window buffers (`[slots][Hkv][D]`), and
+/// the centering means of centered tensors (`[Hkv][D]`, zeros until the
+/// first `N` tokens exist; empty for a tensor that is not centered).
 #[derive(Clone, Debug, PartialEq)]
 pub struct SeqState {
     pub tokens: usize,
@@ -200,6 +202,16 @@ pub struct SeqState {
     /// Key, value.
     pub sinks: [ActBuf; 2],
     pub ring: [ActBuf; 2],
+    pub means: [ActBuf; 2],
+}
+
+/// Element `i` of a state's six buffers: sinks, rings, means (key, value).
+fn state_buf(s: &mut SeqState, i: usize) -> &mut ActBuf {
+    match i {
+        0 | 1 => &mut s.sinks[i],
+        2 | 3 => &mut s.ring[i - 2],
+        _ => &mut s.means[i - 4],
+    }
 }
 
 impl SeqState {
@@ -216,11 +228,26 @@ impl SeqState {
                 buf(window_capacity(scheme, Tensor::Key)),
                 buf(window_capacity(scheme, Tensor::Value)),
             ],
+            means: [Tensor::Key, Tensor::Value].map(|t| buf(scheme.center_of(t).map_or(0, |_| 1))),
         })
     }
     /// A copy of what `cache` holds for `id`.
     pub fn of(cache: &PagedCache, id: SeqId) -> Result<SeqState> {
         let v = cache.view(id)?;
+        let s = cache.scheme();
+        let (h, d) = (cache.shape().kv_heads, cache.shape().head_dim);
+        let mut means = [ActBuf::zeros(s.dtype, 0), ActBuf::zeros(s.dtype, 0)];
+        for (i, t) in [Tensor::Key, Tensor::Value].into_iter().enumerate() {
+            if s.center_of(t).is_some() {
+                let mut m = vec![0f32; h * d];
+                for hh in 0..h {
+                    if let Some(x) = v.mean(t, hh) {
+                        m[hh * d..][..d].copy_from_slice(x);
+                    }
+                }
+                means[i] = ActBuf::round(s.dtype, &m, "mean")?;
+            }
+        }
         Ok(SeqState {
             tokens: v.tokens(),
             table: v.table().to_vec(),
@@ -232,6 +259,7 @@ impl SeqState {
                 ActBuf::from_raw(v.ring_raw(Tensor::Key)),
                 ActBuf::from_raw(v.ring_raw(Tensor::Value)),
             ],
+            means,
         })
     }
 }
@@ -351,10 +379,15 @@ impl SimExtend {
                 (s.sinks[1].len(), self.scheme.sinks as usize * row),
                 (s.ring[0].len(), window_capacity(&self.scheme, Tensor::Key) * row),
                 (s.ring[1].len(), window_capacity(&self.scheme, Tensor::Value) * row),
+                (s.means[0].len(), self.scheme.center_of(Tensor::Key).map_or(0, |_| row)),
+                (
+                    s.means[1].len(),
+                    self.scheme.center_of(Tensor::Value).map_or(0, |_| row),
+                ),
             ];
             if sizes.iter().any(|(got, want)| got != want) {
                 return Err(Error::Config(format!(
-                    "sequence {b}: sink/window buffers do not match the scheme"
+                    "sequence {b}: sink/window/means buffers do not match the scheme"
                 )));
             }
             counts.push(n);
@@ -379,10 +412,10 @@ impl SimExtend {
         let old: Vec<i32> = states.iter().map(|s| s.tokens as i32).collect();
         let n: Vec<i32> = counts.iter().map(|&c| c as i32).collect();
         let mut bufs: Vec<ActBuf> = Vec::new();
-        for i in 0..4 {
+        for i in 0..6 {
             let mut all = ActBuf::zeros(dtype, 0);
-            for s in states.iter() {
-                all.extend_from(if i < 2 { &s.sinks[i] } else { &s.ring[i - 2] })?;
+            for s in states.iter_mut() {
+                all.extend_from(state_buf(s, i))?;
             }
             if all.is_empty() {
                 all = ActBuf::zeros(dtype, 1);
@@ -402,10 +435,13 @@ impl SimExtend {
         let mut pool_d = upload(d, pool)?;
         let mut dev_bufs: Vec<Buffer> = bufs.iter().map(&to_dev).collect::<Result<_>>()?;
         let mut status_d = d.alloc(Elem::I32, batch)?;
+        let work = kivi_templates::extend_work_floats(&self.scheme, GenOptions { block_tokens: Some(bt) })
+            .map_err(|e| Error::Config(e.to_string()))?;
+        let mut work_d = d.alloc(Elem::F32, (batch * 2 * h * work).max(1))?;
         let module = Module::sim(self.generated.clone(), self.lib.clone());
         {
-            let [sk, sv, rk, rv] = &mut dev_bufs[..] else {
-                unreachable!("four buffers")
+            let [sk, sv, rk, rv, mk, mv] = &mut dev_bufs[..] else {
+                unreachable!("six buffers")
             };
             ExtendArgs {
                 batch,
@@ -421,6 +457,9 @@ impl SimExtend {
                 sinks_v: sv,
                 ring_k: rk,
                 ring_v: rv,
+                means_k: mk,
+                means_v: mv,
+                work: &mut work_d,
                 status: &mut status_d,
             }
             .launch(d, &module)?;
@@ -437,7 +476,7 @@ impl SimExtend {
         for (i, all) in bufs.iter().enumerate() {
             let mut at = 0;
             for s in states.iter_mut() {
-                let dst = if i < 2 { &mut s.sinks[i] } else { &mut s.ring[i - 2] };
+                let dst = state_buf(s, i);
                 let len = dst.len();
                 match (dst, all) {
                     (ActBuf::Bits16(a), ActBuf::Bits16(x)) => a.copy_from_slice(&x[at..at + len]),

@@ -1,29 +1,22 @@
-//! Shared helpers for the runtime's integration tests: a seeded generator
-//! (no external crates) and a set of schemes covering the language.
+//! Shared helpers for the runtime's integration tests: the seeded generator
+//! (`kivi_runtime::rand`) and a set of schemes covering the language.
 #![allow(dead_code)]
 
 use kivi_spec::*;
 
-/// xorshift64*: deterministic, seedable, good enough for test data.
-pub struct Rng(pub u64);
+/// The runtime's one seeded generator (the same xorshift64* stream these
+/// tests always used), with the test-data shapes of [`KvData`] on top.
+pub use kivi_runtime::rand::Rng;
 
-impl Rng {
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    /// Uniform in [-1, 1).
-    pub fn f32(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    pub fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
+/// Test-data shapes drawn from [`Rng`].
+pub trait KvData {
     /// Activations that look like LLM keys: a few channels with large
     /// magnitude (outliers), the rest small.
-    pub fn kv(&mut self, tokens: usize, heads: usize, d: usize, outliers: bool) -> Vec<f32> {
+    fn kv(&mut self, tokens: usize, heads: usize, d: usize, outliers: bool) -> Vec<f32>;
+}
+
+impl KvData for Rng {
+    fn kv(&mut self, tokens: usize, heads: usize, d: usize, outliers: bool) -> Vec<f32> {
         let mut v = Vec::with_capacity(tokens * heads * d);
         for _ in 0..tokens {
             for _ in 0..heads {

@@ -5,19 +5,8 @@
 use kivi_runtime::{reference, AttnParams, Backend, CacheConfig, PagedCache, SeqId};
 use kivi_spec::{Heads, Scheme};
 
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn f(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    pub fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.f()).collect()
-    }
-}
+/// The runtime's one seeded generator: `f32()` in [-1, 1), `vec(n)`.
+pub use kivi_runtime::rand::Rng;
 
 /// The three head layouts every decode variant is run on.
 pub fn layouts() -> [(Heads, u32); 3] {
@@ -46,7 +35,7 @@ impl Batch {
         let row = shape.kv_heads * shape.head_dim;
         let total: usize = lens.iter().sum();
         let mut cache = PagedCache::new(scheme.clone(), CacheConfig::for_tokens(total + 64 * lens.len() + 64)).unwrap();
-        let mut rng = Rng(seed);
+        let mut rng = Rng::new(seed);
         let (mut seqs, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new());
         for (i, &t) in lens.iter().enumerate() {
             let k = rng.vec(t * row);

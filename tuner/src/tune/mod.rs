@@ -39,7 +39,7 @@
 pub mod stats;
 
 use crate::bucket::Bucket;
-use crate::decisions::{entry_key, now_unix, CandidateRecord, Entry, Status, Store, Timing};
+use crate::decisions::{entry_key, now_unix, CandidateRecord, CandidateTiming, Entry, Status, Store};
 use crate::fingerprint::{Fingerprint, Toolchain};
 use kivi_spec::Scheme;
 use rayon::prelude::*;
@@ -156,7 +156,7 @@ pub struct Plan {
 
 /// How a bucket's decision came about.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Origin {
+pub enum DecisionOrigin {
     /// Served from the decision cache; nothing ran.
     Cached,
     /// Measured now: `measured` candidates timed, `reused` stored timings kept.
@@ -171,7 +171,7 @@ pub enum Origin {
 #[derive(Clone, Debug)]
 pub struct Outcome {
     pub bucket: Bucket,
-    pub origin: Origin,
+    pub origin: DecisionOrigin,
     pub entry: Option<Entry>,
     /// Seconds charged to the budget.
     pub spent_s: f64,
@@ -245,7 +245,11 @@ pub fn run(
             Some(e) if !plan.force && plan.pin.is_none() && is_fresh(e, &cands, plan.resume) => {
                 outcomes[i] = Some(Outcome {
                     bucket: *b,
-                    origin: if e.pinned { Origin::Pinned } else { Origin::Cached },
+                    origin: if e.pinned {
+                        DecisionOrigin::Pinned
+                    } else {
+                        DecisionOrigin::Cached
+                    },
                     entry: Some(e.clone()),
                     spent_s: 0.0,
                 });
@@ -282,7 +286,7 @@ pub fn run(
             }
             Err(e) => Outcome {
                 bucket: b,
-                origin: Origin::Failed(e),
+                origin: DecisionOrigin::Failed(e),
                 entry: None,
                 spent_s: 0.0,
             },
@@ -304,7 +308,7 @@ fn fail_timing(rec: &mut Option<CandidateRecord>, samples: &mut Vec<f64>, c: &Ca
     samples.clear();
 }
 
-fn record(c: &Candidate, status: Status, reason: Option<String>, timing: Option<Timing>) -> CandidateRecord {
+fn record(c: &Candidate, status: Status, reason: Option<String>, timing: Option<CandidateTiming>) -> CandidateRecord {
     CandidateRecord {
         name: c.name.clone(),
         hash: hex(c.hash),
@@ -336,7 +340,7 @@ pub fn tune_bucket(
     budget_s: f64,
     pin: Option<&str>,
     progress: &mut dyn Progress,
-) -> Result<(Entry, Origin, f64), String> {
+) -> Result<(Entry, DecisionOrigin, f64), String> {
     let method = target.method();
     let cands = target.candidates(&bucket);
     if cands.is_empty() {
@@ -558,7 +562,7 @@ pub fn tune_bucket(
                     }
                 }
                 alive.retain(|&i| records[i].is_none());
-                let stats: Vec<(usize, Timing)> = alive
+                let stats: Vec<(usize, CandidateTiming)> = alive
                     .iter()
                     .filter_map(|&i| Some((i, stats::summarize(&timings[i], bytes)?)))
                     .collect();
@@ -654,10 +658,10 @@ pub fn tune_bucket(
         (
             p.to_string(),
             "pinned by the user (verified against the reference, not timed)".to_string(),
-            Origin::Pinned,
+            DecisionOrigin::Pinned,
         )
     } else {
-        let timed: Vec<(usize, Timing)> = records
+        let timed: Vec<(usize, CandidateTiming)> = records
             .iter()
             .enumerate()
             // Survivors only: an eliminated candidate lost to one of them.
@@ -713,7 +717,11 @@ pub fn tune_bucket(
                 records[0].status.name()
             ),
         };
-        (records[wi].name.clone(), reason, Origin::Tuned { measured, reused })
+        (
+            records[wi].name.clone(),
+            reason,
+            DecisionOrigin::Tuned { measured, reused },
+        )
     };
     let entry = Entry {
         scheme: scheme.name.clone(),

@@ -1,6 +1,6 @@
 //! Sample statistics and the deterministic choice rule.
 
-use crate::decisions::Timing;
+use crate::decisions::CandidateTiming;
 
 /// Linear-interpolated quantile of sorted samples (`q` in 0..=1).
 pub fn quantile(sorted: &[f64], q: f64) -> f64 {
@@ -17,14 +17,14 @@ pub fn quantile(sorted: &[f64], q: f64) -> f64 {
 }
 
 /// Median, p20 and p80 of per-call times, and GB/s at the median.
-pub fn summarize(samples: &[f64], bytes_per_call: u64) -> Option<Timing> {
+pub fn summarize(samples: &[f64], bytes_per_call: u64) -> Option<CandidateTiming> {
     let mut s: Vec<f64> = samples.iter().copied().filter(|x| x.is_finite() && *x > 0.0).collect();
     if s.is_empty() {
         return None;
     }
     s.sort_by(f64::total_cmp);
     let median = quantile(&s, 0.5);
-    Some(Timing {
+    Some(CandidateTiming {
         median_s: median,
         p20_s: quantile(&s, 0.2),
         p80_s: quantile(&s, 0.8),
@@ -35,7 +35,7 @@ pub fn summarize(samples: &[f64], bytes_per_call: u64) -> Option<Timing> {
 
 /// Relative tolerance within which two timings count as a tie: the larger
 /// of the configured floor and either candidate's own noise.
-pub fn tie_tolerance(a: &Timing, b: &Timing, floor: f64) -> f64 {
+pub fn tie_tolerance(a: &CandidateTiming, b: &CandidateTiming, floor: f64) -> f64 {
     floor.max(a.noise()).max(b.noise())
 }
 
@@ -46,7 +46,7 @@ pub fn tie_tolerance(a: &Timing, b: &Timing, floor: f64) -> f64 {
 /// it is faster than the default by more than the noise.
 ///
 /// Returns the index into `timed`, or `None` when nothing was timed.
-pub fn choose(timed: &[(usize, Timing)], floor: f64) -> Option<usize> {
+pub fn choose(timed: &[(usize, CandidateTiming)], floor: f64) -> Option<usize> {
     let best = timed
         .iter()
         .enumerate()
@@ -64,8 +64,8 @@ pub fn choose(timed: &[(usize, Timing)], floor: f64) -> Option<usize> {
 mod tests {
     use super::*;
 
-    fn t(m: f64, spread: f64) -> Timing {
-        Timing {
+    fn t(m: f64, spread: f64) -> CandidateTiming {
+        CandidateTiming {
             median_s: m,
             p20_s: m * (1.0 - spread),
             p80_s: m * (1.0 + spread),

@@ -1,0 +1,1055 @@
+//! Cache writes, vectorised: checking appended tokens, rounding them to the
+//! activation dtype, and quantizing them into blocks with uniform levels.
+//!
+//! The arithmetic is `quant.rs`'s, re-derived lane by lane so that every
+//! stored bit is the same as the scalar path's (`tests/cache_writes.rs`
+//! compares them bit for bit on every instruction set):
+//! - rounding to f16 is the F16C conversion (round to nearest even, the
+//!   same as `half`), to bf16 the integer form of round-to-nearest-even;
+//! - `lo`/`hi` are exact whatever the order of the comparisons, except for
+//!   the sign of a zero: a group whose `lo` or `hi` is a zero is redone with
+//!   [`quant::group_lo_hi`] (which defines it);
+//! - `s = (hi - lo) / (2^b - 1)` and `(x - z) / s` are IEEE divisions
+//!   (correctly rounded, so a vector divide gives the scalar's bits; a
+//!   multiply by `1 / s` would not), then round-to-nearest-even, clamp, and
+//!   `c = 0` where `s == 0`.
+//!
+//! Codes are made one byte each and packed into words afterwards
+//! ([`pack_bytes`]), so one packer serves every instruction set.
+//!
+//! The kernels are written once, generic over [`Lanes`] (16 lanes with
+//! AVX-512, 8 with AVX2 + F16C, 1 with plain scalar code), and instantiated
+//! under each instruction set's `#[target_feature]`.
+
+use super::simd::Isa;
+use crate::cache::RawRows;
+use crate::quant;
+use kivi_spec::layout::TensorLayout;
+use kivi_spec::{Axis, Dtype, Quant, ScaleDtype};
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// The largest head_dim (kivi_spec's `MAX_HEAD_DIM`): per-row scratch lives
+/// on the stack at this size, so a write allocates nothing per token.
+const MAX_D: usize = 1024;
+
+/// Where the rows of one write come from: the caller's input (f32, not yet
+/// rounded) for new tokens, the window ring (already rounded) for tokens
+/// that were appended before and leave the window now.
+#[derive(Clone, Copy)]
+pub(crate) struct Rows<'a> {
+    /// `[n][Hkv][D]`, the first row at position `old_tokens`.
+    pub input: &'a [f32],
+    pub ring: RawRows<'a>,
+    pub ring_cap: usize,
+    pub sinks: usize,
+    pub old_tokens: usize,
+    pub heads: usize,
+    pub d: usize,
+}
+
+/// One row: `D` values.
+#[derive(Clone, Copy)]
+enum Src<'a> {
+    /// Not yet rounded to the activation dtype.
+    Input(&'a [f32]),
+    /// 16-bit storage of the activation dtype.
+    Bits(&'a [u16]),
+    /// f32 storage (the f32 activation dtype).
+    Stored(&'a [f32]),
+}
+
+impl Src<'_> {
+    #[inline(always)]
+    fn len(&self) -> usize {
+        match self {
+            Src::Input(x) => x.len(),
+            Src::Bits(b) => b.len(),
+            Src::Stored(f) => f.len(),
+        }
+    }
+}
+
+impl<'a> Rows<'a> {
+    /// Row of relative token `j` (position `sinks + j`), KV head `hh`.
+    #[inline(always)]
+    fn row(&self, j: usize, hh: usize) -> Src<'a> {
+        let (h, d) = (self.heads, self.d);
+        let p = self.sinks + j;
+        if p >= self.old_tokens {
+            Src::Input(&self.input[((p - self.old_tokens) * h + hh) * d..][..d])
+        } else {
+            let base = ((j % self.ring_cap) * h + hh) * d;
+            match self.ring {
+                RawRows::Bits16(b) => Src::Bits(&b[base..base + d]),
+                RawRows::F32(f) => Src::Stored(&f[base..base + d]),
+            }
+        }
+    }
+}
+
+/// One tensor of one block, every KV head: the tokens `first..first + n`
+/// (relative, all in this block). Rows are visited token by token, every
+/// head of a token in turn, i.e. in the input's own order: visited head by
+/// head, consecutive rows of a head lie `Hkv x D x 4` bytes apart (4 KiB at
+/// GQA 32:8), one page each, and the hardware prefetchers lose track
+/// (measured: most of the time went to stalled loads).
+pub(crate) struct Job<'a> {
+    /// The whole block (every head, both tensors).
+    pub block: &'a mut [u32],
+    pub first: usize,
+    pub n: usize,
+}
+
+/// What every job of one tensor shares.
+#[derive(Clone, Copy)]
+pub(crate) struct Plan<'a> {
+    pub tl: &'a TensorLayout,
+    /// Where this tensor's part of head `h` starts in a block:
+    /// `h * head_words + offset`.
+    pub head_words: usize,
+    pub offset: usize,
+    /// `None`: a `full` tensor, rows stored raw.
+    pub quant: Option<Quant>,
+    pub dtype: Dtype,
+    pub isa: Isa,
+}
+
+/// The instruction set a tensor's writes use: `cap` or the widest below it
+/// whose lane count divides the rows (and, on the token axis, the groups).
+pub(crate) fn tensor_isa(cap: Isa, quant: Option<&Quant>, d: usize) -> Isa {
+    let unit = match quant {
+        Some(q) if q.axis == Axis::Token => q.group as usize,
+        _ => d,
+    };
+    let fits = |isa: Isa| unit.is_multiple_of(isa.width()) && d.is_multiple_of(isa.width());
+    let mut isa = cap;
+    if isa == Isa::Avx512 && !fits(isa) {
+        isa = Isa::Avx2;
+    }
+    if isa == Isa::Avx2 && (!fits(isa) || !avx2_ok()) {
+        isa = Isa::Scalar;
+    }
+    isa
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx2_ok() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+}
+#[cfg(not(target_arch = "x86_64"))]
+fn avx2_ok() -> bool {
+    false
+}
+
+/// Writes one job. `false` when a group's parameters overflow their dtype
+/// (the caller then lets the scalar path say which group); the words
+/// written so far are not yet visible to any reader.
+pub(crate) fn run(plan: &Plan, rows: &Rows, job: &mut Job) -> bool {
+    match plan.isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `tensor_isa` chose AVX-512 only where `Isa::select` found it.
+        Isa::Avx512 => unsafe { run_avx512(plan, rows, job) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above, AVX2 + FMA + F16C.
+        Isa::Avx2 => unsafe { run_avx2(plan, rows, job) },
+        _ => job_body::<Scalar>(plan, rows, job),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+unsafe fn run_avx512(plan: &Plan, rows: &Rows, job: &mut Job) -> bool {
+    job_body::<Avx512>(plan, rows, job)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run_avx2(plan: &Plan, rows: &Rows, job: &mut Job) -> bool {
+    job_body::<Avx2>(plan, rows, job)
+}
+
+thread_local! {
+    /// Per-thread scratch of the channel-axis writes (`lo`/`hi`, then
+    /// scale/zero, of every head and channel): grown once, so writes do
+    /// not allocate per token.
+    static SCRATCH: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+#[inline(always)]
+fn job_body<L: Lanes>(plan: &Plan, rows: &Rows, job: &mut Job) -> bool {
+    let tl = plan.tl;
+    let bt = tl.block_tokens;
+    let wpt = tl.words_per_token;
+    let (h, d) = (rows.heads, rows.d);
+    let part_start = |hh: usize| hh * plan.head_words + plan.offset;
+    let words = tl.words;
+    let Some(q) = plan.quant else {
+        for j in job.first..job.first + job.n {
+            let off = j % bt;
+            for hh in 0..h {
+                let part = &mut job.block[part_start(hh)..][..words];
+                store_row_words::<L>(rows.row(j, hh), plan.dtype, &mut part[off * wpt..(off + 1) * wpt]);
+            }
+        }
+        return true;
+    };
+    let per = kivi_spec::layout::codes_per_word(q.bits);
+    // One row of codes, padded with zeros to whole words.
+    let mut codes = [0u8; MAX_D + 32];
+    let padded = wpt * per;
+    match q.axis {
+        Axis::Token => {
+            for j in job.first..job.first + job.n {
+                let off = j % bt;
+                for hh in 0..h {
+                    let part = &mut job.block[part_start(hh)..][..words];
+                    if !token_row::<L>(plan, &q, rows.row(j, hh), off, part, &mut codes) {
+                        return false;
+                    }
+                    codes[d..padded].fill(0);
+                    pack_bytes(&codes[..padded], q.bits, &mut part[off * wpt..(off + 1) * wpt]);
+                }
+            }
+        }
+        Axis::Channel => {
+            let mut scratch = SCRATCH.take();
+            if scratch.len() < 2 * h * d {
+                scratch.resize(2 * h * d, 0.0);
+            }
+            let ok = channel_groups::<L>(plan, &q, rows, job, &mut scratch, &mut codes);
+            SCRATCH.set(scratch);
+            return ok;
+        }
+    }
+    true
+}
+
+/// Quantizes one row of token-axis groups into byte codes, writing the
+/// groups' parameters into `part`. `false`: a parameter overflows.
+#[inline(always)]
+fn token_row<L: Lanes>(plan: &Plan, q: &Quant, src: Src, off: usize, part: &mut [u32], codes: &mut [u8]) -> bool {
+    let tl = plan.tl;
+    let g = q.group as usize;
+    let maxc = q.max_code() as f32;
+    for c0 in (0..src.len()).step_by(g) {
+        // SAFETY: `tensor_isa` made the lane count divide `g` and `d`, so
+        // every load stays inside the row, every store inside `codes`.
+        let p = unsafe {
+            let mut lo = L::load(src, c0, plan.dtype);
+            let mut hi = lo;
+            let mut c = c0 + L::N;
+            while c < c0 + g {
+                let x = L::load(src, c, plan.dtype);
+                lo = L::min(lo, x);
+                hi = L::max(hi, x);
+                c += L::N;
+            }
+            let (mut lo, mut hi) = (L::hmin(lo), L::hmax(hi));
+            if lo == 0.0 || hi == 0.0 {
+                (lo, hi) = quant::group_lo_hi((c0..c0 + g).map(|i| scalar_at(src, i, plan.dtype)));
+            }
+            let p = quant::GroupParams {
+                scale: round_scale1::<L>((hi - lo) / maxc, q.scale),
+                zero: round_scale1::<L>(lo, q.scale),
+            };
+            if !p.is_finite() {
+                return false;
+            }
+            let (vs, vz) = (L::splat(p.scale), L::splat(p.zero));
+            let mut c = c0;
+            while c < c0 + g {
+                L::encode(L::load(src, c, plan.dtype), vz, vs, maxc, codes.as_mut_ptr().add(c));
+                c += L::N;
+            }
+            p
+        };
+        let i = tl.param_index(off, c0);
+        write_param::<L>(&mut part[tl.scales_offset..], i, p.scale, q.scale);
+        write_param::<L>(&mut part[tl.zeros_offset..], i, p.zero, q.scale);
+    }
+    true
+}
+
+/// The channel-axis groups of a job (whole groups: blocks hold whole
+/// groups, and flushes come in them), token by token, every head of a
+/// token in turn: a pass for `lo`/`hi` per (head, channel), the parameters,
+/// then a pass that encodes and packs each row. `scratch`: `2 x Hkv x D`.
+#[inline(always)]
+fn channel_groups<L: Lanes>(
+    plan: &Plan,
+    q: &Quant,
+    rows: &Rows,
+    job: &mut Job,
+    scratch: &mut [f32],
+    codes: &mut [u8],
+) -> bool {
+    let tl = plan.tl;
+    let (h, d) = (rows.heads, rows.d);
+    let g = q.group as usize;
+    let maxc = q.max_code() as f32;
+    let wpt = tl.words_per_token;
+    let padded = wpt * kivi_spec::layout::codes_per_word(q.bits);
+    let (a, b) = scratch.split_at_mut(h * d);
+    for j0 in (job.first..job.first + job.n).step_by(g) {
+        let off0 = j0 % tl.block_tokens;
+        for k in 0..g {
+            for hh in 0..h {
+                let src = rows.row(j0 + k, hh);
+                let (lo, hi) = (&mut a[hh * d..(hh + 1) * d], &mut b[hh * d..(hh + 1) * d]);
+                for c in (0..d).step_by(L::N) {
+                    // SAFETY: the lane count divides `d` (`tensor_isa`).
+                    unsafe {
+                        let x = L::load(src, c, plan.dtype);
+                        let (l, u) = if k == 0 {
+                            (x, x)
+                        } else {
+                            (
+                                L::min(L::load_f32(lo.as_ptr().add(c)), x),
+                                L::max(L::load_f32(hi.as_ptr().add(c)), x),
+                            )
+                        };
+                        L::store(l, lo.as_mut_ptr().add(c));
+                        L::store(u, hi.as_mut_ptr().add(c));
+                    }
+                }
+            }
+        }
+        for hh in 0..h {
+            let (lo, hi) = (&mut a[hh * d..(hh + 1) * d], &mut b[hh * d..(hh + 1) * d]);
+            // A zero at either end: the sign of that zero is the scalar
+            // rule's (rare: redone lane by lane).
+            for c in 0..d {
+                if lo[c] == 0.0 || hi[c] == 0.0 {
+                    (lo[c], hi[c]) = quant::group_lo_hi((0..g).map(|k| scalar_at(rows.row(j0 + k, hh), c, plan.dtype)));
+                }
+            }
+            for c in (0..d).step_by(L::N) {
+                // SAFETY: as above; `lo`/`hi` become scale/zero here.
+                unsafe {
+                    let l = L::load_f32(lo.as_ptr().add(c));
+                    let u = L::load_f32(hi.as_ptr().add(c));
+                    let s = L::round_scale(L::div(L::sub(u, l), L::splat(maxc)), q.scale);
+                    let z = L::round_scale(l, q.scale);
+                    if !L::all_finite(s) || !L::all_finite(z) {
+                        return false;
+                    }
+                    L::store(s, lo.as_mut_ptr().add(c));
+                    L::store(z, hi.as_mut_ptr().add(c));
+                }
+            }
+            let part = &mut job.block[hh * plan.head_words + plan.offset..][..tl.words];
+            for c in 0..d {
+                let i = tl.param_index(off0, c);
+                write_param::<L>(&mut part[tl.scales_offset..], i, lo[c], q.scale);
+                write_param::<L>(&mut part[tl.zeros_offset..], i, hi[c], q.scale);
+            }
+        }
+        for k in 0..g {
+            let off = off0 + k;
+            for hh in 0..h {
+                let src = rows.row(j0 + k, hh);
+                let (s, z) = (&a[hh * d..(hh + 1) * d], &b[hh * d..(hh + 1) * d]);
+                for c in (0..d).step_by(L::N) {
+                    // SAFETY: as above.
+                    unsafe {
+                        let sv = L::load_f32(s.as_ptr().add(c));
+                        let zv = L::load_f32(z.as_ptr().add(c));
+                        L::encode(L::load(src, c, plan.dtype), zv, sv, maxc, codes.as_mut_ptr().add(c));
+                    }
+                }
+                codes[d..padded].fill(0);
+                let part = &mut job.block[hh * plan.head_words + plan.offset..][..tl.words];
+                pack_bytes(&codes[..padded], q.bits, &mut part[off * wpt..(off + 1) * wpt]);
+            }
+        }
+    }
+    true
+}
+
+/// Value `i` of a row, rounded to the activation dtype, by the scalar rule.
+#[inline(always)]
+fn scalar_at(src: Src, i: usize, dtype: Dtype) -> f32 {
+    match src {
+        Src::Input(x) => quant::round_to_dtype(x[i], dtype),
+        Src::Bits(b) => quant::from_bits_16(b[i], dtype),
+        Src::Stored(f) => f[i],
+    }
+}
+
+/// `quant::round_to_scale` of one value.
+#[inline(always)]
+fn round_scale1<L: Lanes>(x: f32, dtype: ScaleDtype) -> f32 {
+    match dtype {
+        // SAFETY: the caller runs under `L`'s instruction set.
+        ScaleDtype::F16 => unsafe { L::f16_round(x) },
+        ScaleDtype::F32 => x,
+    }
+}
+
+/// Same as the cache's `write_param` (f16 halves share a word).
+#[inline(always)]
+fn write_param<L: Lanes>(words: &mut [u32], i: usize, x: f32, dtype: ScaleDtype) {
+    match dtype {
+        ScaleDtype::F16 => {
+            let shift = 16 * (i % 2);
+            // SAFETY: the caller runs under `L`'s instruction set.
+            let b = unsafe { L::f16_bits(x) } as u32;
+            words[i / 2] = (words[i / 2] & !(0xffff << shift)) | (b << shift);
+        }
+        ScaleDtype::F32 => words[i] = x.to_bits(),
+    }
+}
+
+/// A raw row (activation dtype) of a `full` tensor: two 16-bit values per
+/// word, the lower half first, or one f32 per word.
+#[inline(always)]
+fn store_row_words<L: Lanes>(src: Src, dtype: Dtype, words: &mut [u32]) {
+    let d = src.len();
+    match dtype {
+        Dtype::F32 => {
+            for (i, w) in words.iter_mut().enumerate().take(d) {
+                *w = scalar_at(src, i, dtype).to_bits();
+            }
+        }
+        _ => {
+            let mut c = 0;
+            if cfg!(target_endian = "little") {
+                // The words as 16-bit halves, in memory order (little
+                // endian: element `2i` is the lower half of word `i`).
+                let halves = words.as_mut_ptr() as *mut u16;
+                while c + L::N <= d && c + L::N <= 2 * words.len() {
+                    // SAFETY: `c + N <= d` values in the row and `c + N`
+                    // halves in `words`.
+                    unsafe { L::store16(load_for_store16::<L>(src, c, dtype), halves.add(c), dtype) };
+                    c += L::N;
+                }
+            }
+            while c < d {
+                let b = quant::to_bits_16(scalar_at(src, c, dtype), dtype) as u32;
+                let w = &mut words[c / 2];
+                let shift = 16 * (c % 2);
+                *w = (*w & !(0xffff << shift)) | (b << shift);
+                c += 1;
+            }
+            if d % 2 == 1 {
+                // The unused upper half of the last word is zero.
+                words[d / 2] &= 0xffff;
+            }
+        }
+    }
+}
+
+/// Values `i..i + N` of `src` for [`Lanes::store16`]: f16 stores round
+/// f32 input themselves (rounding twice gives the same bits), so the input
+/// goes in as it is; other dtypes are rounded first.
+///
+/// # Safety
+/// As [`Lanes::load`].
+#[inline(always)]
+unsafe fn load_for_store16<L: Lanes>(src: Src, i: usize, dtype: Dtype) -> L::F {
+    match (src, dtype) {
+        (Src::Input(x), Dtype::F16) => L::load_f32(x.as_ptr().add(i)),
+        _ => L::load(src, i, dtype),
+    }
+}
+
+/// Rounds `src` (f32) to a 16-bit activation dtype into `dst` (a window or
+/// sink row), vectorised on `isa`.
+pub(crate) fn round_into_bits(isa: Isa, src: &[f32], dst: &mut [u16], dtype: Dtype) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa` came from `Isa::select`.
+        Isa::Avx512 => unsafe { round_into_bits_avx512(src, dst, dtype) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { round_into_bits_avx2(src, dst, dtype) },
+        _ => round_into_bits_body::<Scalar>(src, dst, dtype),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+unsafe fn round_into_bits_avx512(src: &[f32], dst: &mut [u16], dtype: Dtype) {
+    round_into_bits_body::<Avx512>(src, dst, dtype)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn round_into_bits_avx2(src: &[f32], dst: &mut [u16], dtype: Dtype) {
+    round_into_bits_body::<Avx2>(src, dst, dtype)
+}
+
+#[inline(always)]
+fn round_into_bits_body<L: Lanes>(src: &[f32], dst: &mut [u16], dtype: Dtype) {
+    let n = src.len().min(dst.len());
+    let mut c = 0;
+    while c + L::N <= n {
+        // SAFETY: `c + N <= n` on both sides.
+        unsafe {
+            L::store16(
+                load_for_store16::<L>(Src::Input(src), c, dtype),
+                dst.as_mut_ptr().add(c),
+                dtype,
+            )
+        };
+        c += L::N;
+    }
+    for i in c..n {
+        dst[i] = quant::to_bits_16(src[i], dtype);
+    }
+}
+
+/// Whether every value of `x`, rounded to `dtype`, is finite and (for
+/// values at or after element `from`) at most `limit` in magnitude. The
+/// exact error, when there is one, is the scalar path's to report.
+pub(crate) fn inputs_ok(isa: Isa, x: &[f32], dtype: Dtype, from: usize, limit: f32) -> bool {
+    let from = from.min(x.len());
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa` came from `Isa::select`.
+        Isa::Avx512 => unsafe { inputs_ok_avx512(x, dtype, from, limit) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { inputs_ok_avx2(x, dtype, from, limit) },
+        _ => inputs_ok_body::<Scalar>(x, dtype, from, limit),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+unsafe fn inputs_ok_avx512(x: &[f32], dtype: Dtype, from: usize, limit: f32) -> bool {
+    inputs_ok_body::<Avx512>(x, dtype, from, limit)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn inputs_ok_avx2(x: &[f32], dtype: Dtype, from: usize, limit: f32) -> bool {
+    inputs_ok_body::<Avx2>(x, dtype, from, limit)
+}
+
+#[inline(always)]
+fn inputs_ok_body<L: Lanes>(x: &[f32], dtype: Dtype, from: usize, limit: f32) -> bool {
+    within::<L>(&x[..from], dtype, f32::MAX) && within::<L>(&x[from..], dtype, limit)
+}
+
+/// No closures here: a closure does not inherit its function's target
+/// features, and the intrinsics would not be inlined into it.
+#[inline(always)]
+fn within<L: Lanes>(x: &[f32], dtype: Dtype, limit: f32) -> bool {
+    let mut c = 0;
+    // SAFETY: `c + N <= len`.
+    unsafe {
+        let mut ok = L::all_true();
+        while c + L::N <= x.len() {
+            ok = L::and_within(ok, Src::Input(x), c, dtype, limit);
+            c += L::N;
+        }
+        if !L::is_all_true(ok) {
+            return false;
+        }
+    }
+    for v in &x[c..] {
+        if v.is_nan() || quant::round_to_dtype(*v, dtype).abs() > limit {
+            return false;
+        }
+    }
+    true
+}
+
+/// Packs one row of byte codes (each `< 2^bits`, `out.len() * 32 / bits`
+/// of them, zero past the row) into words as `quant::pack` does: LSB
+/// first, `32 / bits` codes per word.
+pub(crate) fn pack_bytes(codes: &[u8], bits: u32, out: &mut [u32]) {
+    let r8 = |i: usize| u64::from_le_bytes(codes[i..i + 8].try_into().expect("8 bytes"));
+    match bits {
+        8 => {
+            for (w, c) in out.iter_mut().zip(codes.chunks_exact(4)) {
+                *w = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        // Eight codes of a u64 (one a byte) gathered into the low bits by
+        // doubling shifts: neighbours first, then pairs, then quads.
+        4 => {
+            for (i, w) in out.iter_mut().enumerate() {
+                let mut x = r8(8 * i);
+                x = (x | (x >> 4)) & 0x00ff_00ff_00ff_00ff;
+                x = (x | (x >> 8)) & 0x0000_ffff_0000_ffff;
+                *w = (x | (x >> 16)) as u32;
+            }
+        }
+        2 => {
+            let f = |mut x: u64| {
+                x = (x | (x >> 6)) & 0x000f_000f_000f_000f;
+                x = (x | (x >> 12)) & 0x0000_00ff_0000_00ff;
+                ((x | (x >> 24)) & 0xffff) as u32
+            };
+            for (i, w) in out.iter_mut().enumerate() {
+                *w = f(r8(16 * i)) | (f(r8(16 * i + 8)) << 16);
+            }
+        }
+        1 => {
+            let f = |mut x: u64| {
+                x = (x | (x >> 7)) & 0x0003_0003_0003_0003;
+                x = (x | (x >> 14)) & 0x0000_000f_0000_000f;
+                ((x | (x >> 28)) & 0xff) as u32
+            };
+            for (i, w) in out.iter_mut().enumerate() {
+                let b = 32 * i;
+                *w = f(r8(b)) | (f(r8(b + 8)) << 8) | (f(r8(b + 16)) << 16) | (f(r8(b + 24)) << 24);
+            }
+        }
+        _ => {
+            let per = (32 / bits) as usize;
+            for (w, chunk) in out.iter_mut().zip(codes.chunks(per)) {
+                let mut word = 0u32;
+                for (i, &c) in chunk.iter().enumerate() {
+                    word |= (c as u32) << (i as u32 * bits);
+                }
+                *w = word;
+            }
+        }
+    }
+}
+
+/// `N` f32 lanes and the few operations a write needs. Every method is
+/// `unsafe`: the caller has the instruction set (the `#[target_feature]`
+/// entry points above) and keeps pointers `N` elements inside their slices.
+trait Lanes {
+    const N: usize;
+    type F: Copy;
+    type M: Copy;
+    /// Values `i..i + N` of a row, rounded to `dtype`.
+    unsafe fn load(src: Src, i: usize, dtype: Dtype) -> Self::F;
+    unsafe fn load_f32(p: *const f32) -> Self::F;
+    unsafe fn store(x: Self::F, p: *mut f32);
+    unsafe fn splat(x: f32) -> Self::F;
+    unsafe fn min(a: Self::F, b: Self::F) -> Self::F;
+    unsafe fn max(a: Self::F, b: Self::F) -> Self::F;
+    unsafe fn hmin(a: Self::F) -> f32;
+    unsafe fn hmax(a: Self::F) -> f32;
+    unsafe fn sub(a: Self::F, b: Self::F) -> Self::F;
+    unsafe fn div(a: Self::F, b: Self::F) -> Self::F;
+    /// Rounded to the scale dtype.
+    unsafe fn round_scale(x: Self::F, dtype: ScaleDtype) -> Self::F;
+    unsafe fn all_finite(x: Self::F) -> bool;
+    /// One value rounded to f16 and widened back, and its f16 bits
+    /// (`half`'s conversions, inline: a group's parameters are converted
+    /// once or twice per group, and the library call was a quarter of a
+    /// write's time).
+    unsafe fn f16_round(x: f32) -> f32;
+    unsafe fn f16_bits(x: f32) -> u16;
+    /// `encode` of every lane, one code a byte at `out`.
+    unsafe fn encode(x: Self::F, zero: Self::F, scale: Self::F, max_code: f32, out: *mut u8);
+    /// 16-bit storage of values already representable in `dtype`.
+    unsafe fn store16(x: Self::F, out: *mut u16, dtype: Dtype);
+    unsafe fn all_true() -> Self::M;
+    /// `ok` and, lane by lane, values `i..i + N` of `src` rounded to `dtype`
+    /// are not NaN and at most `limit` in magnitude.
+    unsafe fn and_within(ok: Self::M, src: Src, i: usize, dtype: Dtype, limit: f32) -> Self::M;
+    unsafe fn is_all_true(ok: Self::M) -> bool;
+}
+
+/// One lane: `quant.rs` itself.
+struct Scalar;
+
+impl Lanes for Scalar {
+    const N: usize = 1;
+    type F = f32;
+    type M = bool;
+    #[inline(always)]
+    unsafe fn load(src: Src, i: usize, dtype: Dtype) -> f32 {
+        scalar_at(src, i, dtype)
+    }
+    #[inline(always)]
+    unsafe fn load_f32(p: *const f32) -> f32 {
+        *p
+    }
+    #[inline(always)]
+    unsafe fn store(x: f32, p: *mut f32) {
+        *p = x
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> f32 {
+        x
+    }
+    #[inline(always)]
+    unsafe fn min(a: f32, b: f32) -> f32 {
+        a.min(b)
+    }
+    #[inline(always)]
+    unsafe fn max(a: f32, b: f32) -> f32 {
+        a.max(b)
+    }
+    #[inline(always)]
+    unsafe fn hmin(a: f32) -> f32 {
+        a
+    }
+    #[inline(always)]
+    unsafe fn hmax(a: f32) -> f32 {
+        a
+    }
+    #[inline(always)]
+    unsafe fn sub(a: f32, b: f32) -> f32 {
+        a - b
+    }
+    #[inline(always)]
+    unsafe fn div(a: f32, b: f32) -> f32 {
+        a / b
+    }
+    #[inline(always)]
+    unsafe fn round_scale(x: f32, dtype: ScaleDtype) -> f32 {
+        quant::round_to_scale(x, dtype)
+    }
+    #[inline(always)]
+    unsafe fn all_finite(x: f32) -> bool {
+        x.is_finite()
+    }
+    #[inline(always)]
+    unsafe fn f16_round(x: f32) -> f32 {
+        half::f16::from_f32(x).to_f32()
+    }
+    #[inline(always)]
+    unsafe fn f16_bits(x: f32) -> u16 {
+        half::f16::from_f32(x).to_bits()
+    }
+    #[inline(always)]
+    unsafe fn encode(x: f32, zero: f32, scale: f32, max_code: f32, out: *mut u8) {
+        let p = quant::GroupParams { scale, zero };
+        *out = quant::encode(x, p, max_code as u32) as u8;
+    }
+    #[inline(always)]
+    unsafe fn store16(x: f32, out: *mut u16, dtype: Dtype) {
+        *out = quant::to_bits_16(x, dtype);
+    }
+    #[inline(always)]
+    unsafe fn all_true() -> bool {
+        true
+    }
+    #[inline(always)]
+    unsafe fn and_within(ok: bool, src: Src, i: usize, dtype: Dtype, limit: f32) -> bool {
+        let raw = match src {
+            Src::Input(x) => x[i],
+            _ => 0.0,
+        };
+        ok && !raw.is_nan() && scalar_at(src, i, dtype).abs() <= limit
+    }
+    #[inline(always)]
+    unsafe fn is_all_true(ok: bool) -> bool {
+        ok
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+struct Avx512;
+
+#[cfg(target_arch = "x86_64")]
+impl Avx512 {
+    /// bf16 round-to-nearest-even of finite values (the integer form of
+    /// `half::bf16::from_f32`), the result widened back to f32.
+    #[inline(always)]
+    unsafe fn round_bf16(x: __m512) -> __m512 {
+        let b = _mm512_castps_si512(x);
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+        let r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb);
+        _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(0xffff_0000u32 as i32)))
+    }
+}
+
+/// Round to nearest even, no exceptions (the `round_ties_even` of `encode`).
+#[cfg(target_arch = "x86_64")]
+const RNE: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+/// The f16 conversions' rounding: to nearest even (as `half`).
+#[cfg(target_arch = "x86_64")]
+const HALF: i32 = _MM_FROUND_TO_NEAREST_INT;
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for Avx512 {
+    const N: usize = 16;
+    type F = __m512;
+    type M = u16;
+    #[inline(always)]
+    unsafe fn load(src: Src, i: usize, dtype: Dtype) -> __m512 {
+        match src {
+            Src::Input(x) => {
+                let v = _mm512_loadu_ps(x.as_ptr().add(i));
+                match dtype {
+                    Dtype::F16 => _mm512_cvtph_ps(_mm512_cvtps_ph::<HALF>(v)),
+                    Dtype::Bf16 => Self::round_bf16(v),
+                    Dtype::F32 => v,
+                }
+            }
+            Src::Bits(b) => {
+                let h = _mm256_loadu_si256(b.as_ptr().add(i) as *const __m256i);
+                match dtype {
+                    Dtype::Bf16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h))),
+                    _ => _mm512_cvtph_ps(h),
+                }
+            }
+            Src::Stored(f) => _mm512_loadu_ps(f.as_ptr().add(i)),
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_f32(p: *const f32) -> __m512 {
+        _mm512_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn store(x: __m512, p: *mut f32) {
+        _mm512_storeu_ps(p, x)
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> __m512 {
+        _mm512_set1_ps(x)
+    }
+    #[inline(always)]
+    unsafe fn min(a: __m512, b: __m512) -> __m512 {
+        _mm512_min_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn max(a: __m512, b: __m512) -> __m512 {
+        _mm512_max_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn hmin(a: __m512) -> f32 {
+        _mm512_reduce_min_ps(a)
+    }
+    #[inline(always)]
+    unsafe fn hmax(a: __m512) -> f32 {
+        _mm512_reduce_max_ps(a)
+    }
+    #[inline(always)]
+    unsafe fn sub(a: __m512, b: __m512) -> __m512 {
+        _mm512_sub_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn div(a: __m512, b: __m512) -> __m512 {
+        _mm512_div_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn round_scale(x: __m512, dtype: ScaleDtype) -> __m512 {
+        match dtype {
+            ScaleDtype::F16 => _mm512_cvtph_ps(_mm512_cvtps_ph::<HALF>(x)),
+            ScaleDtype::F32 => x,
+        }
+    }
+    #[inline(always)]
+    unsafe fn f16_round(x: f32) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph::<HALF>(_mm_set_ss(x))))
+    }
+    #[inline(always)]
+    unsafe fn f16_bits(x: f32) -> u16 {
+        _mm_extract_epi16::<0>(_mm_cvtps_ph::<HALF>(_mm_set_ss(x))) as u16
+    }
+    #[inline(always)]
+    unsafe fn all_finite(x: __m512) -> bool {
+        let a = _mm512_abs_ps(x);
+        _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, _mm512_set1_ps(f32::INFINITY)) == 0xffff
+    }
+    #[inline(always)]
+    unsafe fn encode(x: __m512, zero: __m512, scale: __m512, max_code: f32, out: *mut u8) {
+        let q = _mm512_div_ps(_mm512_sub_ps(x, zero), scale);
+        let r = _mm512_roundscale_ps::<RNE>(q);
+        let r = _mm512_min_ps(_mm512_max_ps(r, _mm512_setzero_ps()), _mm512_set1_ps(max_code));
+        let nz = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(scale, _mm512_setzero_ps());
+        let c = _mm512_maskz_mov_epi32(nz, _mm512_cvttps_epi32(r));
+        _mm_storeu_si128(out as *mut __m128i, _mm512_cvtepi32_epi8(c));
+    }
+    #[inline(always)]
+    unsafe fn store16(x: __m512, out: *mut u16, dtype: Dtype) {
+        let h = match dtype {
+            // `x` is a bf16 value: its upper halves are its bits.
+            Dtype::Bf16 => _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(_mm512_castps_si512(x))),
+            _ => _mm512_cvtps_ph::<HALF>(x),
+        };
+        _mm256_storeu_si256(out as *mut __m256i, h)
+    }
+    #[inline(always)]
+    unsafe fn all_true() -> u16 {
+        0xffff
+    }
+    #[inline(always)]
+    unsafe fn and_within(ok: u16, src: Src, i: usize, dtype: Dtype, limit: f32) -> u16 {
+        let raw = match src {
+            Src::Input(x) => _mm512_loadu_ps(x.as_ptr().add(i)),
+            _ => _mm512_setzero_ps(),
+        };
+        let a = _mm512_abs_ps(Self::load(src, i, dtype));
+        let within = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(a, _mm512_set1_ps(limit));
+        ok & within & _mm512_cmp_ps_mask::<_CMP_ORD_Q>(raw, raw)
+    }
+    #[inline(always)]
+    unsafe fn is_all_true(ok: u16) -> bool {
+        ok == 0xffff
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+struct Avx2;
+
+#[cfg(target_arch = "x86_64")]
+impl Avx2 {
+    #[inline(always)]
+    unsafe fn round_bf16(x: __m256) -> __m256 {
+        let b = _mm256_castps_si256(x);
+        let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
+        let r = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb);
+        _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(0xffff_0000u32 as i32)))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for Avx2 {
+    const N: usize = 8;
+    type F = __m256;
+    type M = __m256;
+    #[inline(always)]
+    unsafe fn load(src: Src, i: usize, dtype: Dtype) -> __m256 {
+        match src {
+            Src::Input(x) => {
+                let v = _mm256_loadu_ps(x.as_ptr().add(i));
+                match dtype {
+                    Dtype::F16 => _mm256_cvtph_ps(_mm256_cvtps_ph::<HALF>(v)),
+                    Dtype::Bf16 => Self::round_bf16(v),
+                    Dtype::F32 => v,
+                }
+            }
+            Src::Bits(b) => {
+                let h = _mm_loadu_si128(b.as_ptr().add(i) as *const __m128i);
+                match dtype {
+                    Dtype::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h))),
+                    _ => _mm256_cvtph_ps(h),
+                }
+            }
+            Src::Stored(f) => _mm256_loadu_ps(f.as_ptr().add(i)),
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_f32(p: *const f32) -> __m256 {
+        _mm256_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn store(x: __m256, p: *mut f32) {
+        _mm256_storeu_ps(p, x)
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> __m256 {
+        _mm256_set1_ps(x)
+    }
+    #[inline(always)]
+    unsafe fn min(a: __m256, b: __m256) -> __m256 {
+        _mm256_min_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn max(a: __m256, b: __m256) -> __m256 {
+        _mm256_max_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn hmin(a: __m256) -> f32 {
+        let x = _mm_min_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+        let x = _mm_min_ps(x, _mm_movehl_ps(x, x));
+        _mm_cvtss_f32(_mm_min_ps(x, _mm_movehdup_ps(x)))
+    }
+    #[inline(always)]
+    unsafe fn hmax(a: __m256) -> f32 {
+        let x = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+        let x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+        _mm_cvtss_f32(_mm_max_ps(x, _mm_movehdup_ps(x)))
+    }
+    #[inline(always)]
+    unsafe fn sub(a: __m256, b: __m256) -> __m256 {
+        _mm256_sub_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn div(a: __m256, b: __m256) -> __m256 {
+        _mm256_div_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn round_scale(x: __m256, dtype: ScaleDtype) -> __m256 {
+        match dtype {
+            ScaleDtype::F16 => _mm256_cvtph_ps(_mm256_cvtps_ph::<HALF>(x)),
+            ScaleDtype::F32 => x,
+        }
+    }
+    #[inline(always)]
+    unsafe fn f16_round(x: f32) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph::<HALF>(_mm_set_ss(x))))
+    }
+    #[inline(always)]
+    unsafe fn f16_bits(x: f32) -> u16 {
+        _mm_extract_epi16::<0>(_mm_cvtps_ph::<HALF>(_mm_set_ss(x))) as u16
+    }
+    #[inline(always)]
+    unsafe fn all_finite(x: __m256) -> bool {
+        let a = _mm256_andnot_ps(_mm256_set1_ps(-0.0), x);
+        _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(a, _mm256_set1_ps(f32::INFINITY))) == 0xff
+    }
+    #[inline(always)]
+    unsafe fn encode(x: __m256, zero: __m256, scale: __m256, max_code: f32, out: *mut u8) {
+        let q = _mm256_div_ps(_mm256_sub_ps(x, zero), scale);
+        let r = _mm256_round_ps::<RNE>(q);
+        let r = _mm256_min_ps(_mm256_max_ps(r, _mm256_setzero_ps()), _mm256_set1_ps(max_code));
+        let nz = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_NEQ_UQ>(scale, _mm256_setzero_ps()));
+        let c = _mm256_and_si256(nz, _mm256_cvttps_epi32(r));
+        let w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256::<1>(c));
+        _mm_storel_epi64(out as *mut __m128i, _mm_packus_epi16(w, w));
+    }
+    #[inline(always)]
+    unsafe fn store16(x: __m256, out: *mut u16, dtype: Dtype) {
+        let h = match dtype {
+            Dtype::Bf16 => {
+                let s = _mm256_srli_epi32::<16>(_mm256_castps_si256(x));
+                _mm_packus_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s))
+            }
+            _ => _mm256_cvtps_ph::<HALF>(x),
+        };
+        _mm_storeu_si128(out as *mut __m128i, h)
+    }
+    #[inline(always)]
+    unsafe fn all_true() -> __m256 {
+        _mm256_castsi256_ps(_mm256_set1_epi32(-1))
+    }
+    #[inline(always)]
+    unsafe fn and_within(ok: __m256, src: Src, i: usize, dtype: Dtype, limit: f32) -> __m256 {
+        let raw = match src {
+            Src::Input(x) => _mm256_loadu_ps(x.as_ptr().add(i)),
+            _ => _mm256_setzero_ps(),
+        };
+        let a = _mm256_andnot_ps(_mm256_set1_ps(-0.0), Self::load(src, i, dtype));
+        let within = _mm256_cmp_ps::<_CMP_LE_OQ>(a, _mm256_set1_ps(limit));
+        _mm256_and_ps(ok, _mm256_and_ps(within, _mm256_cmp_ps::<_CMP_ORD_Q>(raw, raw)))
+    }
+    #[inline(always)]
+    unsafe fn is_all_true(ok: __m256) -> bool {
+        _mm256_movemask_ps(ok) == 0xff
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pack_bytes_is_quant_pack() {
+        let mut seed = 0x1234_5678u32;
+        for bits in kivi_spec::ALLOWED_BITS {
+            let per = (32 / bits) as usize;
+            for n in [1usize, 7, 16, 31, 33, 64, 100, 128, 257] {
+                let words = n.div_ceil(per);
+                let mut codes = vec![0u8; words * per];
+                for c in codes.iter_mut().take(n) {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 17;
+                    seed ^= seed << 5;
+                    *c = (seed & ((1 << bits) - 1)) as u8;
+                }
+                let wide: Vec<u32> = codes[..n].iter().map(|c| *c as u32).collect();
+                let mut want = vec![0u32; words];
+                quant::pack(&wide, bits, &mut want);
+                let mut got = vec![0xdead_beef; words];
+                pack_bytes(&codes, bits, &mut got);
+                assert_eq!(got, want, "bits {bits}, n {n}");
+            }
+        }
+    }
+}
