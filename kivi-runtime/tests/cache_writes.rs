@@ -78,7 +78,7 @@ fn cache(s: &Scheme, isa: Option<Isa>, tokens: usize) -> PagedCache {
 #[test]
 fn fast_writes_equal_the_reference_bit_for_bit() {
     let isas = isas();
-    let mut rng = Rng(0xfa57);
+    let mut rng = Rng::new(0xfa57);
     let mut cases = 0;
     for s in all_schemes() {
         for (heads, d) in shapes() {
@@ -163,7 +163,7 @@ fn signed_zeros_ties_and_subnormals_match() {
         0.5,
         -0.25,
     ];
-    let mut rng = Rng(0x2e60);
+    let mut rng = Rng::new(0x2e60);
     for s in all_schemes() {
         for dtype in [Dtype::F16, Dtype::Bf16, Dtype::F32] {
             let s = Scheme { dtype, ..s.clone() };
@@ -229,7 +229,7 @@ fn signed_zeros_ties_and_subnormals_match() {
 /// (pool, windows, lengths) is exactly as before.
 #[test]
 fn bad_input_same_error_nothing_changed() {
-    let mut rng = Rng(0xbad);
+    let mut rng = Rng::new(0xbad);
     let bad = [
         f32::NAN,
         -f32::NAN,
