@@ -9,7 +9,8 @@
 #      compile-fail (trybuild), example builds and doc tests;
 #   4. `kivi attend` against the independent numpy implementation of
 #      DESIGN.md section 3 (tests/python/check_attend.py);
-#   5. the main job, at a short context, as a smoke test.
+#   5. the main job, at a short context, as a smoke test;
+#   6. `kivi generate` end to end on Gemma 3 270M (the `eval` feature).
 # Idempotent, and quick when already set up. Every step runs even when an
 # earlier one failed. The last line counts tests, not steps: every cargo
 # "test result: ... N passed; M failed" line, the numpy checks and the smoke
@@ -133,6 +134,13 @@ main_job_smoke() {
     cargo run --quiet --example main_job -- 600
 }
 
+# `kivi generate` needs the `eval` feature (it brings the model), which the
+# workspace run leaves off: its end-to-end tests run here, last, so that the
+# feature's rebuild of the kivi binary happens once.
+generate_tests() {
+    cargo test -p kivi-cli --features eval --test generate
+}
+
 # The decision-cache tests that watch system calls need strace (part of the
 # project's machine image): fail rather than skip when it cannot run.
 if command -v strace >/dev/null 2>&1; then
@@ -153,6 +161,7 @@ fi
 step "cargo test --workspace --no-fail-fast" cargo cargo_tests
 step "kivi attend vs numpy (tests/python/check_attend.py)" python numpy_check
 step "main job smoke test (600 tokens)" one main_job_smoke
+step "kivi generate on Gemma 3 270M (kivi-cli --features eval)" cargo generate_tests
 
 echo
 if [ "$steps_failed" -gt 0 ]; then
