@@ -148,8 +148,12 @@ __device__ __forceinline__ void block_kernel(
   for (int k = 0; k < EPT; ++k) acc[k] = 0.0f;
   __syncthreads();
 
-  // Tokens some query of the block attends to.
-  const int lo = block_start(past + i0 + 1, window);
+  // Tokens some query of the block attends to, in tiles aligned to
+  // multiples of KT: a query's tiles are then the same however the prompt
+  // was cut into blocks, and a tile where it sees nothing leaves its state
+  // exactly as it was (corr = 1, sum = 0), so chunked prefill gives the
+  // outputs of one block bit for bit.
+  const int lo = block_start(past + i0 + 1, window) / KT * KT;
   const int hi = past + i1;
 #pragma unroll 1
   for (int t0 = lo; t0 < hi; t0 += KT) {
