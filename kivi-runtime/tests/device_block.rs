@@ -15,6 +15,7 @@
 //! simulated device; `KIVI_FULL_SWEEP=1` runs all of it. On a GPU machine
 //! (`scripts/gpu-check.sh`) the same suite runs on GPU 0.
 
+mod codec_util;
 mod device_util;
 
 use device_util::devices;
@@ -91,6 +92,10 @@ fn needed() -> Vec<Generated> {
         .iter()
         .chain(window_schemes().iter())
         .map(|s| generate_block(s, Default::default()).unwrap())
+        .chain(codec_util::codec_schemes().iter().filter_map(|s| {
+            let s = s.with_shape(Heads::Gqa { q: 6, kv: 2 }, 64).ok()?;
+            generate_block(&s, Default::default()).ok()
+        }))
         .collect()
 }
 
@@ -279,6 +284,43 @@ fn sinks_flushes_and_sliding_windows() {
                 ..AttnParams::of(&s, s.shape().unwrap())
             };
             check(&be, &s, attn, &[(0, 33), (127, 128), (300, 7)], 3);
+        }
+    }
+}
+
+/// The codec pipeline steps the block kernel decodes row by row (Lloyd–Max
+/// levels with rms and l2 norms, sparse outliers) against the oracle; the
+/// schemes with a rotation or centering are refused (Unavailable) with
+/// nothing appended.
+#[test]
+fn lloyd_levels_and_outliers_or_a_clear_refusal() {
+    let schemes = codec_util::codec_schemes();
+    for dev in devices("lloyd_levels_and_outliers_or_a_clear_refusal", needed) {
+        let be = DeviceBackend::new(dev);
+        for (i, s) in schemes.iter().enumerate() {
+            let s = s.with_shape(Heads::Gqa { q: 6, kv: 2 }, 64).unwrap();
+            let attn = AttnParams::of(&s, s.shape().unwrap());
+            let piped = [Tensor::Key, Tensor::Value]
+                .iter()
+                .any(|&t| s.rotation_of(t).is_some() || s.center_of(t).is_some());
+            if !piped {
+                check(&be, &s, attn, &[(0, 33), (31, 7), (127, 128), (300, 3)], 40 + i as u64);
+                continue;
+            }
+            let c = &cases(&s, &[(31, 7)], 1)[0];
+            let row = 2 * 64;
+            let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(64)).unwrap();
+            let seq = cache.add_sequence();
+            cache.extend(seq, &c.k[..31 * row], &c.v[..31 * row]).unwrap();
+            let blk = NewTokens {
+                seq,
+                q: &c.q,
+                k: &c.k[31 * row..],
+                v: &c.v[31 * row..],
+            };
+            let e = be.attend_block(&mut cache, &[blk], attn);
+            assert!(matches!(e, Err(Error::Unavailable { .. })), "{}: {e:?}", s.name);
+            assert_eq!(cache.len(seq).unwrap(), 31, "{}", s.name);
         }
     }
 }
