@@ -23,7 +23,7 @@ use kivi_runtime::device::{DeviceBackend, DeviceCache};
 use kivi_runtime::rand::Rng;
 use kivi_runtime::*;
 use kivi_spec::{presets, Axis, Codec, Dtype, Flush, Heads, Quant, ScaleDtype, Scheme, Tensor};
-use kivi_templates::{generate_block, Generated};
+use kivi_templates::{default_variant, generate, generate_block, Generated, Kernel};
 
 const PASTS: [usize; 5] = [0, 1, 31, 127, 1000];
 const BLOCKS: [usize; 4] = [1, 3, 33, 128];
@@ -86,17 +86,46 @@ fn row_error(want: &[f32], got: &[f32]) -> (f32, f32) {
     (err, scale)
 }
 
-/// The block kernels the suite launches (for a GPU bundle's precompile).
+/// Every kernel the suite launches on a device (for a GPU bundle's
+/// precompile): the block kernel and the default prefill and append
+/// kernels of each scheme that runs.
 fn needed() -> Vec<Generated> {
-    suite_schemes()
-        .iter()
-        .chain(window_schemes().iter())
-        .map(|s| generate_block(s, Default::default()).unwrap())
-        .chain(codec_util::codec_schemes().iter().filter_map(|s| {
-            let s = s.with_shape(Heads::Gqa { q: 6, kv: 2 }, 64).ok()?;
-            generate_block(&s, Default::default()).ok()
-        }))
-        .collect()
+    let mut schemes = suite_schemes();
+    schemes.extend(window_schemes());
+    schemes.push(chunked_scheme());
+    schemes.push(bad_input_scheme());
+    schemes.extend(codec_util::codec_schemes().iter().filter_map(|s| {
+        let s = s.with_shape(Heads::Gqa { q: 6, kv: 2 }, 64).ok()?;
+        generate_block(&s, Default::default()).ok().map(|_| s)
+    }));
+    let mut out = Vec::new();
+    for s in &schemes {
+        out.push(generate_block(s, Default::default()).unwrap());
+        for k in [Kernel::Prefill, Kernel::Append] {
+            out.push(generate(s, k, &default_variant(s, k)).unwrap());
+        }
+    }
+    out
+}
+
+fn chunked_scheme() -> Scheme {
+    presets::kivi2().with_shape(Heads::Gqa { q: 4, kv: 1 }, 128).unwrap()
+}
+
+/// 1-bit codes with f16 scales and bf16 activations: a finite value can be
+/// out of range.
+fn bad_input_scheme() -> Scheme {
+    Scheme {
+        name: "bf16_1bit".into(),
+        key: quant(1, Axis::Channel, 8),
+        value: quant(1, Axis::Token, 8),
+        residual: 5,
+        sinks: 3,
+        dtype: Dtype::Bf16,
+        ..presets::kivi2()
+    }
+    .with_shape(Heads::Gqa { q: 4, kv: 2 }, 64)
+    .unwrap()
 }
 
 /// The presets of the suite on MHA, GQA and MQA layouts (odd group sizes,
@@ -360,7 +389,7 @@ fn chunked_prefill_is_one_shot_bit_for_bit() {
     let total = 200;
     for dev in devices("chunked_prefill_is_one_shot_bit_for_bit", needed) {
         for s in [
-            presets::kivi2().with_shape(Heads::Gqa { q: 4, kv: 1 }, 128).unwrap(),
+            chunked_scheme(),
             window_schemes().remove(1),
             window_schemes().remove(2),
         ] {
@@ -482,17 +511,7 @@ fn backend_batches_and_repeated_sequences() {
 /// it unchanged; so is a scheme the block kernel is not generated for.
 #[test]
 fn bad_input_changes_nothing() {
-    let s = Scheme {
-        name: "bf16_1bit".into(),
-        key: quant(1, Axis::Channel, 8),
-        value: quant(1, Axis::Token, 8),
-        residual: 5,
-        sinks: 3,
-        dtype: Dtype::Bf16,
-        ..presets::kivi2()
-    }
-    .with_shape(Heads::Gqa { q: 4, kv: 2 }, 64)
-    .unwrap();
+    let s = bad_input_scheme();
     let shape = s.shape().unwrap();
     let (per, row) = (shape.q_heads * shape.head_dim, shape.kv_heads * shape.head_dim);
     let attn = AttnParams::of(&s, shape);
