@@ -388,11 +388,7 @@ fn device_state(s: &Scheme, dc: &DeviceCache) -> (Vec<u32>, Vec<Vec<u32>>, Vec<u
 fn chunked_prefill_is_one_shot_bit_for_bit() {
     let total = 200;
     for dev in devices("chunked_prefill_is_one_shot_bit_for_bit", needed) {
-        for s in [
-            chunked_scheme(),
-            window_schemes().remove(1),
-            window_schemes().remove(2),
-        ] {
+        for s in [chunked_scheme(), window_schemes().remove(1), window_schemes().remove(2)] {
             let shape = s.shape().unwrap();
             let (per, row) = (shape.q_heads * shape.head_dim, shape.kv_heads * shape.head_dim);
             let attn = AttnParams::of(&s, shape);

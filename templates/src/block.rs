@@ -18,9 +18,13 @@ const SHARED_FLOATS: usize = 12_000;
 /// one KV head's group over tiles of `tile` cached tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BlockShape {
+    /// Threads per block.
     pub threads: u32,
+    /// New tokens (queries) per block: `QT`.
     pub queries: u32,
+    /// Query heads per block, a divisor of the GQA group: `HB`.
     pub heads: u32,
+    /// Cached tokens per tile in shared memory: `KT`.
     pub tile: u32,
 }
 
