@@ -428,6 +428,12 @@ mod tests {
                     assert_eq!(e.grid(3, 0)[2], 3, "grid z is the batch");
                 }
             }
+            // The block kernel, where it is generated (not for rotated or
+            // centered tensors).
+            if let Ok(g) = kivi_templates::generate_block(&s, Default::default()) {
+                let names: Vec<&str> = g.launch.entries[0].params.iter().map(|p| p.name).collect();
+                assert_eq!(names, BlockArgs::PARAMS, "{}", g.name);
+            }
         }
     }
 }
