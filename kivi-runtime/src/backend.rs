@@ -28,8 +28,7 @@ pub trait Backend: Sync {
     /// Errors leave the cache unchanged; an error about one block comes as
     /// [`Error::InSequence`] with its index in `blocks`. A backend without
     /// such a kernel keeps this default, which refuses with
-    /// [`Error::Unavailable`] and touches nothing (the device backends
-    /// refuse so for schemes their block kernel is not generated for).
+    /// [`Error::Unavailable`] and touches nothing.
     ///
     /// ```
     /// use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, NewTokens, PagedCache};

@@ -3,7 +3,8 @@
 //! extend kernels and one block launch, against the oracle
 //! (`reference::block_attention`) at odd prefix lengths and block sizes,
 //! on MHA, GQA and MQA layouts, presets kivi2/kivi4/int8/f16, sinks,
-//! flushes inside the block and sliding windows smaller than the block;
+//! flushes inside the block and sliding windows smaller than the block,
+//! every codec-pipeline step (levels, outliers, rotations, centering);
 //! chunked prefill on the device is one-shot prefill bit for bit (outputs
 //! and cache); bad input is refused with the cache unchanged; the kernel
 //! compiles with NVRTC for sm_80 and sm_90.
@@ -94,10 +95,7 @@ fn needed() -> Vec<Generated> {
     schemes.extend(window_schemes());
     schemes.push(chunked_scheme());
     schemes.push(bad_input_scheme());
-    schemes.extend(codec_util::codec_schemes().iter().filter_map(|s| {
-        let s = s.with_shape(Heads::Gqa { q: 6, kv: 2 }, 64).ok()?;
-        generate_block(&s, Default::default()).ok().map(|_| s)
-    }));
+    schemes.extend(pipeline_schemes());
     let mut out = Vec::new();
     for s in &schemes {
         out.push(generate_block(s, Default::default()).unwrap());
@@ -317,41 +315,40 @@ fn sinks_flushes_and_sliding_windows() {
     }
 }
 
-/// The codec pipeline steps the block kernel decodes row by row (Lloyd–Max
-/// levels with rms and l2 norms, sparse outliers) against the oracle; the
-/// schemes with a rotation or centering are refused (Unavailable) with
-/// nothing appended.
+/// The codec pipeline (Lloyd–Max levels with rms and l2 norms, sparse
+/// outliers, Hadamard rotations with and without signs, centering; the
+/// `codec2` and `codec15` presets) against the oracle: the tile's stored
+/// rows are brought back to the raw domain as the cache's view does.
 #[test]
-fn lloyd_levels_and_outliers_or_a_clear_refusal() {
-    let schemes = codec_util::codec_schemes();
-    for dev in devices("lloyd_levels_and_outliers_or_a_clear_refusal", needed) {
+fn codec_pipelines_against_the_oracle() {
+    for dev in devices("codec_pipelines_against_the_oracle", needed) {
         let be = DeviceBackend::new(dev);
-        for (i, s) in schemes.iter().enumerate() {
-            let s = s.with_shape(Heads::Gqa { q: 6, kv: 2 }, 64).unwrap();
-            let attn = AttnParams::of(&s, s.shape().unwrap());
-            let piped = [Tensor::Key, Tensor::Value]
-                .iter()
-                .any(|&t| s.rotation_of(t).is_some() || s.center_of(t).is_some());
-            if !piped {
-                check(&be, &s, attn, &[(0, 33), (31, 7), (127, 128), (300, 3)], 40 + i as u64);
-                continue;
-            }
-            let c = &cases(&s, &[(31, 7)], 1)[0];
-            let row = 2 * 64;
-            let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(64)).unwrap();
-            let seq = cache.add_sequence();
-            cache.extend(seq, &c.k[..31 * row], &c.v[..31 * row]).unwrap();
-            let blk = NewTokens {
-                seq,
-                q: &c.q,
-                k: &c.k[31 * row..],
-                v: &c.v[31 * row..],
+        for (i, s) in pipeline_schemes().iter().enumerate() {
+            let attn = AttnParams::of(s, s.shape().unwrap());
+            // Centering needs its N tokens: blocks before, across and after.
+            let shapes: &[(usize, usize)] = if full_sweep() {
+                &[(0, 33), (1, 128), (31, 7), (100, 60), (127, 128), (300, 3), (1000, 33)]
+            } else {
+                &[(0, 33), (31, 7), (100, 60), (300, 3)]
             };
-            let e = be.attend_block(&mut cache, &[blk], attn);
-            assert!(matches!(e, Err(Error::Unavailable { .. })), "{}: {e:?}", s.name);
-            assert_eq!(cache.len(seq).unwrap(), 31, "{}", s.name);
+            check(&be, s, attn, shapes, 40 + i as u64);
         }
     }
+}
+
+/// The codec schemes of `device_codecs` on GQA 6:2 d64, and the pipeline
+/// presets on MQA 4:1 and GQA 4:2 at head_dim 256.
+fn pipeline_schemes() -> Vec<Scheme> {
+    let mut out: Vec<Scheme> = codec_util::codec_schemes()
+        .iter()
+        .map(|s| s.with_shape(Heads::Gqa { q: 6, kv: 2 }, 64).unwrap())
+        .collect();
+    for p in presets::pipeline() {
+        for h in [Heads::Mqa(4), Heads::Gqa { q: 4, kv: 2 }] {
+            out.push(p.with_shape(h, 256).unwrap());
+        }
+    }
+    out
 }
 
 /// Everything a device cache holds for its sequences, bit for bit: the
@@ -559,37 +556,11 @@ fn bad_input_changes_nothing() {
             let (err, scale) = row_error(&want[i * per..(i + 1) * per], &out[i * per..(i + 1) * per]);
             assert!(err <= TOL * scale, "query {i}: {err:e}");
         }
-        // A rotated scheme: Unavailable, nothing appended (host and device).
-        let r = presets::codec2().with_shape(Heads::Mqa(2), 256).unwrap();
-        let rrow = 256;
-        let x = vec![0.5f32; 10 * rrow];
-        let mut rc = DeviceCache::new(dev.clone(), &r, 1, 64, CacheConfig::for_tokens(64)).unwrap();
-        let e = rc.attend_block(
-            &[10],
-            &vec![0.5; 10 * 2 * 256],
-            &x,
-            &x,
-            AttnParams::of(&r, r.shape().unwrap()),
-        );
-        assert!(matches!(e, Err(Error::Unavailable { .. })), "{e:?}");
-        assert_eq!(rc.lens(), &[0]);
-        let mut host = PagedCache::new(r.clone(), CacheConfig::for_tokens(64)).unwrap();
-        let seq = host.add_sequence();
-        let blk = NewTokens {
-            seq,
-            q: &vec![0.5; 10 * 2 * 256],
-            k: &x,
-            v: &x,
-        };
-        let be = DeviceBackend::new(dev.clone());
-        let e = be.attend_block(&mut host, &[blk], AttnParams::of(&r, r.shape().unwrap()));
-        assert!(matches!(e, Err(Error::Unavailable { .. })), "{e:?}");
-        assert_eq!(host.len(seq).unwrap(), 0);
     }
 }
 
-/// The block kernel of every preset (the pipeline presets refused by name)
-/// and of the window schemes, at three layouts, compiled by NVRTC for sm_80
+/// The block kernel of every preset at three layouts and of the window and
+/// codec-pipeline schemes, compiled by NVRTC for sm_80
 /// and sm_90 with ptxas's report: no more than a word or so spilled, static
 /// shared memory within 48 KiB. In CI a sample of the presets; KIVI_FULL_SWEEP=1 all of them.
 #[test]
@@ -625,24 +596,13 @@ fn nvrtc_compiles_the_block_kernel() {
     for p in picked {
         for (h, d) in layouts {
             let s = p.with_shape(h, d).unwrap();
-            match generate_block(&s, Default::default()) {
-                Ok(g) => gens.push(g),
-                Err(e) => {
-                    assert!(
-                        s.rotation_of(Tensor::Key).is_some()
-                            || s.rotation_of(Tensor::Value).is_some()
-                            || s.center_of(Tensor::Key).is_some()
-                            || s.center_of(Tensor::Value).is_some(),
-                        "{}: {e}",
-                        s.name
-                    );
-                }
-            }
+            gens.push(generate_block(&s, Default::default()).unwrap());
         }
     }
     gens.extend(
         window_schemes()
             .iter()
+            .chain(pipeline_schemes().iter())
             .map(|s| generate_block(s, Default::default()).unwrap()),
     );
     let mut n = 0;

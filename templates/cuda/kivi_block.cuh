@@ -29,8 +29,11 @@
 // query is pre-scaled by sm_scale * log2 e as in kivi_decode.cuh),
 // 4. values (each thread owns fixed (row, channel) accumulators).
 //
-// Codec pipelines: Lloyd–Max levels and sparse outliers decode row by row
-// here; rotated or centered tensors are refused by the generator.
+// Codec pipelines: a stored row is brought to the raw domain in the tile as
+// the cache's view does it — Lloyd–Max levels and outlier corrections in
+// the codes' domain, then the inverse rotation, then the centering mean.
+// Undoing a rotation per row, not once per query, is cheap here: every row
+// serves all the block's query rows.
 
 namespace kivi {
 
@@ -74,6 +77,56 @@ template <class C, class T> __device__ __forceinline__ void add_outliers(const R
   }
 }
 
+// Undoes the rotation of the tile's stored rows that sit in blocks (tokens
+// t0 + r with SINKS <= t0 + r < hi; sink and tail rows are raw): the
+// blockwise normalised Walsh–Hadamard transform, then the seeded sign flip
+// (kivi_runtime::quant::unrotate; f32 butterflies here, f64 there).
+template <class C, class T>
+__device__ __forceinline__ void unrotate_tile(float* tile, int t0, int nt, int hi, int tid) {
+  constexpr int B = T::ROT_BLOCK;
+  constexpr int D = C::D;
+  static_assert(D % B == 0 && (B & (B - 1)) == 0, "Hadamard blocks are powers of two that divide D");
+  for (int h = 1; h < B; h <<= 1) {
+    for (int e = tid; e < C::KT * (D / 2); e += C::THREADS) {
+      const int r = e / (D / 2), k = e % (D / 2);
+      const int p = t0 + r;
+      if (r < nt && p >= C::SINKS && p < hi) {
+        // pair k of the row: block k / (B/2), then the butterfly's pair j
+        const int j = k % (B / 2);
+        const int i = (k / (B / 2)) * B + (j / h) * 2 * h + (j % h);
+        float* x = tile + r * D;
+        const float a = x[i], b = x[i + h];
+        x[i] = a + b;
+        x[i + h] = a - b;
+      }
+    }
+    __syncthreads();
+  }
+  const float norm = (float)(1.0 / sqrt((double)B));
+  for (int e = tid; e < C::KT * D; e += C::THREADS) {
+    const int r = e / D, d = e % D;
+    const int p = t0 + r;
+    if (r < nt && p >= C::SINKS && p < hi) {
+      float x = tile[e] * norm;
+      if constexpr (T::SIGNS) {
+        if (flip<T>(d)) x = -x;
+      }
+      tile[e] = x;
+    }
+  }
+}
+
+// Adds the centering means back to the tile's rows in blocks.
+template <class C, class T>
+__device__ __forceinline__ void add_means(float* tile, const typename C::act_t* __restrict__ mean, int t0, int nt,
+                                          int hi, int tid) {
+  for (int e = tid; e < C::KT * C::D; e += C::THREADS) {
+    const int r = e / C::D, d = e % C::D;
+    const int p = t0 + r;
+    if (r < nt && p >= C::SINKS && p < hi) tile[e] += Act<C::ACT>::load(mean[d]);
+  }
+}
+
 // The first token query `i` attends to: its sliding window's start.
 __device__ __forceinline__ int block_start(int end, int window) {
   return window >= 0 ? max(end - window, 0) : 0;
@@ -84,6 +137,7 @@ __device__ __forceinline__ void block_kernel(
     const u32* __restrict__ pool, const u32* __restrict__ tables, int table_stride,
     const int* __restrict__ past_lens, const int* __restrict__ counts, const typename C::act_t* __restrict__ q,
     int max_n, const typename C::act_t* __restrict__ sinks_k, const typename C::act_t* __restrict__ sinks_v,
+    const typename C::act_t* __restrict__ means_k, const typename C::act_t* __restrict__ means_v,
     const typename C::act_t* __restrict__ tail_k, const typename C::act_t* __restrict__ tail_v, int tail_stride,
     float sm_scale, int window, float* __restrict__ out) {
   typedef typename C::K K;
@@ -181,6 +235,19 @@ __device__ __forceinline__ void block_kernel(
         if (p < hi_k) add_outliers<C, K>(locate<C, K>(p, qk, pool, table, b, hk, sinks_k, sinks_k), &s_k[tid][0]);
         if (p < hi_v) add_outliers<C, V>(locate<C, V>(p, qv, pool, table, b, hk, sinks_v, sinks_v), &s_v[tid][0]);
       }
+    }
+    // Rotated or centered tensors: back to the raw domain, row by row (the
+    // inverse of kivi_runtime::quant's forward step, as the cache's view).
+    if constexpr (K::ROT || V::ROT) {
+      __syncthreads();
+      if constexpr (K::ROT) unrotate_tile<C, K>(&s_k[0][0], t0, nt, hi_k, tid);
+      if constexpr (V::ROT) unrotate_tile<C, V>(&s_v[0][0], t0, nt, hi_v, tid);
+    }
+    if constexpr (K::CENTER || V::CENTER) {
+      __syncthreads();
+      const u64 mrow = ((u64)b * C::HKV + hk) * D;
+      if constexpr (K::CENTER) add_means<C, K>(&s_k[0][0], means_k + mrow, t0, nt, hi_k, tid);
+      if constexpr (V::CENTER) add_means<C, V>(&s_v[0][0], means_v + mrow, t0, nt, hi_v, tid);
     }
     __syncthreads();
     // 2. scores, -inf outside each query's causal range and window.

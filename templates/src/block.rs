@@ -6,7 +6,7 @@
 use crate::generate::{levels_table, scheme_tag, tensor_cfg};
 use crate::{EntryLaunch, GenError, Generated, Kernel, LaunchInfo, Param, ParamTy, Variant};
 use kivi_spec::layout::BlockLayout;
-use kivi_spec::{Dtype, Field, Flush, Scheme, Tensor};
+use kivi_spec::{Dtype, Flush, Scheme, Tensor};
 use std::fmt::Write;
 
 /// Static shared memory the block kernel may use, in floats (48 KiB less a
@@ -104,6 +104,8 @@ pub(crate) fn block_params() -> Vec<Param> {
         p("max_n", I32),
         p("sinks_k", PtrAct),
         p("sinks_v", PtrAct),
+        p("means_k", PtrAct),
+        p("means_v", PtrAct),
         p("tail_k", PtrAct),
         p("tail_v", PtrAct),
         p("tail_stride", I32),
@@ -113,28 +115,7 @@ pub(crate) fn block_params() -> Vec<Param> {
     ]
 }
 
-/// Refuses what the block kernel cannot decode row by row yet: a rotated
-/// tensor (its rows would need the inverse transform) or a centered one.
-pub(crate) fn check_block_supported(s: &Scheme) -> Result<(), GenError> {
-    for t in [Tensor::Key, Tensor::Value] {
-        if s.rotation_of(t).is_some() {
-            return Err(GenError::Unsupported {
-                what: format!("the many-query (block) kernel for a rotated {}", t.name()),
-                field: Field::Rotation,
-            });
-        }
-        if s.center_of(t).is_some() {
-            return Err(GenError::Unsupported {
-                what: format!("the many-query (block) kernel for a centered {}", t.name()),
-                field: Field::Center,
-            });
-        }
-    }
-    Ok(())
-}
-
 pub(crate) fn generate_block(s: &Scheme, l: &BlockLayout) -> Result<Generated, GenError> {
-    check_block_supported(s)?;
     let shape = l.shape;
     let d = shape.head_dim;
     let group = shape.group_size();

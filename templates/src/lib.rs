@@ -445,7 +445,8 @@ pub const BLOCK_TEMPLATE: &str = include_str!("../cuda/kivi_block.cuh");
 /// (launch shape [`BlockShape::of`]).
 ///
 /// `kivi_block(pool, tables, table_stride, past_lens, counts, q, max_n,
-/// sinks_k, sinks_v, tail_k, tail_v, tail_stride, sm_scale, window, out)`:
+/// sinks_k, sinks_v, means_k, means_v, tail_k, tail_v, tail_stride,
+/// sm_scale, window, out)`:
 /// grid [`BlockShape::grid`]. Sequence `b` held `past_lens[b]` tokens and
 /// was appended `counts[b]`; `q` is `[batch][max_n][q_heads][D]` act;
 /// `tail_k`/`tail_v` are `[batch][tail_stride][kv_heads][D]` act, row `r`
@@ -454,8 +455,9 @@ pub const BLOCK_TEMPLATE: &str = include_str!("../cuda/kivi_block.cuh");
 /// for decode (`-1`: none; `0` attends to nothing). Writes `out`
 /// `[batch][max_n][q_heads][D]` f32 for the rows `i < counts[b]`.
 ///
-/// Rotated or centered tensors are refused ([`GenError::Unsupported`]);
-/// Lloyd–Max levels and sparse outliers are generated.
+/// Every codec the decode kernel supports is generated: a stored row is
+/// brought to the raw domain once per tile (levels, outliers, inverse
+/// rotation, centering means `[batch][kv_heads][D]` act, as for decode).
 ///
 /// ```
 /// use kivi_spec::{presets, Heads};
@@ -464,7 +466,7 @@ pub const BLOCK_TEMPLATE: &str = include_str!("../cuda/kivi_block.cuh");
 /// assert!(g.name.starts_with("kivi2-k.c.g32.b2-v.t.g32.b2-r128/gqa32x8.d128/block/"));
 /// assert_eq!(g.entry_points, ["kivi_block"]);
 /// let r = presets::codec2().with_shape(Heads::Mqa(4), 256).unwrap();
-/// assert!(kivi_templates::generate_block(&r, Default::default()).is_err()); // rotated
+/// assert!(kivi_templates::generate_block(&r, Default::default()).is_ok()); // rotated, centered
 /// ```
 pub fn generate_block(scheme: &Scheme, opts: GenOptions) -> Result<Generated, GenError> {
     let layout = layout_of(scheme, opts)?;

@@ -303,6 +303,10 @@ pub struct BlockArgs<'a> {
     pub max_n: usize,
     pub sinks_k: &'a Buffer,
     pub sinks_v: &'a Buffer,
+    /// Centering means, `[batch][Hkv][D]` act (one element for a tensor
+    /// that is not centered).
+    pub means_k: &'a Buffer,
+    pub means_v: &'a Buffer,
     /// `[batch][tail_stride][Hkv][D]` act: each sequence's full-precision
     /// rows from its stored boundary before the block on.
     pub tail_k: &'a Buffer,
@@ -317,7 +321,7 @@ pub struct BlockArgs<'a> {
 
 impl BlockArgs<'_> {
     pub const ENTRY: &'static str = "kivi_block";
-    pub const PARAMS: [&'static str; 15] = [
+    pub const PARAMS: [&'static str; 17] = [
         "pool",
         "tables",
         "table_stride",
@@ -327,6 +331,8 @@ impl BlockArgs<'_> {
         "max_n",
         "sinks_k",
         "sinks_v",
+        "means_k",
+        "means_v",
         "tail_k",
         "tail_v",
         "tail_stride",
@@ -382,6 +388,8 @@ impl BlockArgs<'_> {
                 KernelArg::I32(max_n),
                 KernelArg::In(self.sinks_k),
                 KernelArg::In(self.sinks_v),
+                KernelArg::In(self.means_k),
+                KernelArg::In(self.means_v),
                 KernelArg::In(self.tail_k),
                 KernelArg::In(self.tail_v),
                 KernelArg::I32(tail_stride),

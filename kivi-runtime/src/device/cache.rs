@@ -862,8 +862,7 @@ impl Backend for DeviceBackend {
 
     /// Appends on the host cache and on a device copy of its sequences,
     /// then runs the generated block kernel (`kivi_block`) there; see
-    /// [`DeviceCache::attend_block`]. Schemes with rotated or centered
-    /// tensors are refused with [`Error::Unavailable`], nothing appended.
+    /// [`DeviceCache::attend_block`].
     fn attend_block(&self, cache: &mut PagedCache, blocks: &[NewTokens], attn: AttnParams) -> Result<Vec<f32>> {
         block::attend_block(self, cache, blocks, attn)
     }

@@ -30,9 +30,9 @@ fn act_bytes(dtype: Dtype, x: &[f32]) -> Vec<u8> {
     }
 }
 
-/// The block kernel of `scheme`, loaded on `dev`. A scheme it cannot be
-/// generated for (rotated or centered tensors) is [`Error::Unavailable`]:
-/// the device has no many-query kernel for it; the CPU backend runs it.
+/// The block kernel of `scheme`, loaded on `dev`. A codec the generator
+/// refuses by name (none today; a future one it cannot instantiate) is
+/// [`Error::Unavailable`]: the device has no many-query kernel for it.
 fn block_module(dev: &Arc<dyn Device>, scheme: &Scheme, opts: GenOptions) -> Result<Arc<Module>> {
     let g = generate_block(scheme, opts).map_err(|e| match e {
         e @ GenError::Unsupported { .. } => Error::Unavailable {
@@ -111,8 +111,8 @@ impl DeviceCache {
     /// Bad input (shapes, non-finite queries, keys or values, values out of
     /// range, a sequence past its size) is refused before anything changes;
     /// a kernel that fails after the append is undone, so an error leaves
-    /// the cache as it was. A scheme the block kernel is not generated for
-    /// (rotated or centered tensors) is [`Error::Unavailable`].
+    /// the cache as it was. Every codec the decode kernel runs is
+    /// generated (stored rows are brought to the raw domain once per tile).
     ///
     /// ```
     /// use kivi_runtime::device::{DeviceCache, SimDevice};
@@ -242,6 +242,8 @@ impl DeviceCache {
                 max_n,
                 sinks_k: &self.sinks[0],
                 sinks_v: &self.sinks[1],
+                means_k: &self.means[0],
+                means_v: &self.means[1],
                 tail_k: &tails[0],
                 tail_v: &tails[1],
                 tail_stride,
