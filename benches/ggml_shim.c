@@ -112,10 +112,11 @@ kivi_ggml *kivi_ggml_new(const char *type_name, int batch, int q_heads, int kv_h
     struct ggml_cgraph *g = ggml_new_graph(ctx);
     ggml_build_forward_expand(g, o);
 
-    // Poll 0: the worker sleeps between graphs instead of spinning, so it
-    // does not steal a core from the cache eviction kivi runs between reps.
+    // llama.cpp's own settings: its default polling level (50: workers spin
+    // for new work a while before they sleep). Polling 0 was measured slower
+    // on a loaded 2-core VM (a sleeping worker waits a scheduler tick).
     struct ggml_threadpool_params tp = ggml_threadpool_params_default(threads);
-    tp.poll = 0;
+    tp.poll = 50;
     struct ggml_threadpool *pool = ggml_threadpool_new(&tp);
     if (!pool) {
         ggml_free(ctx);

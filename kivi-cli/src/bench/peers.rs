@@ -55,6 +55,10 @@ pub struct PeerResult {
     /// How it ran (e.g. the BLAS thread count that won).
     #[serde(default)]
     pub note: Option<String>,
+    /// CPU time of all threads per run, median, ms (in-process peers only:
+    /// llama.cpp). Counts work done, not time waited for a core.
+    #[serde(default)]
+    pub cpu_ms: Option<f64>,
 }
 
 /// What the peers gave: which were available (version or reason) and their times.

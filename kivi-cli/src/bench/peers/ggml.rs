@@ -16,7 +16,8 @@
 //! dimension, each with its own K/V, no mask, scale `1/sqrt(head_dim)`; K
 //! and V are converted by ggml itself (`ggml_fp32_to_fp16_row`,
 //! `ggml_quantize_chunk`). Threads: ggml's own pool, the caller plus
-//! `threads - 1` workers.
+//! `threads - 1` workers, at llama.cpp's default polling level; the peer
+//! is timed with 1 and `threads` threads and the faster is kept.
 
 use super::{PeerResult, Shape};
 use kivi_runtime::rand::Rng;
@@ -323,6 +324,41 @@ fn kv_data(shape: &Shape, seed: u64) -> (Vec<f32>, Vec<f32>) {
     (k, v)
 }
 
+/// Times one (type, thread count) at one shape: a warm-up, then `reps`
+/// runs, each after an eviction when cold. Returns the wall-time statistics,
+/// the median CPU time of the process per run (ms) and ggml's KV bytes.
+#[allow(clippy::too_many_arguments)]
+fn time_one(
+    lib: &Ggml,
+    ty: &str,
+    shape: &Shape,
+    threads: usize,
+    opts: &Options,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    evict_buf: &[u64],
+) -> Result<(crate::bench::Stats, f64, usize), String> {
+    let mut p = lib.prepare(ty, shape, threads, q, k, v, 0)?;
+    p.run(None)?; // warm-up
+    let (mut ms, mut cpu) = (Vec::new(), Vec::new());
+    for _ in 0..opts.reps.max(1) {
+        if opts.cold {
+            evict(evict_buf);
+        }
+        let c0 = crate::bench::process_cpu_ns();
+        let t0 = Instant::now();
+        p.run(None)?;
+        ms.push(t0.elapsed().as_secs_f64() * 1e3);
+        cpu.push(crate::bench::process_cpu_ns().saturating_sub(c0) as f64 / 1e6);
+    }
+    Ok((
+        crate::bench::Stats::of(&ms),
+        crate::bench::Stats::of(&cpu).median_ms,
+        p.kv_bytes(),
+    ))
+}
+
 /// Builds (or finds) ggml and times it at every shape and type. Returns the
 /// availability line and one result per (shape, type); a failure is a
 /// reason in the line or an error in the row, never a panic.
@@ -358,34 +394,40 @@ pub fn run(opts: &Options, shapes: &[Shape], log: &mut dyn FnMut(&str)) -> (Stri
                 kv_bytes: 0,
                 error: None,
                 note: None,
+                cpu_ms: None,
             };
-            let timed = lib.prepare(ty, shape, opts.threads, &q, &k, &v, 0).and_then(|mut p| {
-                p.run(None)?; // warm-up
-                let mut ms = Vec::with_capacity(opts.reps);
-                for _ in 0..opts.reps.max(1) {
-                    if opts.cold {
-                        evict(&evict_buf);
+            // Like the numpy peer: time 1 thread and `threads`, keep the
+            // faster. On a busy 2-core machine ggml's spin barriers can make
+            // 2 threads slower than 1; the peer gets its best showing.
+            let mut best: Option<(crate::bench::Stats, f64, usize, usize)> = None;
+            let mut failed = None;
+            let mut counts = vec![1, opts.threads.max(1)];
+            counts.dedup();
+            for n in counts {
+                match time_one(&lib, ty, shape, n, opts, &q, &k, &v, &evict_buf) {
+                    Ok((s, cpu_ms, bytes)) => {
+                        if best.as_ref().map_or(true, |b| s.median_ms < b.0.median_ms) {
+                            best = Some((s, cpu_ms, bytes, n));
+                        }
                     }
-                    let t0 = Instant::now();
-                    p.run(None)?;
-                    ms.push(t0.elapsed().as_secs_f64() * 1e3);
+                    Err(e) => failed = Some(e),
                 }
-                Ok((crate::bench::Stats::of(&ms), p.kv_bytes()))
-            });
-            match timed {
-                Ok((s, bytes)) => {
+            }
+            match (best, failed) {
+                (Some((s, cpu_ms, bytes, n)), _) => {
+                    row.cpu_ms = Some(cpu_ms);
                     row.median_ms = s.median_ms;
                     row.p20_ms = s.p20_ms;
                     row.p80_ms = s.p80_ms;
                     row.min_ms = s.min_ms;
                     row.kv_bytes = bytes;
                     row.note = Some(format!(
-                        "ggml_flash_attn_ext, {} threads, {} KV",
+                        "ggml_flash_attn_ext, threads: {n} (best of 1 and {}), {} KV, CPU {cpu_ms:.2} ms/run",
                         opts.threads,
                         if opts.cold { "cold" } else { "warm" }
                     ));
                 }
-                Err(e) => row.error = Some(e),
+                (None, e) => row.error = Some(e.unwrap_or_else(|| "not run".into())),
             }
             let took = match &row.error {
                 Some(e) => format!("error: {e}"),
