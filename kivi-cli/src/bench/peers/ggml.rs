@@ -135,6 +135,21 @@ fn dl_error() -> String {
     }
 }
 
+/// The query and K/V of one decode point, in kivi's layouts.
+#[derive(Clone, Copy, Debug)]
+pub struct Inputs<'a> {
+    /// `[batch, q_heads, head_dim]`.
+    pub q: &'a [f32],
+    /// `[tokens, kv_heads, head_dim]` per sequence, sequence `b` at
+    /// `b * seq_stride`.
+    pub k: &'a [f32],
+    /// As `k`.
+    pub v: &'a [f32],
+    /// Floats between sequences; 0: all sequences share one K/V (each still
+    /// gets its own copy in ggml).
+    pub seq_stride: usize,
+}
+
 impl Ggml {
     /// Loads a library built by [`build`].
     pub fn load(so: &Path) -> Result<Ggml, String> {
@@ -167,20 +182,9 @@ impl Ggml {
         }
     }
 
-    /// One decode point: `q` is `[batch, q_heads, head_dim]`; `k` and `v`
-    /// hold `[tokens, kv_heads, head_dim]` per sequence, sequence `b` at
-    /// `b * seq_stride` (0: all sequences share one K/V, each still getting
-    /// its own copy in ggml). `ty` is one of [`TYPES`].
-    pub fn prepare(
-        &self,
-        ty: &str,
-        shape: &Shape,
-        threads: usize,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        seq_stride: usize,
-    ) -> Result<Point, String> {
+    /// One decode point of type `ty` (one of [`TYPES`]) on `threads` threads.
+    pub fn prepare(&self, ty: &str, shape: &Shape, threads: usize, inputs: Inputs) -> Result<Point, String> {
+        let Inputs { q, k, v, seq_stride } = inputs;
         let (b, hq, hkv, d, t) = (
             shape.batch,
             shape.q_heads as usize,
@@ -339,7 +343,7 @@ fn time_one(
     v: &[f32],
     evict_buf: &[u64],
 ) -> Result<(crate::bench::Stats, f64, usize), String> {
-    let mut p = lib.prepare(ty, shape, threads, q, k, v, 0)?;
+    let mut p = lib.prepare(ty, shape, threads, Inputs { q, k, v, seq_stride: 0 })?;
     p.run(None)?; // warm-up
     let (mut ms, mut cpu) = (Vec::new(), Vec::new());
     for _ in 0..opts.reps.max(1) {
@@ -406,7 +410,11 @@ pub fn run(opts: &Options, shapes: &[Shape], log: &mut dyn FnMut(&str)) -> (Stri
             for n in counts {
                 match time_one(&lib, ty, shape, n, opts, &q, &k, &v, &evict_buf) {
                     Ok((s, cpu_ms, bytes)) => {
-                        if best.as_ref().map_or(true, |b| s.median_ms < b.0.median_ms) {
+                        let faster = match &best {
+                            Some(b) => s.median_ms < b.0.median_ms,
+                            None => true,
+                        };
+                        if faster {
                             best = Some((s, cpu_ms, bytes, n));
                         }
                     }
@@ -530,10 +538,21 @@ mod tests {
         let attn = AttnParams::of(&scheme, scheme.shape().unwrap());
         let want = ReferenceBackend.decode(&cache, &ids, &q, attn).unwrap();
         let mut got = vec![0f32; want.len()];
-        lib.prepare(ty, &shape, 2, &q, &k, &v, if shared_kv { 0 } else { per_seq })
-            .unwrap()
-            .run(Some(&mut got))
-            .unwrap();
+        let seq_stride = if shared_kv { 0 } else { per_seq };
+        lib.prepare(
+            ty,
+            &shape,
+            2,
+            Inputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                seq_stride,
+            },
+        )
+        .unwrap()
+        .run(Some(&mut got))
+        .unwrap();
         let scale = v.iter().fold(0f32, |m, x| m.max(x.abs()));
         got.iter().zip(&want).fold(0f32, |m, (g, w)| m.max((g - w).abs())) / scale
     }
@@ -591,9 +610,15 @@ mod tests {
             batch: 1,
         };
         let (q, kv) = (vec![0f32; 4 * 48], vec![0f32; 8 * 48]);
-        assert!(lib.prepare("q4_0", &shape, 2, &q, &kv, &kv, 0).is_err());
-        assert!(lib.prepare("bf17", &shape, 2, &q, &kv, &kv, 0).is_err());
-        assert!(lib.prepare("f16", &shape, 2, &q[..5], &kv, &kv, 0).is_err());
-        assert!(lib.prepare("f16", &shape, 2, &q, &kv, &kv, 0).is_ok());
+        let inp = |q| Inputs {
+            q,
+            k: &kv,
+            v: &kv,
+            seq_stride: 0,
+        };
+        assert!(lib.prepare("q4_0", &shape, 2, inp(&q)).is_err());
+        assert!(lib.prepare("bf17", &shape, 2, inp(&q)).is_err());
+        assert!(lib.prepare("f16", &shape, 2, inp(&q[..5])).is_err());
+        assert!(lib.prepare("f16", &shape, 2, inp(&q)).is_ok());
     }
 }
