@@ -599,6 +599,32 @@ mod tests {
     }
 
     #[test]
+    fn an_unbuildable_peer_is_a_reason_not_a_failure() {
+        // A cache root that cannot hold a folder (it is a file): the peer
+        // reports why and times nothing; this needs no ggml build.
+        let file = std::env::temp_dir().join(format!("kivi-ggml-not-a-dir-{}", std::process::id()));
+        std::fs::write(&file, b"").unwrap();
+        let opts = Options {
+            root: file.clone(),
+            threads: 2,
+            reps: 1,
+            cold: false,
+        };
+        let shape = Shape {
+            layout: "x".into(),
+            q_heads: 4,
+            kv_heads: 1,
+            head_dim: 64,
+            context: 8,
+            batch: 1,
+        };
+        let (status, rows) = run(&opts, &[shape], &mut |_| {});
+        let _ = std::fs::remove_file(&file);
+        assert!(status.starts_with("unavailable: cannot create"), "{status}");
+        assert!(rows.is_empty());
+    }
+
+    #[test]
     fn bad_inputs_are_errors() {
         let Some(lib) = lib() else { return };
         let shape = Shape {
