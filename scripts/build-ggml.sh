@@ -98,5 +98,7 @@ c++ -shared -fPIC -O3 -march=native -x c "$SHIM" -x none -I "$GGML/include" \
     "$CPU" "$BASE" -lm -lpthread -o "$OUT/libkivi_ggml.so.tmp" ||
     die "cannot link the shim $SHIM against ggml"
 mv "$OUT/libkivi_ggml.so.tmp" "$OUT/libkivi_ggml.so"
+# The shim the library was built from, for kivi's tests to spot a stale build.
+[ "$SHIM" -ef "$OUT/ggml_shim.c" ] || cp "$SHIM" "$OUT/ggml_shim.c"
 echo "$STAMP" >"$OUT/stamp"
 echo "$OUT/libkivi_ggml.so"

@@ -483,7 +483,19 @@ mod tests {
             );
             return None;
         }
-        Some(Ggml::load(&so).unwrap())
+        // A library built from another version of the shim may not match
+        // the signatures declared here.
+        let built_from = std::fs::read_to_string(build_dir(&root).join("ggml_shim.c")).unwrap_or_default();
+        if built_from != SHIM {
+            assert!(!required, "KIVI_REQUIRE_GGML=1 but {} is stale", so.display());
+            eprintln!(
+                "skipping: {} was built from another shim (rerun scripts/build-ggml.sh {})",
+                so.display(),
+                build_dir(&root).display()
+            );
+            return None;
+        }
+        Some(Ggml::load(&so).expect("the ggml build loads"))
     }
 
     /// Max |ggml - reference| / max |v| over `batch` sequences, each with
