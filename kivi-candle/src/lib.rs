@@ -218,6 +218,8 @@ struct Layer {
     cache: PagedCache,
     seq: SeqId,
     attn: AttnParams,
+    /// Whether the layer frees the blocks its sliding window no longer sees.
+    evict: bool,
 }
 
 /// The KV cache of one sequence for every layer of a model, quantized per
@@ -280,7 +282,14 @@ impl KiviKvCache {
             let attn = AttnParams::of(&bound, shape_of(shape));
             let mut cache = PagedCache::new(bound, config).map_err(in_layer)?;
             let seq = cache.add_sequence();
-            layers.push(Layer { cache, seq, attn });
+            let mut layer = Layer {
+                cache,
+                seq,
+                attn,
+                evict: true,
+            };
+            layer.sync_eviction().map_err(in_layer)?;
+            layers.push(layer);
         }
         Ok(KiviKvCache {
             shape,
@@ -315,16 +324,47 @@ impl KiviKvCache {
 
     /// Sets a layer's sliding window: [`Self::attend`] then sees only the
     /// last `window` tokens (the query's own included). The default is the
-    /// scheme's `sliding_window`. The cache still keeps every token (its
-    /// memory grows with the sequence, not with the window).
+    /// scheme's `sliding_window`. Unless eviction is turned off
+    /// ([`Self::set_eviction`]), the layer then frees every block whose
+    /// tokens all lie before the last `window` (its memory grows with the
+    /// window, not the sequence); attention over the tokens it keeps is
+    /// unchanged, bit for bit. A window cannot be widened past what was
+    /// already evicted: attention would then be refused.
     pub fn set_window(&mut self, layer: usize, window: Option<usize>) -> Result<()> {
         if window == Some(0) {
             return Err(Error::Config(format!(
                 "layer {layer}: a sliding window of 0 tokens sees nothing"
             )));
         }
-        self.layer_mut(layer)?.attn.window = window;
-        Ok(())
+        let l = self.layer_mut(layer)?;
+        l.attn.window = window;
+        l.sync_eviction().map_err(|e| Error::Cache { layer, source: e })
+    }
+
+    /// Turns a windowed layer's eviction on (the default) or off. Off, the
+    /// layer keeps every token, so [`Self::append`]'s dense K/V hold every
+    /// row as stored; on, the rows of evicted tokens read as zeros there
+    /// (outside the window: a model's own sliding mask hides them).
+    pub fn set_eviction(&mut self, layer: usize, evict: bool) -> Result<()> {
+        let l = self.layer_mut(layer)?;
+        l.evict = evict;
+        l.sync_eviction().map_err(|e| Error::Cache { layer, source: e })
+    }
+
+    /// Whether a layer evicts what its window no longer sees (it does when
+    /// it has a window and eviction is on).
+    pub fn evicts(&self, layer: usize) -> Result<bool> {
+        let l = self.layer(layer)?;
+        Ok(l.cache.eviction_window().is_some())
+    }
+
+    /// Tokens a layer has evicted so far: positions `sinks ..
+    /// sinks + evicted` are no longer held.
+    pub fn evicted_tokens(&self, layer: usize) -> Result<usize> {
+        let l = self.layer(layer)?;
+        l.cache
+            .evicted_tokens(l.seq)
+            .map_err(|e| Error::Cache { layer, source: e })
     }
 
     /// Sets the attention scale of every layer (default: the scheme's
@@ -475,6 +515,11 @@ impl KiviKvCache {
         )
     }
 
+    /// A layer's exact memory report.
+    pub fn layer_memory(&self, layer: usize) -> Result<MemoryReport> {
+        Ok(self.layer(layer)?.cache.memory())
+    }
+
     fn layer(&self, layer: usize) -> Result<&Layer> {
         let layers = self.layers.len();
         self.layers.get(layer).ok_or(Error::NoLayer { layer, layers })
@@ -513,6 +558,14 @@ impl KiviKvCache {
             });
         }
         Ok(())
+    }
+}
+
+impl Layer {
+    /// The cache evicts with the attention window when eviction is on.
+    fn sync_eviction(&mut self) -> kivi_runtime::Result<()> {
+        let w = if self.evict { self.attn.window } else { None };
+        self.cache.set_eviction_window(w)
     }
 }
 
