@@ -302,6 +302,50 @@ impl KiviKvCache {
         })
     }
 
+    /// A cache for a model declaration ([`kivi_spec::parse_model`]): layer
+    /// `l` gets the scheme its declaration names for it (by index, else by
+    /// kind — sliding when `windows[l]` is set — else the default) and the
+    /// sliding window `windows[l]` (evicting, [`Self::set_window`]).
+    ///
+    /// ```
+    /// use kivi_candle::{KiviKvCache, ModelShape};
+    /// let decl = kivi_spec::parse_model("model { default: kivi2, global: kivi4, layers[0]: f16 }").unwrap();
+    /// let shape = ModelShape { layers: 3, q_heads: 4, kv_heads: 1, head_dim: 64 };
+    /// let c = KiviKvCache::from_model(&decl, shape, &[Some(512), Some(512), None], 4096).unwrap();
+    /// let names: Vec<String> = (0..3).map(|l| c.scheme(l).unwrap().name.clone()).collect();
+    /// assert_eq!(names, ["f16", "kivi2", "kivi4"]);
+    /// assert_eq!(c.window(1).unwrap(), Some(512));
+    /// ```
+    pub fn from_model(
+        decl: &kivi_spec::ModelDecl,
+        shape: ModelShape,
+        windows: &[Option<usize>],
+        max_tokens: usize,
+    ) -> Result<KiviKvCache> {
+        if windows.len() != shape.layers {
+            return Err(Error::Config(format!(
+                "{} windows for {} layers; give one per layer (None for a global layer)",
+                windows.len(),
+                shape.layers
+            )));
+        }
+        let kinds: Vec<kivi_spec::LayerKind> = windows
+            .iter()
+            .map(|w| match w {
+                Some(_) => kivi_spec::LayerKind::Sliding,
+                None => kivi_spec::LayerKind::Global,
+            })
+            .collect();
+        let schemes = decl
+            .schemes_for(&kinds)
+            .map_err(|e| Error::Config(format!("model `{}`: {e}", decl.name)))?;
+        let mut cache = KiviKvCache::per_layer(&schemes, shape, max_tokens)?;
+        for (l, w) in windows.iter().enumerate() {
+            cache.set_window(l, *w)?;
+        }
+        Ok(cache)
+    }
+
     /// The model shape the cache was made for.
     pub fn shape(&self) -> ModelShape {
         self.shape
