@@ -83,7 +83,7 @@
 //! }
 //! ```
 
-pub use kivi_macros::scheme;
+pub use kivi_macros::{model, scheme};
 /// The runtime: reference oracle, paged cache, backends.
 pub use kivi_runtime as runtime;
 /// The scheme model, parser, validator, canonical form and memory layout.

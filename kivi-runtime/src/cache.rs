@@ -7,6 +7,12 @@
 //! maximum ([`kivi_spec::layout::window_capacity`]); the window is a ring
 //! indexed by token position, so appending never copies the cache.
 //!
+//! A cache told its layer's sliding window
+//! ([`PagedCache::set_eviction_window`]) frees the blocks that window no
+//! longer sees: a sequence's block table then holds its blocks from a
+//! logical start offset on, and attention that would read past it is
+//! refused.
+//!
 //! Appends are all-or-nothing: inputs are rounded and checked, blocks are
 //! reserved, and groups are quantized before anything a reader can see
 //! changes. On error the cache is exactly as before.
@@ -423,7 +429,9 @@ impl PagedCache {
         self.seqs.get(&id).ok_or(Error::UnknownSequence(id))
     }
 
-    /// The sequence's block table.
+    /// The blocks the sequence holds, oldest first. Without eviction that
+    /// is its whole block table; after it, the blocks from logical block
+    /// [`SeqView::first_block`] on.
     pub fn block_table(&self, id: SeqId) -> Result<&[u32]> {
         Ok(&self.seq(id)?.table)
     }

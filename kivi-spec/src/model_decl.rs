@@ -7,7 +7,7 @@
 //! scheme grammar of `parse.rs`, or a preset's name):
 //!
 //! ```text
-//! model   := 'model' [NAME] '{' entry (',' entry)* '}'
+//! model   := [pub] 'model' [NAME] '{' entry (',' entry)* '}'
 //! entry   := default: scheme                  the scheme of every layer not named otherwise
 //!          | sliding: scheme                  layers with a sliding window
 //!          | global: scheme                   layers that attend to everything
@@ -79,6 +79,10 @@ pub struct ModelDecl {
     /// The declaration's name (`model` when it has none).
     pub name: String,
     pub name_span: Span,
+    /// Whether it was named at all (`kivi::model!` needs a name).
+    pub named: bool,
+    /// Declared `pub` (what `kivi::model!` gives its struct).
+    pub public: bool,
     pub default: Option<SchemeRef>,
     pub sliding: Option<SchemeRef>,
     pub global: Option<SchemeRef>,
@@ -165,13 +169,18 @@ fn parse_scheme_ref(input: ParseStream) -> syn::Result<SchemeRef> {
 
 impl Parse for ModelDecl {
     fn parse(input: ParseStream) -> syn::Result<Self> {
+        let public = input.peek(Token![pub]);
+        if public {
+            input.parse::<Token![pub]>()?;
+        }
         let kw: Ident = input
             .parse()
             .map_err(|e| syn::Error::new(e.span(), "expected `model`, e.g. `model { default: kivi2 }`"))?;
         if kw != "model" {
             return err(kw.span(), format!("expected `model`, found `{kw}`"));
         }
-        let (name, name_span) = if input.peek(Ident) {
+        let named = input.peek(Ident);
+        let (name, name_span) = if named {
             let n: Ident = input.parse()?;
             (n.to_string(), n.span())
         } else {
@@ -182,6 +191,8 @@ impl Parse for ModelDecl {
         let mut m = ModelDecl {
             name,
             name_span,
+            named,
+            public,
             default: None,
             sliding: None,
             global: None,

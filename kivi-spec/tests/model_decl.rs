@@ -162,3 +162,17 @@ fn errors_point_at_the_offending_token() {
         .message
         .contains("not valid model syntax"));
 }
+
+/// The README's model declaration parses and means what it says.
+#[test]
+fn readme_declaration_parses() {
+    let readme = include_str!("../../README.md");
+    let at = readme.find("### A scheme per layer").unwrap();
+    let block = &readme[at..];
+    let start = block.find("```text\n").unwrap() + "```text\n".len();
+    let text = &block[start..start + block[start..].find("```").unwrap()];
+    let m = parse_model(text).unwrap();
+    let s = m.schemes_for(&m.kinds().unwrap()).unwrap();
+    let names: Vec<&str> = s.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(&names[..6], ["k3", "k3", "kivi2", "kivi2", "kivi2", "kivi4"]);
+}
