@@ -5,8 +5,10 @@
 
 Left: decode time against context length (GQA 32:8, d128; batch 1 and 8),
 ours per scheme and the peers, log-log. Right: at the longest context,
-speed-up over our f16 path and over the numpy f32 peer, per scheme and
-batch, with the byte-floor speed-up (f16 bytes / scheme bytes) as a mark.
+speed-up over our f16 path, over the numpy f32 peer and, when the run had
+`--peers llama.cpp`, over ggml's flash attention on f16 and q4_0 KV, per
+scheme and batch, with the byte-floor speed-up (f16 bytes / scheme bytes)
+as a mark.
 """
 
 import json
@@ -16,6 +18,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+
+def peer_time(r, peer, dtype, d):
+    """The peer's median at decode row d's point, or None."""
+    for p in r["peers"]["results"]:
+        if (p["peer"], p["dtype"], p["layout"], p["context"], p["batch"]) == (peer, dtype, d["layout"], d["context"], d["batch"]) and not p.get("error"):
+            return p["median_ms"]
+    return None
 
 
 def markdown(r):
@@ -41,6 +51,17 @@ def markdown(r):
             out.append("| %s | %s | %s | %d | %d | error: %s | |" % (p["peer"], p["dtype"], p["layout"], p["context"], p["batch"], p["error"]))
         else:
             out.append("| %s | %s | %s | %d | %d | %.3f | %.3f–%.3f |" % (p["peer"], p["dtype"], p["layout"], p["context"], p["batch"], p["median_ms"], p["p20_ms"], p["p80_ms"]))
+    ggml = [p for p in r["peers"]["results"] if p["peer"] == "llama.cpp" and not p.get("error")]
+    if ggml:
+        out.append("")
+        out.append("| layout | context | batch | scheme | ms | vs llama.cpp f16 | vs llama.cpp q8_0 | vs llama.cpp q4_0 |")
+        out.append("|---|---:|---:|---|---:|---:|---:|---:|")
+        for d in r["decode"]:
+            cells = []
+            for dt in ("f16", "q8_0", "q4_0"):
+                p = peer_time(r, "llama.cpp", dt, d)
+                cells.append("–" if p is None else "%.2fx" % (p / d["median_ms"]))
+            out.append("| %s | %d | %d | %s | %.3f | %s |" % (d["layout"], d["context"], d["batch"], d["scheme"], d["median_ms"], " | ".join(cells)))
     if r.get("prefill"):
         out.append("")
         out.append("| layout | scheme | tokens | extend tok/s | append tok/s | memory MB | vs f16 |")
@@ -80,7 +101,7 @@ def main():
             if p["layout"] == layout and p["batch"] == b and not p.get("error"):
                 peers.setdefault(f'{p["peer"]} {p["dtype"]}', []).append((p["context"], p["median_ms"]))
         for i, (name, pts) in enumerate(sorted(peers.items())):
-            ax.plot(*zip(*sorted(pts)), style, marker="x", ms=5, color=["#9467bd", "#8c564b", "#e377c2", "#7f7f7f"][i % 4], label=f"{name} B={b}")
+            ax.plot(*zip(*sorted(pts)), style, marker="x", ms=5, color=["#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"][i % 6], label=f"{name} B={b}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context (tokens)")
@@ -91,8 +112,16 @@ def main():
 
     ax = axes[1]
     ctx = max(d["context"] for d in rows)
+    # Ratios against llama.cpp (ggml flash attention) are computed here from
+    # the peer rows, when the run had them.
+    for d in rows:
+        for dt in ("f16", "q4_0"):
+            p = peer_time(r, "llama.cpp", dt, d)
+            d["speedup_vs_ggml_" + dt] = None if p is None else p / d["median_ms"]
     keys = ["speedup_vs_f16", "cpu_speedup_vs_f16", "speedup_vs_numpy"]
-    names = {"speedup_vs_f16": "vs our f16 (wall)", "cpu_speedup_vs_f16": "vs our f16 (CPU time)", "speedup_vs_numpy": "vs numpy f32 (wall)"}
+    names = {"speedup_vs_f16": "vs our f16 (wall)", "cpu_speedup_vs_f16": "vs our f16 (CPU time)", "speedup_vs_numpy": "vs numpy f32 (wall)",
+             "speedup_vs_ggml_f16": "vs llama.cpp f16 KV (wall)", "speedup_vs_ggml_q4_0": "vs llama.cpp q4_0 KV (wall)"}
+    keys += [k for k in ("speedup_vs_ggml_f16", "speedup_vs_ggml_q4_0") if any(d.get(k) for d in rows)]
     width = 0.8 / (len(keys) * len(batches))
     f16_bytes = {d["batch"]: d["kv_bytes"] for d in rows if d["scheme"] == "f16" and d["context"] == ctx}
     for j, b in enumerate(batches):

@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 logs="${1:-target/full-sweep}"
 mkdir -p "$logs"
 tests=(--test sim_variants --test sim_schemes --test sim_extend --test sim_smoke
-       --test device_decode --test device_extend --test device_codecs --test sim_barriers --test sim_strict)
+       --test device_decode --test device_extend --test device_codecs --test device_block --test sim_barriers --test sim_strict)
 failed=0
 start=$SECONDS
 for sched in inorder reverse 1 2; do

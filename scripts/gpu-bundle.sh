@@ -3,7 +3,8 @@
 # driver but no Rust toolchain, no network and no NVRTC:
 #
 #   target/gpu-bundle/
-#     bin/device_decode, bin/device_extend, bin/device_codecs   GPU test binaries (release, stripped)
+#     bin/device_decode, bin/device_extend, bin/device_codecs,
+#     bin/device_block                   GPU test binaries (release, stripped)
 #     bin/gpu_decode                     the GPU decode benchmark
 #     artifacts.tar.xz                   CUBIN for ARCH of every kernel they
 #                                        load (compiled here by NVRTC)
@@ -45,7 +46,7 @@ for line in sys.stdin:
 echo "gpu-bundle: building test and bench binaries (release)" >&2
 {
     cargo test --release -p kivi-runtime --no-run --message-format=json \
-        --test device_decode --test device_extend --test device_codecs
+        --test device_decode --test device_extend --test device_codecs --test device_block
     cargo bench -p kivi --no-run --message-format=json --bench gpu_decode
 } | executables >"$bundle/executables.txt"
 
@@ -54,7 +55,7 @@ while read -r name path; do
     strip --strip-debug "$bundle/bin/$name" 2>/dev/null || true
 done <"$bundle/executables.txt"
 rm "$bundle/executables.txt"
-for need in device_decode device_extend device_codecs gpu_decode; do
+for need in device_decode device_extend device_codecs device_block gpu_decode; do
     [ -x "$bundle/bin/$need" ] || { echo "gpu-bundle: $need was not built" >&2; exit 1; }
 done
 
@@ -70,7 +71,7 @@ echo "gpu-bundle: compiling kernels for $arch (seeded with $(ls "$bundle/cache/a
 export KIVI_CACHE_DIR="$bundle/cache"
 export KIVI_CUDA_PRECOMPILE="$arch"
 precompile_all() {
-    for t in device_decode device_extend device_codecs; do
+    for t in device_decode device_extend device_codecs device_block; do
         "$bundle/bin/$t" --test-threads=1 --nocapture >"$bundle/precompile-$t.log" 2>&1 \
             || { cat "$bundle/precompile-$t.log" >&2; echo "gpu-bundle: $t failed" >&2; exit 1; }
         grep -E 'PRECOMPILED' "$bundle/precompile-$t.log" >&2 || true

@@ -42,7 +42,7 @@ fi
 echo "gpu-check: $gpu" >&2
 
 # 2. The bundle.
-for need in bin/device_decode bin/device_extend bin/device_codecs bin/gpu_decode artifacts.tar.xz nvrtc-version; do
+for need in bin/device_decode bin/device_extend bin/device_codecs bin/device_block bin/gpu_decode artifacts.tar.xz nvrtc-version; do
     [ -e "$bundle/$need" ] || fail_early "the bundle at $bundle lacks $need: run scripts/gpu-bundle.sh on the build machine and carry target/gpu-bundle"
 done
 work="$(mktemp -d)"
@@ -58,7 +58,7 @@ fi
 
 # 3. Tests, then the benchmark.
 declare -A rc
-for t in device_extend device_decode device_codecs; do
+for t in device_extend device_decode device_codecs device_block; do
     echo "gpu-check: running $t" >&2
     "$bundle/bin/$t" --test-threads=1 --nocapture >"$out/$t.log" 2>&1
     rc[$t]=$?
@@ -77,7 +77,7 @@ done
 {
     printf '{\n  "ok": %s,\n  "gpu": "%s",\n  "nvrtc": "%s",\n  "exit_codes": {' "$ok" "$gpu" "$KIVI_NVRTC_VERSION"
     sep=""
-    for k in device_extend device_decode device_codecs gpu_decode; do
+    for k in device_extend device_decode device_codecs device_block gpu_decode; do
         printf '%s"%s": %s' "$sep" "$k" "${rc[$k]}"
         sep=", "
     done

@@ -131,7 +131,7 @@ numpy_check() {
 }
 
 main_job_smoke() {
-    cargo run --quiet --example main_job -- 600
+    KIVI_MAIN_JOB_GENERATE=8 cargo run --quiet --example main_job -- 600
 }
 
 # `kivi generate` needs the `eval` feature (it brings the model), which the

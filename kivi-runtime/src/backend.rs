@@ -26,9 +26,9 @@ pub trait Backend: Sync {
     /// appear more than once; its blocks go in the order given.
     ///
     /// Errors leave the cache unchanged; an error about one block comes as
-    /// [`Error::InSequence`] with its index in `blocks`. Backends that have
-    /// no such kernel yet (the generated device kernels) keep this default,
-    /// which refuses with [`Error::Unavailable`] and touches nothing.
+    /// [`Error::InSequence`] with its index in `blocks`. A backend without
+    /// such a kernel keeps this default, which refuses with
+    /// [`Error::Unavailable`] and touches nothing.
     ///
     /// ```
     /// use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, NewTokens, PagedCache};

@@ -115,7 +115,15 @@ pub(crate) fn scheme_tag(s: &Scheme, block_tokens: Option<usize>) -> String {
     t
 }
 
-fn tensor_cfg(o: &mut String, name: &str, t: Tensor, s: &Scheme, l: &BlockLayout, v: &Variant, kernel: Kernel) {
+pub(crate) fn tensor_cfg(
+    o: &mut String,
+    name: &str,
+    t: Tensor,
+    s: &Scheme,
+    l: &BlockLayout,
+    v: &Variant,
+    kernel: Kernel,
+) {
     let tl: &TensorLayout = l.tensor(t);
     let cpw = cpw(l, t == Tensor::Key);
     let part = l.tensor_offset(0, t);
@@ -379,7 +387,7 @@ pub(crate) fn work_floats(s: &Scheme, l: &BlockLayout) -> usize {
 
 /// The Lloyd–Max table of a tensor as a constant-memory array, from the
 /// values `kivi_spec::lloyd_max_levels` gives the oracle (not retyped).
-fn levels_table(o: &mut String, name: &str, s: &Scheme, t: Tensor, l: &BlockLayout) {
+pub(crate) fn levels_table(o: &mut String, name: &str, s: &Scheme, t: Tensor, l: &BlockLayout) {
     if let Some(levels) = Pipe::of(s, t, l).lloyd {
         let vals: Vec<String> = levels.iter().map(|x| format!("{x:?}f")).collect();
         let _ = writeln!(
@@ -443,7 +451,7 @@ fn extend_params() -> Vec<Param> {
     ]
 }
 
-fn c_type(ty: ParamTy, act: &str) -> String {
+pub(crate) fn c_type(ty: ParamTy, act: &str) -> String {
     match ty {
         ParamTy::PtrU32 => "const unsigned int* __restrict__".into(),
         ParamTy::PtrU32Mut => "unsigned int* __restrict__".into(),

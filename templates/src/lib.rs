@@ -54,8 +54,11 @@
 //!   to 1 when a scale or zero point overflowed its dtype (the append must
 //!   then be treated as failed).
 
+mod block;
 mod generate;
 mod variant;
+
+pub use block::BlockShape;
 
 pub use variant::{Variant, MAX_REGISTER_FLOATS};
 
@@ -430,3 +433,48 @@ pub const TEMPLATES: [(&str, &str); 5] = [
     ("kivi_codec_decode.cuh", include_str!("../cuda/kivi_codec_decode.cuh")),
     ("kivi_codec_extend.cuh", include_str!("../cuda/kivi_codec_extend.cuh")),
 ];
+
+/// The many-query (block) kernel's template (`cuda/kivi_block.cuh`), pasted
+/// only into [`generate_block`]'s sources.
+pub const BLOCK_TEMPLATE: &str = include_str!("../cuda/kivi_block.cuh");
+
+/// The many-query kernel `kivi_block` of `scheme` (which must have a
+/// shape): attention for a causal block of new queries per sequence over a
+/// cache the block was just appended to, with the meaning of
+/// docs/semantics.md "Many new queries". One source per scheme and layout
+/// (launch shape [`BlockShape::of`]).
+///
+/// `kivi_block(pool, tables, table_stride, past_lens, counts, q, max_n,
+/// sinks_k, sinks_v, means_k, means_v, tail_k, tail_v, tail_stride,
+/// sm_scale, window, out)`:
+/// grid [`BlockShape::grid`]. Sequence `b` held `past_lens[b]` tokens and
+/// was appended `counts[b]`; `q` is `[batch][max_n][q_heads][D]` act;
+/// `tail_k`/`tail_v` are `[batch][tail_stride][kv_heads][D]` act, row `r`
+/// of sequence `b` the full-precision token `stored_tokens(past) + r`
+/// (the window rows before the block, then the block's rows); `window` as
+/// for decode (`-1`: none; `0` attends to nothing). Writes `out`
+/// `[batch][max_n][q_heads][D]` f32 for the rows `i < counts[b]`.
+///
+/// Every codec the decode kernel supports is generated: a stored row is
+/// brought to the raw domain once per tile (levels, outliers, inverse
+/// rotation, centering means `[batch][kv_heads][D]` act, as for decode).
+///
+/// ```
+/// use kivi_spec::{presets, Heads};
+/// let s = presets::kivi2().with_shape(Heads::Gqa { q: 32, kv: 8 }, 128).unwrap();
+/// let g = kivi_templates::generate_block(&s, Default::default()).unwrap();
+/// assert!(g.name.starts_with("kivi2-k.c.g32.b2-v.t.g32.b2-r128/gqa32x8.d128/block/"));
+/// assert_eq!(g.entry_points, ["kivi_block"]);
+/// let r = presets::codec2().with_shape(Heads::Mqa(4), 256).unwrap();
+/// assert!(kivi_templates::generate_block(&r, Default::default()).is_ok()); // rotated, centered
+/// ```
+pub fn generate_block(scheme: &Scheme, opts: GenOptions) -> Result<Generated, GenError> {
+    let layout = layout_of(scheme, opts)?;
+    block::generate_block(scheme, &layout)
+}
+
+/// The launch shape [`generate_block`] uses for `scheme`'s shape (`None`
+/// without one).
+pub fn block_shape(scheme: &Scheme) -> Option<BlockShape> {
+    scheme.shape().map(|s| BlockShape::of(s.group_size(), s.head_dim))
+}

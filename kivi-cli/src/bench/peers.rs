@@ -1,6 +1,8 @@
 //! Peers measured in the same run: numpy (f32, batched matmul), PyTorch's
 //! CPU `scaled_dot_product_attention` and jax's `dot_product_attention`
-//! (f16 and f32), each where it can be installed.
+//! (f16 and f32), each where it can be installed, and on request llama.cpp's
+//! CPU flash attention over f16, q8_0 and q4_0 KV ([`ggml`], built from
+//! source on first use, called in-process).
 //!
 //! They run from the benchmark's own venv (`.cache/bench-py` by default),
 //! created on first use with `python3 -m venv` and filled with pip from
@@ -8,6 +10,8 @@
 //! binary and written next to the venv, so the command works from any
 //! directory. A peer that cannot be installed or imported is reported with
 //! the reason; it never fails the benchmark.
+
+pub mod ggml;
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -51,6 +55,10 @@ pub struct PeerResult {
     /// How it ran (e.g. the BLAS thread count that won).
     #[serde(default)]
     pub note: Option<String>,
+    /// CPU time of all threads per run, median, ms (in-process peers only:
+    /// llama.cpp). Counts work done, not time waited for a core.
+    #[serde(default)]
+    pub cpu_ms: Option<f64>,
 }
 
 /// What the peers gave: which were available (version or reason) and their times.
@@ -91,10 +99,20 @@ pub struct PeerOptions {
     pub venv: PathBuf,
     /// Use this interpreter instead of the venv (e.g. one with CPU torch).
     pub python: Option<PathBuf>,
-    /// Peers to run: numpy, torch, jax.
+    /// Peers to run: numpy, torch, jax (Python), llama.cpp (ggml, in-process).
     pub peers: Vec<String>,
     pub reps: usize,
     pub threads: usize,
+    /// Evict the CPU caches before each timed llama.cpp run (as kivi's cold
+    /// decode does; the Python peers time back to back).
+    pub cold: bool,
+    /// Cache root of the llama.cpp build ([`ggml::build_dir`] under it).
+    pub ggml_dir: PathBuf,
+}
+
+/// Whether `name` asks for the llama.cpp peer (`llama.cpp`, `llamacpp` or `ggml`).
+pub fn is_llama_cpp(name: &str) -> bool {
+    matches!(name, "llama.cpp" | "llamacpp" | "ggml")
 }
 
 fn run_quiet(cmd: &mut Command) -> Result<(), String> {
@@ -163,6 +181,35 @@ pub fn run(opts: &PeerOptions, shapes: &[Shape], log: &mut dyn FnMut(&str)) -> P
     if opts.peers.is_empty() || shapes.is_empty() {
         return PeerReport::failed("no peers requested".into());
     }
+    let (native, python): (Vec<String>, Vec<String>) = opts.peers.iter().cloned().partition(|p| is_llama_cpp(p));
+    let mut report = if python.is_empty() {
+        PeerReport::default()
+    } else {
+        run_python(
+            &PeerOptions {
+                peers: python,
+                ..opts.clone()
+            },
+            shapes,
+            log,
+        )
+    };
+    if !native.is_empty() {
+        let g = ggml::Options {
+            root: opts.ggml_dir.clone(),
+            threads: opts.threads,
+            reps: opts.reps,
+            cold: opts.cold,
+        };
+        let (status, results) = ggml::run(&g, shapes, log);
+        report.available.insert(ggml::NAME.into(), status);
+        report.results.extend(results);
+    }
+    report
+}
+
+/// Runs the Python peers (`benches/peers.py`) over `shapes`.
+fn run_python(opts: &PeerOptions, shapes: &[Shape], log: &mut dyn FnMut(&str)) -> PeerReport {
     let py = match &opts.python {
         Some(p) => p.clone(),
         None => match ensure_venv(&opts.venv, &opts.peers, log) {

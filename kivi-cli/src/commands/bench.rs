@@ -6,6 +6,7 @@
 //! kivi bench                              # the full suite (1k..32k, batch 1 and 8, GQA and MQA)
 //! kivi bench --long --json > bench.json   # adds 64k
 //! kivi bench --contexts 4096 --batches 8 --layouts mqa --schemes f16,kivi2 --no-peers
+//! kivi bench --quick --peers numpy,llama.cpp  # adds ggml's flash attention (f16, q8_0, q4_0 KV)
 //! ```
 
 use crate::bench as suite;
@@ -58,9 +59,14 @@ pub struct Args {
     /// Skip the Python peers
     #[arg(long)]
     no_peers: bool,
-    /// Peers to run, comma-separated: numpy, torch, jax [default: numpy,torch,jax; --quick numpy]
+    /// Peers to run, comma-separated: numpy, torch, jax, llama.cpp (ggml's CPU
+    /// flash attention over f16/q8_0/q4_0 KV, built from the llama-cpp-python
+    /// sdist on first use, a few minutes, cached) [default: numpy,torch,jax; --quick numpy]
     #[arg(long, value_delimiter = ',')]
     peers: Vec<String>,
+    /// Where the llama.cpp peer's build is cached (one folder per version)
+    #[arg(long, default_value = ".cache/ggml")]
+    ggml_dir: PathBuf,
     /// The peers' venv, created on first use
     #[arg(long, default_value = ".cache/bench-py")]
     venv: PathBuf,
@@ -168,6 +174,8 @@ pub fn run(a: Args) -> super::Result {
         } else {
             rayon::current_num_threads()
         },
+        cold: !a.warm,
+        ggml_dir: a.ggml_dir,
     };
     let mut log = |m: &str| eprintln!("kivi bench: {m}");
     let mut peers = |shapes: &[suite::peers::Shape]| {

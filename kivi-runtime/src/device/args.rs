@@ -284,6 +284,123 @@ impl ExtendArgs<'_> {
     }
 }
 
+/// `kivi_block`: attention for a causal block of new queries per sequence
+/// over a cache the block was just appended to
+/// ([`kivi_templates::generate_block`] documents the arguments).
+pub struct BlockArgs<'a> {
+    pub batch: usize,
+    /// The module's launch shape ([`kivi_templates::block_shape`]).
+    pub shape: kivi_templates::BlockShape,
+    pub kv_heads: usize,
+    pub pool: &'a Buffer,
+    pub tables: &'a Buffer,
+    pub table_stride: usize,
+    /// Tokens of each sequence before its block, and the block's size.
+    pub past_lens: &'a Buffer,
+    pub counts: &'a Buffer,
+    /// `[batch][max_n][Hq][D]` act.
+    pub q: &'a Buffer,
+    pub max_n: usize,
+    pub sinks_k: &'a Buffer,
+    pub sinks_v: &'a Buffer,
+    /// Centering means, `[batch][Hkv][D]` act (one element for a tensor
+    /// that is not centered).
+    pub means_k: &'a Buffer,
+    pub means_v: &'a Buffer,
+    /// `[batch][tail_stride][Hkv][D]` act: each sequence's full-precision
+    /// rows from its stored boundary before the block on.
+    pub tail_k: &'a Buffer,
+    pub tail_v: &'a Buffer,
+    pub tail_stride: usize,
+    pub sm_scale: f32,
+    /// `None`: no sliding window; `Some(0)` attends to nothing (zeros).
+    pub window: Option<usize>,
+    /// `[batch][max_n][Hq][D]` f32.
+    pub out: &'a mut Buffer,
+}
+
+impl BlockArgs<'_> {
+    pub const ENTRY: &'static str = "kivi_block";
+    pub const PARAMS: [&'static str; 17] = [
+        "pool",
+        "tables",
+        "table_stride",
+        "past_lens",
+        "counts",
+        "q",
+        "max_n",
+        "sinks_k",
+        "sinks_v",
+        "means_k",
+        "means_v",
+        "tail_k",
+        "tail_v",
+        "tail_stride",
+        "sm_scale",
+        "window",
+        "out",
+    ];
+
+    pub fn launch(self, dev: &dyn Device, m: &Module) -> Result<()> {
+        check_names(m, Self::ENTRY, &Self::PARAMS)?;
+        let li = &m.generated.launch;
+        let (hq, d) = (li.q_heads as usize, li.head_dim as usize);
+        let tail_len = self.tail_k.len().min(self.tail_v.len());
+        at_least(self.tables, self.batch * self.table_stride, "tables")?;
+        at_least(self.past_lens, self.batch, "past_lens")?;
+        at_least(self.counts, self.batch, "counts")?;
+        at_least(self.q, self.batch * self.max_n * hq * d, "q")?;
+        at_least(self.out, self.batch * self.max_n * hq * d, "out")?;
+        if tail_len < self.batch * self.tail_stride * self.kv_heads * d {
+            return Err(Error::Config(format!(
+                "the tail buffers hold {tail_len} elements, the launch reads {} rows per sequence",
+                self.tail_stride
+            )));
+        }
+        let int = |x: usize, what: &str| i32::try_from(x).map_err(|_| Error::Config(format!("{what} of {x}")));
+        let stride = int(self.table_stride, "a block table")?;
+        let max_n = int(self.max_n, "a block")?;
+        let tail_stride = int(self.tail_stride, "a tail")?;
+        // -1 = no window, as for decode; 0 is a valid window here (the
+        // kernel attends to nothing and writes zeros).
+        let window = self.window.map_or(-1, |w| i32::try_from(w).unwrap_or(i32::MAX));
+        let y = m
+            .generated
+            .launch
+            .entry(Self::ENTRY)
+            .map(|e| e.grid_xy[1])
+            .ok_or_else(|| Error::Config(format!("`{}` has no entry point `{}`", m.generated.name, Self::ENTRY)))?;
+        let x = u32::try_from(self.max_n.div_ceil(self.shape.queries as usize).max(1))
+            .map_err(|_| Error::Config(format!("a block of {} tokens", self.max_n)))?;
+        let z = u32::try_from(self.batch).map_err(|_| Error::Config(format!("a batch of {} sequences", self.batch)))?;
+        let g = [x, y, z];
+        dev.launch(
+            m,
+            Self::ENTRY,
+            g,
+            &mut [
+                KernelArg::In(self.pool),
+                KernelArg::In(self.tables),
+                KernelArg::I32(stride),
+                KernelArg::In(self.past_lens),
+                KernelArg::In(self.counts),
+                KernelArg::In(self.q),
+                KernelArg::I32(max_n),
+                KernelArg::In(self.sinks_k),
+                KernelArg::In(self.sinks_v),
+                KernelArg::In(self.means_k),
+                KernelArg::In(self.means_v),
+                KernelArg::In(self.tail_k),
+                KernelArg::In(self.tail_v),
+                KernelArg::I32(tail_stride),
+                KernelArg::F32(self.sm_scale),
+                KernelArg::I32(window),
+                KernelArg::Out(self.out),
+            ],
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -318,6 +435,12 @@ mod tests {
                     assert_eq!(names, want, "{} {}", g.name, e.entry);
                     assert_eq!(e.grid(3, 0)[2], 3, "grid z is the batch");
                 }
+            }
+            // The block kernel, where it is generated (not for rotated or
+            // centered tensors).
+            if let Ok(g) = kivi_templates::generate_block(&s, Default::default()) {
+                let names: Vec<&str> = g.launch.entries[0].params.iter().map(|p| p.name).collect();
+                assert_eq!(names, BlockArgs::PARAMS, "{}", g.name);
             }
         }
     }

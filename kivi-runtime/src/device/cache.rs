@@ -9,7 +9,7 @@
 
 use super::args::{CombineArgs, DecodeArgs, ExtendArgs, Window};
 use super::{download, upload, Buffer, Device, DeviceKind, Elem, Module, Timing};
-use crate::backend::{check_batch, check_window, Backend};
+use crate::backend::{check_batch, check_window, Backend, NewTokens};
 use crate::cache::{CacheConfig, PagedCache, RawRows, SeqId};
 use crate::error::{Error, Result};
 use crate::quant;
@@ -18,6 +18,8 @@ use kivi_spec::layout::{self, regions, BlockLayout};
 use kivi_spec::{Dtype, Scheme, Shape, Tensor};
 use kivi_templates::{default_variant, generate_with, GenOptions, Generated, Kernel, Variant};
 use std::sync::Arc;
+
+mod block;
 
 /// Activation values (already rounded to `dtype`) in a new device buffer:
 /// f16/bf16 bits or f32.
@@ -108,6 +110,15 @@ enum Part {
 /// Ranges of the cache saved before an extend launch, restored if it fails.
 struct Saved {
     ranges: Vec<(Part, usize, usize, Buffer)>,
+}
+
+/// What undoes one extend: the saved ranges and the bookkeeping before it.
+struct Undo {
+    saved: Saved,
+    device_tables: Vec<u32>,
+    host_tables: Vec<Vec<u32>>,
+    free: Vec<u32>,
+    lens: Vec<usize>,
 }
 
 /// A batch of sequences of one scheme, resident on a [`Device`].
@@ -434,6 +445,17 @@ impl DeviceCache {
 
     /// [`DeviceCache::extend`] with a chosen prefill/append variant.
     pub fn extend_with(&mut self, counts: &[usize], k: &[f32], v: &[f32], variant: Option<Variant>) -> Result<()> {
+        self.extend_checked(counts, k, v, variant).map(drop)
+    }
+
+    /// [`DeviceCache::extend_with`], returning what undoes it.
+    fn extend_checked(
+        &mut self,
+        counts: &[usize],
+        k: &[f32],
+        v: &[f32],
+        variant: Option<Variant>,
+    ) -> Result<Option<Undo>> {
         self.check()?;
         let (h, d) = (self.shape.kv_heads, self.shape.head_dim);
         let total: usize = counts.iter().sum();
@@ -470,12 +492,26 @@ impl DeviceCache {
             })?;
             at += n;
         }
-        self.extend_rounded(counts, &kr, &vr, variant)
+        self.extend_undoable(counts, &kr, &vr, variant)
     }
 
     /// The device part of an extend, on inputs already rounded to the
     /// activation dtype (and not re-checked here: the kernel checks them).
+    #[cfg(test)]
     fn extend_rounded(&mut self, counts: &[usize], kr: &[f32], vr: &[f32], variant: Option<Variant>) -> Result<()> {
+        self.extend_undoable(counts, kr, vr, variant).map(drop)
+    }
+
+    /// [`DeviceCache::extend_rounded`] that also returns what undoes it
+    /// ([`DeviceCache::undo`]), for callers with more work that may fail
+    /// after the append (`None`: nothing was appended).
+    fn extend_undoable(
+        &mut self,
+        counts: &[usize],
+        kr: &[f32],
+        vr: &[f32],
+        variant: Option<Variant>,
+    ) -> Result<Option<Undo>> {
         let (h, d) = (self.shape.kv_heads, self.shape.head_dim);
         // Reserve blocks exactly as PagedCache::extend does, sequence by sequence.
         let bt = self.layout.block_tokens;
@@ -510,7 +546,7 @@ impl DeviceCache {
         }
         let max_new = counts.iter().copied().max().unwrap_or(0);
         if max_new == 0 {
-            return Ok(());
+            return Ok(None);
         }
         // Pad the inputs to [batch][max_new][Hkv][D].
         let row = h * d;
@@ -589,14 +625,39 @@ impl DeviceCache {
             }
             return Err(e);
         }
+        let undo = Undo {
+            saved,
+            device_tables: old_tables,
+            host_tables: std::mem::replace(&mut self.host_tables, tables),
+            free: std::mem::replace(&mut self.free, free),
+            lens: self.lens.clone(),
+        };
         let lens: Vec<i32> = old.iter().zip(&cnt).map(|(a, c)| a + c).collect();
-        super::write(dev.as_ref(), &mut self.seq_lens, &lens)?;
-        self.host_tables = tables;
-        self.free = free;
+        if let Err(e) = super::write(dev.as_ref(), &mut self.seq_lens, &lens) {
+            self.undo(undo);
+            return Err(e);
+        }
         for (l, n) in self.lens.iter_mut().zip(counts) {
             *l += n;
         }
-        Ok(())
+        Ok(Some(undo))
+    }
+
+    /// Puts the cache back as it was before the extend `u` came from (a
+    /// cache that cannot be put back is poisoned: every later call errors).
+    fn undo(&mut self, u: Undo) {
+        let dev = self.dev.clone();
+        let lens: Vec<i32> = u.lens.iter().map(|&x| x as i32).collect();
+        let undone = self
+            .restore(u.saved)
+            .and_then(|_| super::write(dev.as_ref(), &mut self.tables, &u.device_tables))
+            .and_then(|_| super::write(dev.as_ref(), &mut self.seq_lens, &lens));
+        if undone.is_err() {
+            self.poisoned = true;
+        }
+        self.host_tables = u.host_tables;
+        self.free = u.free;
+        self.lens = u.lens;
     }
 
     /// The decode kernel and its combine step for `variant` (default when `None`).
@@ -801,6 +862,13 @@ impl Backend for DeviceBackend {
         }
         let dc = DeviceCache::upload(self.device.clone(), cache, seqs)?;
         dc.decode(q, attn, self.variant)
+    }
+
+    /// Appends on the host cache and on a device copy of its sequences,
+    /// then runs the generated block kernel (`kivi_block`) there; see
+    /// [`DeviceCache::attend_block`].
+    fn attend_block(&self, cache: &mut PagedCache, blocks: &[NewTokens], attn: AttnParams) -> Result<Vec<f32>> {
+        block::attend_block(self, cache, blocks, attn)
     }
 }
 
