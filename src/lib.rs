@@ -83,6 +83,23 @@
 //! }
 //! ```
 
+/// A scheme per layer: [`model!`] declares a model's layers (a scheme by
+/// layer index, by kind — `sliding`, `global` — and a default) in the
+/// grammar of [`spec::parse_model`], checked at `cargo build`:
+///
+/// ```
+/// kivi::model! {
+///     pub model Gemma3 {
+///         layers: 18, window: 512, global_layers: [5, 11, 17],
+///         default: kivi2,
+///         global: kivi4,
+///     }
+/// }
+/// let d = Gemma3::decl();
+/// let schemes = d.schemes_for(&d.kinds().unwrap()).unwrap();
+/// assert_eq!((schemes[4].name.as_str(), schemes[5].name.as_str()), ("kivi2", "kivi4"));
+/// ```
+pub use kivi_macros::model;
 pub use kivi_macros::scheme;
 /// The runtime: reference oracle, paged cache, backends.
 pub use kivi_runtime as runtime;

@@ -246,3 +246,43 @@ fn real_kv_on_the_simulated_device_matches_the_oracle() {
     }
     assert_eq!(checked, 12);
 }
+
+/// Sliding-window eviction changes no logit on the real model: a kivi2
+/// cache whose local layers evict (the default) and one that keeps every
+/// token give the same bits through chunked prefill and decode, past the
+/// window, and the evicting one holds less.
+#[test]
+fn eviction_changes_no_logit_on_the_real_model() {
+    let (m, tok) = Gemma3::load(&model_path(), 256, Weights::F32).unwrap();
+    let m = m.with_sliding_window(40);
+    let ids: Vec<u32> = tok.encode(&text(), false)[..200].to_vec();
+    let mut on = m.new_cache(&[kivi_spec::presets::kivi2()], 256).unwrap();
+    let mut off = m.new_cache(&[kivi_spec::presets::kivi2()], 256).unwrap();
+    for l in 0..off.shape().layers {
+        off.set_eviction(l, false).unwrap();
+    }
+    let bits = |t: candle_core::Tensor| -> Vec<u32> {
+        t.flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    };
+    let mut at = 0;
+    for n in [97, 1, 33, 1, 1, 67] {
+        let a = m
+            .forward_cached(&ids[at..at + n], &mut on, Logits::All)
+            .unwrap()
+            .unwrap();
+        let b = m
+            .forward_cached(&ids[at..at + n], &mut off, Logits::All)
+            .unwrap()
+            .unwrap();
+        assert!(bits(a) == bits(b), "logits differ with eviction, chunk of {n} at {at}");
+        at += n;
+    }
+    assert!(on.evicted_tokens(0).unwrap() > 0);
+    assert!(on.memory_bytes() < off.memory_bytes());
+}

@@ -134,8 +134,15 @@ fn check_against_oracle(hq: usize, hkv: usize, d: usize, schemes: &[Scheme], win
         // with the oracle's dequantized cache through a zero-token append.
         let empty = Tensor::zeros((1, hkv, 0, d), DType::F32, &Device::Cpu).unwrap();
         let (k, v) = cache.append(l, &empty, &empty).unwrap();
+        // A windowed layer evicts by default; its evicted rows read as zeros.
+        let (sinks, evicted) = (
+            cache.scheme(l).unwrap().sinks as usize,
+            cache.evicted_tokens(l).unwrap(),
+        );
+        assert_eq!(cache.evicts(l).unwrap(), windows[l].is_some());
         for (got, t) in [(k, kivi_spec::Tensor::Key), (v, kivi_spec::Tensor::Value)] {
-            let want = oracle.cache.dequantize(oracle.seq, t).unwrap();
+            let mut want = oracle.cache.dequantize(oracle.seq, t).unwrap();
+            want[sinks * hkv * d..(sinks + evicted) * hkv * d].fill(0.0);
             assert_eq!(rows_of(&got), want, "layer {l} {t:?}");
         }
     }
@@ -398,4 +405,51 @@ fn schemes_must_fit_the_model_head_layout() {
         err_of(KiviKvCache::new(&presets::kivi2(), shape, 0)),
         Error::Config(_)
     ));
+}
+
+/// Eviction changes no output: a windowed layer that evicts (the default)
+/// and one that keeps every token give the same bits at every chunk, and
+/// the evicting one holds fewer blocks, exactly accounted.
+#[test]
+fn eviction_changes_no_output_and_bounds_memory() {
+    let shape = ModelShape {
+        layers: 2,
+        q_heads: 4,
+        kv_heads: 1,
+        head_dim: 64,
+    };
+    let mut rng = fastrand::Rng::with_seed(21);
+    let mut on = KiviKvCache::new(&presets::kivi2(), shape, 1200).unwrap();
+    let mut off = KiviKvCache::new(&presets::kivi2(), shape, 1200).unwrap();
+    for c in [&mut on, &mut off] {
+        c.set_window(0, Some(100)).unwrap();
+    }
+    off.set_eviction(0, false).unwrap();
+    assert_eq!(
+        (on.evicts(0).unwrap(), off.evicts(0).unwrap(), on.evicts(1).unwrap()),
+        (true, false, false)
+    );
+    let mut total = 0;
+    for n in [1, 31, 33, 127, 300, 1, 1, 505] {
+        let (q, _) = random(&mut rng, 4, n, 64);
+        let (k, _) = random(&mut rng, 1, n, 64);
+        let (v, _) = random(&mut rng, 1, n, 64);
+        for l in 0..2 {
+            let a = on.attend(l, &q, &k, &v).unwrap();
+            let b = off.attend(l, &q, &k, &v).unwrap();
+            let bits = |t: &Tensor| rows_of(t).iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a), bits(&b), "layer {l}, chunk of {n} at {total}");
+        }
+        total += n;
+    }
+    assert_eq!(on.current_seq_len(), 999);
+    let (m_on, m_off) = (on.layer_memory(0).unwrap(), off.layer_memory(0).unwrap());
+    assert!(m_on.blocks_in_use * 4 < m_off.blocks_in_use, "{m_on:?} {m_off:?}");
+    assert_eq!(on.layer_memory(1).unwrap(), off.layer_memory(1).unwrap());
+    assert_eq!(on.memory().total, m_on.total + on.layer_memory(1).unwrap().total);
+    // Widening the window past what was evicted is refused, not served.
+    on.set_window(0, None).unwrap();
+    let (q, _) = random(&mut rng, 4, 1, 64);
+    let (k, _) = random(&mut rng, 1, 1, 64);
+    assert!(matches!(on.attend(0, &q, &k, &k), Err(Error::Cache { layer: 0, .. })));
 }

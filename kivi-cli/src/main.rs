@@ -32,7 +32,10 @@ fn usage_line(e: &clap::Error) -> String {
             }
             // `kivi show kivi2`: schemes are named by a flag everywhere; say
             // so where the subcommand takes one (its usage line names it).
-            ErrorKind::UnknownArgument if positional(e) && text.contains("--scheme <SCHEME>") => {
+            // (`show` takes --scheme or --model, so its usage line names neither.)
+            ErrorKind::UnknownArgument
+                if positional(e) && (text.contains("--scheme <SCHEME>") || text.contains("Usage: kivi show ")) =>
+            {
                 format!("{first}; name a scheme with --scheme NAME")
             }
             _ => first.to_string(),

@@ -686,3 +686,81 @@ fn attend_on_cuda_without_a_gpu_fails_clearly() {
     assert!(err.contains("--backend sim"), "{err}");
     assert!(!std::path::Path::new(&p[3]).exists(), "no output written");
 }
+
+#[test]
+fn show_model_reports_every_layer_and_the_total() {
+    let decl = "model gemma { layers: 18, window: 512, global_layers: [5, 11, 17], default: kivi2, global: kivi4 }";
+    let args = [
+        "show",
+        "--model",
+        decl,
+        "--heads",
+        "mqa:4",
+        "--head-dim",
+        "256",
+        "--context",
+        "4k",
+    ];
+    let text = ok(&args);
+    assert!(text.contains("model gemma: 18 layers"), "{text}");
+    let mut json_args = args.to_vec();
+    json_args.push("--json");
+    let v: serde_json::Value = serde_json::from_str(&ok(&json_args)).unwrap();
+    let layers = v["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 18);
+    let sum: u64 = layers.iter().map(|l| l["memory"]["total"].as_u64().unwrap()).sum();
+    assert_eq!(v["total"].as_u64().unwrap(), sum);
+    for (i, l) in layers.iter().enumerate() {
+        let global = [5, 11, 17].contains(&i);
+        assert_eq!(l["scheme"], if global { "kivi4" } else { "kivi2" });
+        assert_eq!(l["kind"], if global { "global" } else { "sliding" });
+        let (m, kept) = (
+            l["memory"]["total"].as_u64().unwrap(),
+            l["without_eviction"].as_u64().unwrap(),
+        );
+        // Sliding layers evict (4k tokens, window 512); global ones keep all.
+        if global {
+            assert_eq!(m, kept);
+        } else {
+            assert!(4 * m < kept, "layer {i}: {m} of {kept}");
+        }
+    }
+    // A global layer's bytes are what `show --scheme` reports for its scheme.
+    let one: serde_json::Value = serde_json::from_str(&ok(&[
+        "show",
+        "--scheme",
+        "kivi4",
+        "--heads",
+        "mqa:4",
+        "--head-dim",
+        "256",
+        "--context",
+        "4k",
+        "--json",
+    ]))
+    .unwrap();
+    assert_eq!(layers[5]["memory"]["total"], one["paged_cache"]["memory"]["total"]);
+}
+
+#[test]
+fn show_model_rejects_bad_declarations() {
+    fails(
+        &["show", "--model", "model m { layers: 4, default: kivi9 }"],
+        "model text:1:31: `kivi9` is not a preset",
+    );
+    fails(
+        &["show", "--model", "model m { default: kivi2 }"],
+        "declares no layer count",
+    );
+    fails(&["show", "--model", "./no-such-model-file"], "cannot read model file");
+    fails(
+        &[
+            "show",
+            "--model",
+            "model m { layers: 1, default: kivi2 }",
+            "--scheme",
+            "kivi2",
+        ],
+        "cannot be used with",
+    );
+}

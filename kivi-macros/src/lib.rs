@@ -58,3 +58,37 @@ pub fn scheme(input: TokenStream) -> TokenStream {
     }
     out.into()
 }
+
+/// Declares a model: a scheme per layer or per layer kind with a default
+/// (the grammar of `kivi::spec::parse_model`, parsed by the same code).
+/// Becomes a unit struct with the declaration's text and a `decl()`
+/// constructor; every error is a compile error at the offending token.
+///
+/// See the `kivi` crate docs for an example.
+#[proc_macro]
+pub fn model(input: TokenStream) -> TokenStream {
+    let text = input.to_string();
+    let decl = syn::parse_macro_input!(input as kivi_spec::ModelDecl);
+    if !decl.named {
+        return syn::Error::new(decl.name_span, "`kivi::model!` needs a name: `model Gemma3 { ... }`")
+            .to_compile_error()
+            .into();
+    }
+    let ident = syn::Ident::new(&decl.name, decl.name_span);
+    let vis = if decl.public { quote!(pub) } else { quote!() };
+    let doc = format!("KV-cache model declaration `{}`.\n\n```text\n{text}\n```", decl.name);
+    quote! {
+        #[doc = #doc]
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+        #vis struct #ident;
+        impl #ident {
+            /// The declaration's text, as `kivi::spec::parse_model` reads it.
+            pub const TEXT: &'static str = #text;
+            /// The parsed declaration (validated when the macro expanded).
+            pub fn decl() -> ::kivi::spec::ModelDecl {
+                ::kivi::spec::parse_model(Self::TEXT).expect("validated when kivi::model! expanded")
+            }
+        }
+    }
+    .into()
+}

@@ -125,6 +125,28 @@ pub fn check_blocks(cache: &PagedCache, blocks: &[NewTokens]) -> Result<Vec<usiz
     Ok(ns)
 }
 
+/// Refuses, with [`Error::Evicted`], attention that would read tokens an
+/// eviction window freed ([`PagedCache::set_eviction_window`]): a decode
+/// of each sequence in `seqs` at its length under `attn`'s window. Checks
+/// many-query blocks too (their first query reads from one token later).
+pub fn check_window(cache: &PagedCache, seqs: impl IntoIterator<Item = SeqId>, attn: AttnParams) -> Result<()> {
+    for s in seqs {
+        let t = cache.len(s)?;
+        cache.check_readable(s, t.saturating_sub(1), attn.window)?;
+    }
+    Ok(())
+}
+
+/// After many-query attention has answered every block: frees what the
+/// eviction window no longer sees (the appends kept what the blocks' first
+/// queries read).
+pub(crate) fn evict_after_blocks(cache: &mut PagedCache, blocks: &[NewTokens]) -> Result<()> {
+    for blk in blocks {
+        cache.evict(blk.seq)?;
+    }
+    Ok(())
+}
+
 /// Checks `q` against the batch and returns the per-sequence query length.
 pub fn check_batch(cache: &PagedCache, seqs: &[SeqId], q: &[f32]) -> Result<usize> {
     let shape = cache.shape();
@@ -159,6 +181,7 @@ impl Backend for ReferenceBackend {
     }
     fn decode(&self, cache: &PagedCache, seqs: &[SeqId], q: &[f32], attn: AttnParams) -> Result<Vec<f32>> {
         let per = check_batch(cache, seqs, q)?;
+        check_window(cache, seqs.iter().copied(), attn)?;
         let mut out = Vec::with_capacity(q.len());
         for (b, &s) in seqs.iter().enumerate() {
             let k = cache.dequantize(s, Tensor::Key)?;
@@ -181,6 +204,7 @@ impl Backend for ReferenceBackend {
     /// [`reference::block_attention_views`].
     fn attend_block(&self, cache: &mut PagedCache, blocks: &[NewTokens], attn: AttnParams) -> Result<Vec<f32>> {
         let ns = check_blocks(cache, blocks)?;
+        check_window(cache, blocks.iter().map(|b| b.seq), attn)?;
         let mut checkpoints = Vec::with_capacity(blocks.len());
         let mut kept = Vec::with_capacity(blocks.len());
         for (b, blk) in blocks.iter().enumerate() {
@@ -227,6 +251,7 @@ impl Backend for ReferenceBackend {
                 }
             }
         }
+        evict_after_blocks(cache, blocks)?;
         Ok(out)
     }
 }
@@ -242,7 +267,7 @@ fn append_keeping_rows(cache: &mut PagedCache, blk: &NewTokens) -> Result<(usize
         cache.dequantize(blk.seq, Tensor::Key)?,
         cache.dequantize(blk.seq, Tensor::Value)?,
     ];
-    cache.extend(blk.seq, blk.k, blk.v)?;
+    cache.extend_held(blk.seq, blk.k, blk.v)?;
     for (f, (x, name)) in full.iter_mut().zip([(blk.k, "key"), (blk.v, "value")]) {
         f.extend(round_inputs(cache.scheme(), name, x, shape.kv_heads, shape.head_dim)?);
     }

@@ -7,6 +7,12 @@
 //! maximum ([`kivi_spec::layout::window_capacity`]); the window is a ring
 //! indexed by token position, so appending never copies the cache.
 //!
+//! A cache told its layer's sliding window
+//! ([`PagedCache::set_eviction_window`]) frees the blocks that window no
+//! longer sees: a sequence's block table then holds its blocks from a
+//! logical start offset on, and attention that would read past it is
+//! refused.
+//!
 //! Appends are all-or-nothing: inputs are rounded and checked, blocks are
 //! reserved, and groups are quantized before anything a reader can see
 //! changes. On error the cache is exactly as before.
@@ -103,7 +109,13 @@ impl Buf {
 #[derive(Clone, Debug)]
 struct Sequence {
     tokens: usize,
+    /// The blocks still held, oldest first: logical block `first_block + i`
+    /// (relative tokens `(first_block + i) * block_tokens ..`) is `table[i]`.
+    /// Eviction drops blocks from the front, so the table is a window onto
+    /// the sequence's logical blocks and never grows past what it holds.
     table: Vec<u32>,
+    /// Logical blocks evicted from the front of the table.
+    first_block: usize,
     /// Quantized (block-resident) tokens per tensor.
     quantized: [usize; 2],
     sinks: [Buf; 2],
@@ -112,6 +124,39 @@ struct Sequence {
     /// Per-channel centering means, `[Hkv][D]` in the activation dtype, of
     /// each centered tensor; `None` until the first `N` tokens exist.
     means: [Option<Vec<f32>>; 2],
+}
+
+impl Sequence {
+    /// The held blocks, indexed by logical block.
+    fn blocks(&self) -> Blocks<'_> {
+        Blocks {
+            ids: &self.table,
+            first: self.first_block,
+        }
+    }
+
+    /// Relative tokens (counted after the sinks) that are no longer held.
+    fn evicted_tokens(&self, block_tokens: usize) -> usize {
+        self.first_block * block_tokens
+    }
+}
+
+/// A block table seen through logical block indices: `ids[0]` is logical
+/// block `first` (the ones before it were evicted). The writes index it as
+/// they would a whole table; they only ever touch blocks past the stored
+/// tokens, which are never evicted.
+#[derive(Clone, Copy)]
+struct Blocks<'a> {
+    ids: &'a [u32],
+    first: usize,
+}
+
+impl std::ops::Index<usize> for Blocks<'_> {
+    type Output = u32;
+    #[inline]
+    fn index(&self, logical: usize) -> &u32 {
+        &self.ids[logical - self.first]
+    }
 }
 
 fn ti(t: Tensor) -> usize {
@@ -161,6 +206,9 @@ pub struct PagedCache {
     write_isa: Option<Isa>,
     /// The path the last successful write took (`None`: the reference).
     last_write: Option<Isa>,
+    /// The sliding window of the layer this cache serves, if its blocks
+    /// are evicted ([`Self::set_eviction_window`]).
+    evict_window: Option<usize>,
 }
 
 /// Where a token of one tensor lives.
@@ -268,6 +316,7 @@ impl PagedCache {
             // `KIVI_CPU_SCALAR=1` caps the writes as it caps the decode.
             write_isa: Some(CpuParams::default().isa(shape.head_dim)),
             last_write: None,
+            evict_window: None,
             scheme,
         })
     }
@@ -343,6 +392,7 @@ impl PagedCache {
         let seq = Sequence {
             tokens: 0,
             table: Vec::new(),
+            first_block: 0,
             quantized: [0, 0],
             sinks: [
                 Buf::new(sinks(Tensor::Key) * h * d, s.dtype),
@@ -379,7 +429,9 @@ impl PagedCache {
         self.seqs.get(&id).ok_or(Error::UnknownSequence(id))
     }
 
-    /// The sequence's block table.
+    /// The blocks the sequence holds, oldest first. Without eviction that
+    /// is its whole block table; after it, the blocks from logical block
+    /// [`SeqView::first_block`] on.
     pub fn block_table(&self, id: SeqId) -> Result<&[u32]> {
         Ok(&self.seq(id)?.table)
     }
@@ -399,7 +451,125 @@ impl PagedCache {
 
     /// Appends many tokens at once (prefill): `k`, `v` are `[n, Hkv, D]`.
     /// Gives the same cache, bit for bit, as `n` calls to [`Self::append`].
+    /// With an eviction window ([`Self::set_eviction_window`]) it then
+    /// frees the blocks that window no longer sees ([`Self::evict`]).
     pub fn extend(&mut self, id: SeqId, k: &[f32], v: &[f32]) -> Result<()> {
+        self.extend_held(id, k, v)?;
+        self.evict(id)?;
+        Ok(())
+    }
+
+    /// Makes the cache hold, for every sequence, only the blocks a sliding
+    /// window of `window` tokens still reads: after each append or extend
+    /// (and now), a block whose tokens all lie before the last `window`
+    /// tokens goes back to the pool. Sinks and the full-precision window
+    /// are buffers of their own and stay; a block is freed only once both
+    /// tensors have stored all of its tokens (a channel group never spans
+    /// two blocks), so every token a window-`window` query reads is stored
+    /// exactly as without eviction. Decode over an evicted sequence must
+    /// then use a window of at most `window` tokens; a wider one is refused
+    /// with [`Error::Evicted`]. `None` stops evicting (evicted blocks stay
+    /// gone). A window of 0 tokens is refused.
+    ///
+    /// ```
+    /// use kivi_runtime::{CacheConfig, PagedCache};
+    /// use kivi_spec::{presets, Heads};
+    /// let s = presets::kivi2().with_shape(Heads::Mqa(4), 64).unwrap();
+    /// let mut c = PagedCache::new(s, CacheConfig::for_tokens(4096)).unwrap();
+    /// c.set_eviction_window(Some(512)).unwrap();
+    /// let id = c.add_sequence();
+    /// let row: Vec<f32> = (0..64).map(|i| (i as f32).sin()).collect();
+    /// for _ in 0..4000 {
+    ///     c.append(id, &row, &row).unwrap();
+    /// }
+    /// // 512 visible tokens need at most ceil(512 / 64) + 1 blocks of 64.
+    /// assert!(c.memory().blocks_in_use <= 9);
+    /// // Tokens 0..3456 (54 blocks) are gone: every one before 4000 - 512.
+    /// assert_eq!(c.evicted_tokens(id).unwrap(), 3456);
+    /// ```
+    pub fn set_eviction_window(&mut self, window: Option<usize>) -> Result<()> {
+        if window == Some(0) {
+            return Err(Error::Config(
+                "an eviction window of 0 tokens would evict tokens a decode still reads; use None or at least 1".into(),
+            ));
+        }
+        self.evict_window = window;
+        for id in self.sequences() {
+            self.evict(id)?;
+        }
+        Ok(())
+    }
+
+    /// The eviction window ([`Self::set_eviction_window`]).
+    pub fn eviction_window(&self) -> Option<usize> {
+        self.evict_window
+    }
+
+    /// Frees the blocks of sequence `id` that the eviction window no longer
+    /// sees (none without one); returns how many. [`Self::extend`] and
+    /// [`Self::append`] call it; many-query attention, whose first queries
+    /// see further back than the last, calls it once they are answered.
+    pub fn evict(&mut self, id: SeqId) -> Result<usize> {
+        let tokens = self.seq(id)?.tokens;
+        Ok(match self.evict_window {
+            Some(w) => self.evict_before(id, tokens.saturating_sub(w)),
+            None => 0,
+        })
+    }
+
+    /// Frees the blocks of `id` whose tokens all lie before position
+    /// `keep_from` and are stored in both tensors.
+    fn evict_before(&mut self, id: SeqId, keep_from: usize) -> usize {
+        let bt = self.layout.block_tokens;
+        let sinks = self.scheme.sinks as usize;
+        let Some(seq) = self.seqs.get_mut(&id) else { return 0 };
+        let stored = seq.quantized[0].min(seq.quantized[1]);
+        // Logical blocks 0..upto lie wholly before `keep_from` and are
+        // written for good (later writes go past the stored tokens).
+        let upto = keep_from.saturating_sub(sinks).min(stored) / bt;
+        let n = upto.saturating_sub(seq.first_block).min(seq.table.len());
+        if n == 0 {
+            return 0;
+        }
+        // Pushed newest first, so that the oldest is reused first and
+        // `restore` can take exactly these back off the top.
+        self.free.extend(seq.table[..n].iter().rev());
+        seq.table.drain(..n);
+        seq.first_block += n;
+        n
+    }
+
+    /// Tokens of sequence `id` evicted so far: positions `sinks ..
+    /// sinks + evicted_tokens` are no longer held (the sinks always are).
+    pub fn evicted_tokens(&self, id: SeqId) -> Result<usize> {
+        Ok(self.seq(id)?.evicted_tokens(self.layout.block_tokens))
+    }
+
+    /// Refuses, with [`Error::Evicted`], attention over sequence `id`
+    /// that would read evicted tokens: a query at position `pos` (the
+    /// sequence then holding `pos + 1` tokens) under `window`.
+    pub fn check_readable(&self, id: SeqId, pos: usize, window: Option<usize>) -> Result<()> {
+        let seq = self.seq(id)?;
+        let evicted = seq.evicted_tokens(self.layout.block_tokens);
+        if evicted == 0 {
+            return Ok(());
+        }
+        let start = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let first_held = self.scheme.sinks as usize + evicted;
+        if start < first_held {
+            return Err(Error::Evicted {
+                seq: id,
+                start,
+                first_held,
+                window: self.evict_window,
+            });
+        }
+        Ok(())
+    }
+
+    /// [`Self::extend`] without the eviction: what many-query attention
+    /// appends with, since its earlier queries read further back.
+    pub(crate) fn extend_held(&mut self, id: SeqId, k: &[f32], v: &[f32]) -> Result<()> {
         let (h, d) = (self.shape.kv_heads, self.shape.head_dim);
         if k.len() != v.len() || !k.len().is_multiple_of(h * d) {
             return Err(Error::Shape {
@@ -486,7 +656,7 @@ impl PagedCache {
         } = self;
         let seq = seqs.get_mut(&id).ok_or(Error::UnknownSequence(id))?;
         let blocks = target[0].max(target[1]).div_ceil(bt);
-        let need = blocks.saturating_sub(seq.table.len());
+        let need = blocks.saturating_sub(seq.first_block + seq.table.len());
         if need > free.len() {
             return Err(Error::OutOfBlocks {
                 need,
@@ -535,7 +705,7 @@ impl PagedCache {
                     layout,
                     t,
                     pool,
-                    &seq.table,
+                    seq.blocks(),
                     range,
                     sinks,
                     &src,
@@ -570,7 +740,7 @@ impl PagedCache {
                 },
             });
         }
-        let ok = write_blocks(layout, pool, &seq.table, &writes);
+        let ok = write_blocks(layout, pool, seq.blocks(), &writes);
         drop(writes);
         if !ok {
             seq.table.truncate(old_len);
@@ -645,7 +815,7 @@ impl PagedCache {
         let bt = self.layout.block_tokens;
         let seq = self.seqs.get_mut(&id).expect("checked above");
         let blocks = target[0].max(target[1]).div_ceil(bt);
-        let need = blocks.saturating_sub(seq.table.len());
+        let need = blocks.saturating_sub(seq.first_block + seq.table.len());
         if need > self.free.len() {
             return Err(Error::OutOfBlocks {
                 need,
@@ -702,7 +872,10 @@ impl PagedCache {
                 &self.layout,
                 t,
                 &mut self.pool,
-                &table,
+                Blocks {
+                    ids: &table,
+                    first: seq_ref.first_block,
+                },
                 seq_ref.quantized[i]..target[i],
                 sinks,
                 &src,
@@ -850,7 +1023,13 @@ impl PagedCache {
     /// checkpoints restored newest first give back the free list exactly.
     pub(crate) fn restore(&mut self, cp: Checkpoint) {
         if let Some(seq) = self.seqs.get_mut(&cp.id) {
-            let taken = seq.table.get(cp.seq.table.len()..).unwrap_or(&[]);
+            // Blocks evicted since sit on top of the free list (pushed
+            // newest first); take them back off before returning the
+            // blocks taken, in the reverse order of what happened.
+            let evicted = seq.first_block - cp.seq.first_block;
+            let mut logical: Vec<u32> = self.free.drain(self.free.len() - evicted..).rev().collect();
+            logical.extend(&seq.table);
+            let taken = logical.get(cp.seq.table.len()..).unwrap_or(&[]);
             self.free.extend(taken.iter().rev());
             *seq = cp.seq;
         }
@@ -942,7 +1121,7 @@ struct TensorWrite<'a> {
 /// one job per block (every head, both tensors); blocks in parallel when
 /// there are enough values to pay for it. `false`: a group's parameters
 /// overflow their dtype (nothing visible has changed).
-fn write_blocks(l: &BlockLayout, pool: &mut [u32], table: &[u32], writes: &[TensorWrite]) -> bool {
+fn write_blocks(l: &BlockLayout, pool: &mut [u32], table: Blocks, writes: &[TensorWrite]) -> bool {
     use rayon::prelude::*;
     let (bt, bw) = (l.block_tokens, l.block_words);
     let Some(lo) = writes.iter().map(|w| w.range.start / bt).min() else {
@@ -1002,7 +1181,7 @@ fn quantize_blocks(
     l: &BlockLayout,
     t: Tensor,
     pool: &mut [u32],
-    table: &[u32],
+    table: Blocks,
     range: std::ops::Range<usize>,
     sinks: usize,
     src: &(dyn Fn(usize, usize, &mut [f32]) + Sync),
@@ -1032,7 +1211,7 @@ fn quantize_blocks(
                 l,
                 t,
                 block,
-                &[0],
+                Blocks { ids: &[0], first: 0 },
                 first - shift..end - shift,
                 sinks + shift,
                 &local,
@@ -1053,7 +1232,7 @@ fn quantize_range(
     l: &BlockLayout,
     t: Tensor,
     pool: &mut [u32],
-    table: &[u32],
+    table: Blocks,
     range: std::ops::Range<usize>,
     sinks: usize,
     src: &dyn Fn(usize, usize, &mut [f32]),
@@ -1272,8 +1451,38 @@ impl<'a> SeqView<'a> {
     pub fn tokens(&self) -> usize {
         self.seq.tokens
     }
+    /// The blocks the sequence still holds, oldest first: logical block
+    /// `first_block() + i` is `table()[i]` (see [`Self::block_at`]).
     pub fn table(&self) -> &'a [u32] {
         &self.seq.table
+    }
+    /// Logical blocks evicted from the front of the table
+    /// ([`PagedCache::set_eviction_window`]); 0 without eviction.
+    pub fn first_block(&self) -> usize {
+        self.seq.first_block
+    }
+    /// The block holding relative tokens `logical * block_tokens ..`, if
+    /// the sequence holds it.
+    #[inline]
+    pub fn block_at(&self, logical: usize) -> Option<u32> {
+        logical
+            .checked_sub(self.seq.first_block)
+            .and_then(|i| self.seq.table.get(i).copied())
+    }
+    /// The table as a kernel that indexes blocks from 0 reads it: evicted
+    /// entries hold the first held block (never read: attention over them
+    /// is refused, [`PagedCache::check_readable`]).
+    pub fn logical_table(&self) -> Vec<u32> {
+        let filler = self.seq.table.first().copied().unwrap_or(0);
+        let mut t = vec![filler; self.seq.first_block];
+        t.extend(&self.seq.table);
+        t
+    }
+    /// Whether token `p` was evicted (its block freed).
+    #[inline]
+    pub fn is_evicted(&self, p: usize) -> bool {
+        let sinks = self.cache.scheme.sinks as usize;
+        p >= sinks && p - sinks < self.seq.evicted_tokens(self.cache.layout.block_tokens)
     }
     /// Quantized (block-resident) tokens of a tensor.
     pub fn quantized(&self, t: Tensor) -> usize {
@@ -1292,7 +1501,8 @@ impl<'a> SeqView<'a> {
     pub fn ring_capacity(&self, t: Tensor) -> usize {
         self.seq.ring_cap[ti(t)]
     }
-    /// Where token `p` of tensor `t` lives.
+    /// Where token `p` of tensor `t` lives. `p` must not be evicted
+    /// ([`Self::is_evicted`]).
     #[inline]
     pub fn locate(&self, t: Tensor, p: usize) -> Loc {
         let sinks = self.cache.scheme.sinks as usize;
@@ -1303,7 +1513,7 @@ impl<'a> SeqView<'a> {
         let j = p - sinks;
         if j < self.seq.quantized[i] {
             let bt = self.cache.layout.block_tokens;
-            Loc::Block(self.seq.table[j / bt], j % bt)
+            Loc::Block(self.seq.table[j / bt - self.seq.first_block], j % bt)
         } else {
             Loc::Window(j % self.seq.ring_cap[i])
         }
@@ -1326,8 +1536,14 @@ impl<'a> SeqView<'a> {
     }
     /// The cache's value of token `p`, KV head `h`, of tensor `t` (dequantized
     /// if quantized) into `out` (`D` floats).
+    /// An evicted token reads as zeros (no window that may read the
+    /// sequence sees it).
     pub fn row(&self, t: Tensor, p: usize, h: usize, out: &mut [f32]) {
         let i = ti(t);
+        if self.is_evicted(p) {
+            out.fill(0.0);
+            return;
+        }
         match self.locate(t, p) {
             Loc::Sink(s) => self.buf_row(&self.seq.sinks[i], s, h, out),
             Loc::Window(w) => self.buf_row(&self.seq.ring[i], w, h, out),

@@ -55,6 +55,14 @@ pub enum Error {
     },
     #[error("out of cache blocks: the append needs {need} more, {free} of {total} are free")]
     OutOfBlocks { need: usize, free: usize, total: usize },
+    /// Attention that would read tokens an eviction window freed.
+    #[error("sequence {seq}: attention from token {start} reads evicted tokens (held from token {first_held} on, eviction window {window:?}); attend with a sliding window no wider than the eviction window")]
+    Evicted {
+        seq: u64,
+        start: usize,
+        first_held: usize,
+        window: Option<usize>,
+    },
     #[error("unknown sequence id {0}")]
     UnknownSequence(u64),
     #[error("invalid configuration: {0}")]

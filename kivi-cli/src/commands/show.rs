@@ -1,6 +1,8 @@
 //! `kivi show`: a scheme's canonical form, stable hash and exact memory cost
 //! — per token per KV head, at a context length, and as a paged cache
-//! really allocates it.
+//! really allocates it. With `--model`, the same for a whole model declared
+//! layer by layer (`kivi_spec::parse_model`): each layer's scheme, window
+//! and bytes (sliding layers evicting), and the model's total.
 
 use super::schemes::{hash_hex, load_scheme};
 use kivi_runtime::{CacheConfig, MemoryReport, PagedCache};
@@ -13,8 +15,11 @@ const MAX_CONTEXT: usize = 1 << 20;
 #[derive(clap::Args)]
 pub struct Args {
     /// Scheme text (contains `{`), else a preset name (`kivi schemes`), else a file path (`./NAME` for a file named like a preset)
+    #[arg(long, required_unless_present = "model", conflicts_with = "model")]
+    pub scheme: Option<String>,
+    /// A model declaration instead of a scheme: its text (`model { layers: 18, window: 512, global_layers: [5, 11, 17], default: kivi2, global: kivi4 }`) or a file holding it
     #[arg(long)]
-    pub scheme: String,
+    pub model: Option<String>,
     /// Head layout: gqa:Q:KV, mha:N or mqa:Q (default: the scheme's own, else gqa:32:8)
     #[arg(long, value_parser = parse_heads)]
     pub heads: Option<Heads>,
@@ -132,6 +137,12 @@ pub fn f16_bytes(tokens: usize, kv_heads: usize, head_dim: usize) -> usize {
 /// allocated. Prefill in chunks: the same cache as streaming, bit for bit,
 /// without holding the whole context in f32.
 pub fn fill_paged(s: &Scheme, tokens: usize) -> super::Result<(MemoryReport, usize)> {
+    fill_paged_evicting(s, tokens, None)
+}
+
+/// [`fill_paged`] for a layer with a sliding window `window`: the cache
+/// evicts what the window no longer sees (`PagedCache::set_eviction_window`).
+pub fn fill_paged_evicting(s: &Scheme, tokens: usize, window: Option<usize>) -> super::Result<(MemoryReport, usize)> {
     let shape = s.shape().ok_or("scheme has no shape")?;
     let bt = default_block_tokens(s);
     let config = CacheConfig {
@@ -139,6 +150,7 @@ pub fn fill_paged(s: &Scheme, tokens: usize) -> super::Result<(MemoryReport, usi
         max_blocks: tokens.div_ceil(bt) + 1,
     };
     let mut cache = PagedCache::new(s.clone(), config)?;
+    cache.set_eviction_window(window)?;
     let seq = cache.add_sequence();
     let row = shape.kv_heads * shape.head_dim;
     // Deterministic values in [-2, 2): what the cache allocates depends on
@@ -186,7 +198,14 @@ pub fn bind_or_default(scheme: &Scheme, heads: Option<Heads>, head_dim: Option<u
 }
 
 pub fn run(args: Args) -> super::Result {
-    let scheme = load_scheme(&args.scheme)?;
+    if let Some(model) = &args.model {
+        return run_model(model, &args);
+    }
+    let scheme = load_scheme(
+        args.scheme
+            .as_deref()
+            .ok_or("name a scheme with --scheme NAME or a model with --model TEXT")?,
+    )?;
     let bound = bind_or_default(&scheme, args.heads, args.head_dim)?;
     let (heads, head_dim) = (
         bound.heads.ok_or("scheme has no heads")?,
@@ -311,6 +330,135 @@ pub fn run(args: Args) -> super::Result {
         mem.tables,
         ratio(mem.total),
         mem.blocks_in_use
+    );
+    Ok(())
+}
+
+/// One layer of a model report.
+struct LayerRow {
+    kind: kivi_spec::LayerKind,
+    window: Option<usize>,
+    scheme: Scheme,
+    /// With eviction (sliding layers), and without.
+    memory: MemoryReport,
+    kept: MemoryReport,
+}
+
+/// `kivi show --model`: every layer's scheme and exact bytes at the
+/// context, sliding layers with and without eviction, and the totals.
+fn run_model(arg: &str, args: &Args) -> super::Result {
+    let (text, origin) = if arg.contains('{') {
+        (arg.to_string(), "model text".to_string())
+    } else {
+        let text = std::fs::read_to_string(arg).map_err(|e| format!("cannot read model file `{arg}`: {e}"))?;
+        (text, arg.to_string())
+    };
+    let decl = kivi_spec::parse_model(&text).map_err(|e| format!("{origin}:{e}"))?;
+    let (kinds, windows) = decl.kinds().zip(decl.windows()).ok_or(
+        "the model declares no layer count: add `layers: N` (and `window: W`, `global_layers: [...]` for sliding layers)",
+    )?;
+    let schemes = decl.schemes_for(&kinds).map_err(|e| format!("{origin}:{e}"))?;
+    if args.context > MAX_CONTEXT {
+        return Err(format!(
+            "--context {} is out of range; expected 1 to {MAX_CONTEXT}",
+            args.context
+        )
+        .into());
+    }
+    // Layers alike (scheme and window) hold the same bytes: fill each once.
+    let mut seen: Vec<(String, Option<usize>, MemoryReport, MemoryReport)> = Vec::new();
+    let mut rows = Vec::with_capacity(schemes.len());
+    for (l, (scheme, (kind, window))) in schemes.iter().zip(kinds.iter().zip(&windows)).enumerate() {
+        let bound = bind_or_default(scheme, args.heads, args.head_dim).map_err(|e| format!("layer {l}: {e}"))?;
+        let window = window.map(|w| w as usize);
+        let key = kivi_spec::canonical(&bound);
+        let (memory, kept) = match seen.iter().find(|(k, w, _, _)| *k == key && *w == window) {
+            Some((_, _, m, k)) => (*m, *k),
+            None => {
+                let kept = fill_paged(&bound, args.context)?.0;
+                let memory = match window {
+                    Some(_) => fill_paged_evicting(&bound, args.context, window)?.0,
+                    None => kept,
+                };
+                seen.push((key, window, memory, kept));
+                (memory, kept)
+            }
+        };
+        rows.push(LayerRow {
+            kind: *kind,
+            window,
+            scheme: bound,
+            memory,
+            kept,
+        });
+    }
+    let shape = rows[0].scheme.shape().ok_or("scheme has no shape")?;
+    if let Some((l, r)) = rows.iter().enumerate().find(|(_, r)| r.scheme.shape() != Some(shape)) {
+        return Err(format!(
+            "layer {l}: scheme `{}` has another head layout than layer 0",
+            r.scheme.name
+        )
+        .into());
+    }
+    let total: usize = rows.iter().map(|r| r.memory.total).sum();
+    let kept: usize = rows.iter().map(|r| r.kept.total).sum();
+    let f16_all = rows.len() * f16_bytes(args.context, shape.kv_heads, shape.head_dim);
+    if args.json {
+        let layers: Vec<serde_json::Value> = rows
+            .iter()
+            .enumerate()
+            .map(|(l, r)| {
+                serde_json::json!({
+                    "layer": l,
+                    "kind": r.kind.name(),
+                    "window": r.window,
+                    "scheme": r.scheme.name,
+                    "hash": hash_hex(&r.scheme),
+                    "memory": memory_json(&r.memory),
+                    "without_eviction": r.kept.total,
+                })
+            })
+            .collect();
+        let out = serde_json::json!({
+            "name": decl.name,
+            "shape": {"q_heads": shape.q_heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim},
+            "context": args.context,
+            "layers": layers,
+            "total": total,
+            "without_eviction": kept,
+            "f16_bytes": f16_all,
+            "ratio": f16_all as f64 / total as f64,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!(
+        "model {}: {} layers, {}, head_dim {}, at {} tokens (exact bytes of each layer's paged cache; sliding layers evict)",
+        decl.name,
+        rows.len(),
+        rows[0].scheme.heads.map_or("?".into(), |h| h.to_string()),
+        shape.head_dim,
+        args.context
+    );
+    println!(
+        "  {:>5}  {:<7}  {:>7}  {:<10}  {:>16}  {:>18}",
+        "layer", "kind", "window", "scheme", "bytes", "without eviction"
+    );
+    for (l, r) in rows.iter().enumerate() {
+        println!(
+            "  {l:>5}  {:<7}  {:>7}  {:<10}  {:>16}  {:>18}",
+            r.kind.name(),
+            r.window.map_or("-".into(), |w| w.to_string()),
+            r.scheme.name,
+            r.memory.total,
+            r.kept.total
+        );
+    }
+    println!(
+        "  total  {total} bytes ({:.2} MiB; without eviction {kept}, {:.1}%); f16 K+V of every layer {f16_all} (compression {:.2}x)",
+        total as f64 / (1 << 20) as f64,
+        100.0 * total as f64 / kept as f64,
+        f16_all as f64 / total as f64
     );
     Ok(())
 }

@@ -28,7 +28,7 @@
 use super::kernel::{self, Plan};
 use super::simd::{self, F32Rows, Isa};
 use super::{auto_splits, CpuBackend, Partial};
-use crate::backend::{check_blocks, undo, NewTokens};
+use crate::backend::{check_blocks, check_window, undo, NewTokens};
 use crate::cache::{PagedCache, SeqId, SeqView};
 use crate::error::{Error, Result};
 use crate::quant::round_to_dtype;
@@ -116,6 +116,7 @@ impl CpuBackend {
     /// chosen by the caller).
     pub(crate) fn run_block(&self, cache: &mut PagedCache, blocks: &[NewTokens], attn: AttnParams) -> Result<Vec<f32>> {
         let ns = check_blocks(cache, blocks)?;
+        check_window(cache, blocks.iter().map(|b| b.seq), attn)?;
         let scheme = cache.scheme().clone();
         let shape = cache.shape();
         let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
@@ -285,7 +286,8 @@ fn append_keeping_tail(cache: &mut PagedCache, scheme: &Scheme, blk: &NewTokens)
         }
         Tail { first, rows }
     });
-    cache.extend(blk.seq, blk.k, blk.v)?;
+    // Eviction waits until every query of the batch is answered.
+    cache.extend_held(blk.seq, blk.k, blk.v)?;
     // The append accepted these, so they round to finite values.
     for (tail, x) in tails.iter_mut().zip([blk.k, blk.v]) {
         let at = (past - tail.first) * row;

@@ -558,7 +558,7 @@ fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: us
 /// over the tiles keeps them from queueing behind each other.
 fn prefetch_next_block(plan: &Plan, view: &SeqView, h: usize, p: usize, off: usize, n: usize) {
     let next = (p - plan.sinks) / plan.block_tokens + 1;
-    let Some(&b) = view.table().get(next) else {
+    let Some(b) = view.block_at(next) else {
         return;
     };
     let bt = plan.block_tokens;
@@ -743,8 +743,8 @@ fn fast_tile<'v>(plan: &Plan, view: &SeqView<'v>, h: usize, t0: usize, n: usize)
     }
     // The matching rows of the head's next block, fetched while this tile
     // computes (see `prefetch_next_block`).
-    let ahead = match view.table().get(j / plan.block_tokens + 1) {
-        Some(&nb) => [Tensor::Key, Tensor::Value].map(|t| {
+    let ahead = match view.block_at(j / plan.block_tokens + 1) {
+        Some(nb) => [Tensor::Key, Tensor::Value].map(|t| {
             let part = view.block_part(nb, h, t);
             &part[part.len() * off / plan.block_tokens..part.len() * (off + n) / plan.block_tokens]
         }),

@@ -49,7 +49,7 @@ mod probe;
 mod simd;
 pub(crate) mod write;
 
-use crate::backend::{check_batch, Backend, NewTokens};
+use crate::backend::{check_batch, check_window, evict_after_blocks, Backend, NewTokens};
 use crate::cache::{PagedCache, SeqId, SeqView};
 use crate::error::{Error, Result};
 use crate::quant::round_to_dtype;
@@ -241,6 +241,7 @@ impl CpuBackend {
 
     fn run(&self, cache: &PagedCache, seqs: &[SeqId], q: &[f32], attn: AttnParams) -> Result<Vec<f32>> {
         let per = check_batch(cache, seqs, q)?;
+        check_window(cache, seqs.iter().copied(), attn)?;
         let shape = cache.shape();
         let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
         let group = shape.group_size();
@@ -354,10 +355,12 @@ impl Backend for CpuBackend {
     /// Many-query attention: see `block.rs` for how the work is cut.
     fn attend_block(&self, cache: &mut PagedCache, blocks: &[NewTokens], attn: AttnParams) -> Result<Vec<f32>> {
         check_params(&self.params)?;
-        if self.params.threads > 0 {
+        let out = if self.params.threads > 0 {
             pool(self.params.threads)?.install(|| self.run_block(cache, blocks, attn))
         } else {
             self.run_block(cache, blocks, attn)
-        }
+        }?;
+        evict_after_blocks(cache, blocks)?;
+        Ok(out)
     }
 }

@@ -9,7 +9,7 @@
 
 use super::args::{CombineArgs, DecodeArgs, ExtendArgs, Window};
 use super::{download, upload, Buffer, Device, DeviceKind, Elem, Module, Timing};
-use crate::backend::{check_batch, Backend, NewTokens};
+use crate::backend::{check_batch, check_window, Backend, NewTokens};
 use crate::cache::{CacheConfig, PagedCache, RawRows, SeqId};
 use crate::error::{Error, Result};
 use crate::quant;
@@ -227,10 +227,13 @@ impl DeviceCache {
         let shape = cache.shape();
         let layout = *cache.layout();
         let views: Vec<_> = seqs.iter().map(|&s| cache.view(s)).collect::<Result<_>>()?;
-        let stride = views.iter().map(|v| v.table().len()).max().unwrap_or(0).max(1);
+        // The kernels index blocks from 0: evicted entries are filled in
+        // (and never read: decode checks the window, `check_window`).
+        let host_tables: Vec<Vec<u32>> = views.iter().map(|v| v.logical_table()).collect();
+        let stride = host_tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
         let mut tables = vec![0u32; seqs.len() * stride];
-        for (b, v) in views.iter().enumerate() {
-            tables[b * stride..b * stride + v.table().len()].copy_from_slice(v.table());
+        for (b, t) in host_tables.iter().enumerate() {
+            tables[b * stride..b * stride + t.len()].copy_from_slice(t);
         }
         let lens: Vec<i32> = views
             .iter()
@@ -278,7 +281,7 @@ impl DeviceCache {
             rings: [stack(Tensor::Key, false)?, stack(Tensor::Value, false)?],
             total_blocks: cache.pool().len() / layout.block_words.max(1),
             dev: dev.clone(),
-            host_tables: views.iter().map(|v| v.table().to_vec()).collect(),
+            host_tables,
             lens: views.iter().map(|v| v.tokens()).collect(),
             free: Vec::new(),
             scheme: scheme.clone(),
@@ -853,6 +856,7 @@ impl Backend for DeviceBackend {
     }
     fn decode(&self, cache: &PagedCache, seqs: &[SeqId], q: &[f32], attn: AttnParams) -> Result<Vec<f32>> {
         check_batch(cache, seqs, q)?;
+        check_window(cache, seqs.iter().copied(), attn)?;
         if seqs.is_empty() {
             return Ok(Vec::new());
         }

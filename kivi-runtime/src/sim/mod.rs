@@ -34,7 +34,7 @@ pub use compile::{
     SimOptions,
 };
 
-use crate::backend::{check_batch, Backend};
+use crate::backend::{check_batch, check_window, Backend};
 use crate::cache::{PagedCache, RawRows, SeqId};
 use crate::device::args::ExtendArgs;
 use crate::device::{download, upload, Buffer, DeviceCache, Elem, Module, SimDevice};
@@ -174,6 +174,7 @@ impl Backend for SimBackend {
 
     fn decode(&self, cache: &PagedCache, seqs: &[SeqId], q: &[f32], attn: AttnParams) -> Result<Vec<f32>> {
         check_batch(cache, seqs, q)?;
+        check_window(cache, seqs.iter().copied(), attn)?;
         if kivi_spec::scheme_hash(cache.scheme()) != kivi_spec::scheme_hash(&self.scheme)
             || cache.layout().block_tokens != self.module.generated.block_tokens
         {
@@ -250,7 +251,7 @@ impl SeqState {
         }
         Ok(SeqState {
             tokens: v.tokens(),
-            table: v.table().to_vec(),
+            table: v.logical_table(),
             sinks: [
                 ActBuf::from_raw(v.sinks_raw(Tensor::Key)),
                 ActBuf::from_raw(v.sinks_raw(Tensor::Value)),

@@ -10,7 +10,7 @@
 //! them, the block's rows are its inputs rounded to the activation dtype.
 
 use super::{gen_err, upload_act, DeviceBackend, DeviceCache};
-use crate::backend::{check_blocks, undo, NewTokens};
+use crate::backend::{check_blocks, check_window, evict_after_blocks, undo, NewTokens};
 use crate::cache::{PagedCache, SeqId};
 use crate::device::args::BlockArgs;
 use crate::device::{download, upload, Device, Elem, Module};
@@ -287,6 +287,7 @@ pub(super) fn attend_block(
     attn: AttnParams,
 ) -> Result<Vec<f32>> {
     let ns = check_blocks(cache, blocks)?;
+    check_window(cache, blocks.iter().map(|b| b.seq), attn)?;
     let scheme = cache.scheme().clone();
     let shape = cache.shape();
     // Refused before anything is appended.
@@ -322,7 +323,8 @@ pub(super) fn attend_block(
         let step = cache
             .checkpoint(blk.seq)
             .map(|cp| checkpoints.push(cp))
-            .and_then(|()| cache.extend(blk.seq, blk.k, blk.v));
+            // Eviction waits until every query of the batch is answered.
+            .and_then(|()| cache.extend_held(blk.seq, blk.k, blk.v));
         if let Err(e) = step {
             undo(cache, checkpoints);
             return Err(Error::InSequence {
@@ -369,5 +371,6 @@ pub(super) fn attend_block(
             at += n;
         }
     }
+    evict_after_blocks(cache, blocks)?;
     Ok(out)
 }
