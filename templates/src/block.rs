@@ -3,10 +3,10 @@
 //! and layout, with a launch shape derived from head_dim and the GQA group
 //! in [`BlockShape::of`]; it has no tuning space yet.
 
-use crate::generate::{levels_table, scheme_tag, tensor_cfg};
+use crate::generate::{cfg_prelude, levels_table, scheme_tag, tensor_cfg};
 use crate::{EntryLaunch, GenError, Generated, Kernel, LaunchInfo, Param, ParamTy, Variant};
 use kivi_spec::layout::BlockLayout;
-use kivi_spec::{Dtype, Flush, Scheme, Tensor};
+use kivi_spec::{Scheme, Tensor};
 use std::fmt::Write;
 
 /// Static shared memory the block kernel may use, in floats (48 KiB less a
@@ -128,11 +128,7 @@ pub(crate) fn generate_block(s: &Scheme, l: &BlockLayout) -> Result<Generated, G
     }
     let tag = scheme_tag(s, Some(l.block_tokens));
     let name = format!("{tag}/block/{}", bs.name());
-    let (act, act_enum) = match s.dtype {
-        Dtype::F16 => ("unsigned short", "ACT_F16"),
-        Dtype::Bf16 => ("unsigned short", "ACT_BF16"),
-        Dtype::F32 => ("float", "ACT_F32"),
-    };
+    let (act, _) = crate::generate::act_types(s.dtype);
     let mut o = String::new();
     let _ = writeln!(
         o,
@@ -173,22 +169,7 @@ pub(crate) fn generate_block(s: &Scheme, l: &BlockLayout) -> Result<Generated, G
     };
     tensor_cfg(&mut o, "KeyCfg", Tensor::Key, s, l, &v, Kernel::Prefill);
     tensor_cfg(&mut o, "ValueCfg", Tensor::Value, s, l, &v, Kernel::Prefill);
-    let _ = writeln!(o, "struct Cfg {{");
-    let _ = writeln!(o, "  typedef {act} act_t;");
-    let _ = writeln!(o, "  static constexpr int ACT = kivi::{act_enum};");
-    let _ = writeln!(o, "  static constexpr int HQ = {};", shape.q_heads);
-    let _ = writeln!(o, "  static constexpr int HKV = {};", shape.kv_heads);
-    let _ = writeln!(
-        o,
-        "  static constexpr int GROUP_Q = {group};   // query heads per KV head"
-    );
-    let _ = writeln!(o, "  static constexpr int D = {d};");
-    let _ = writeln!(o, "  static constexpr int SINKS = {};", s.sinks);
-    let _ = writeln!(o, "  static constexpr int RESIDUAL = {};", s.residual);
-    let _ = writeln!(o, "  static constexpr bool CHUNKED = {};", s.flush == Flush::Chunked);
-    let _ = writeln!(o, "  static constexpr int BLOCK_TOKENS = {};", l.block_tokens);
-    let _ = writeln!(o, "  static constexpr int BLOCK_WORDS = {};", l.block_words);
-    let _ = writeln!(o, "  static constexpr int HEAD_WORDS = {};", l.head_words);
+    cfg_prelude(&mut o, s, l);
     let _ = writeln!(o, "  // launch shape {}", bs.name());
     let _ = writeln!(o, "  static constexpr int THREADS = {};", bs.threads);
     let _ = writeln!(

@@ -510,17 +510,47 @@ pub(crate) fn combine_threads(d: usize) -> u32 {
     (d.div_ceil(32) * 32).clamp(32, 256) as u32
 }
 
+/// The C type and the `kivi::ACT_*` enumerator of an activation dtype.
+pub(crate) fn act_types(d: Dtype) -> (&'static str, &'static str) {
+    match d {
+        Dtype::F16 => ("unsigned short", "ACT_F16"),
+        Dtype::Bf16 => ("unsigned short", "ACT_BF16"),
+        Dtype::F32 => ("float", "ACT_F32"),
+    }
+}
+
+/// Opens the generated `struct Cfg` with what every kernel's configuration
+/// shares: activation type, head layout, windows, block geometry. The
+/// caller adds its launch shape and closes the struct.
+pub(crate) fn cfg_prelude(o: &mut String, s: &Scheme, l: &BlockLayout) {
+    let shape = l.shape;
+    let (d, group) = (shape.head_dim, shape.group_size());
+    let (act, act_enum) = act_types(s.dtype);
+    let _ = writeln!(o, "struct Cfg {{");
+    let _ = writeln!(o, "  typedef {act} act_t;");
+    let _ = writeln!(o, "  static constexpr int ACT = kivi::{act_enum};");
+    let _ = writeln!(o, "  static constexpr int HQ = {};", shape.q_heads);
+    let _ = writeln!(o, "  static constexpr int HKV = {};", shape.kv_heads);
+    let _ = writeln!(
+        o,
+        "  static constexpr int GROUP_Q = {group};   // query heads per KV head"
+    );
+    let _ = writeln!(o, "  static constexpr int D = {d};");
+    let _ = writeln!(o, "  static constexpr int SINKS = {};", s.sinks);
+    let _ = writeln!(o, "  static constexpr int RESIDUAL = {};", s.residual);
+    let _ = writeln!(o, "  static constexpr bool CHUNKED = {};", s.flush == Flush::Chunked);
+    let _ = writeln!(o, "  static constexpr int BLOCK_TOKENS = {};", l.block_tokens);
+    let _ = writeln!(o, "  static constexpr int BLOCK_WORDS = {};", l.block_words);
+    let _ = writeln!(o, "  static constexpr int HEAD_WORDS = {};", l.head_words);
+}
+
 pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant) -> Generated {
     let shape = l.shape;
     let d = shape.head_dim;
     let group = shape.group_size();
     let tag = scheme_tag(s, Some(l.block_tokens));
     let name = format!("{tag}/{}/{}", kernel.name(), v.name());
-    let (act, act_enum) = match s.dtype {
-        Dtype::F16 => ("unsigned short", "ACT_F16"),
-        Dtype::Bf16 => ("unsigned short", "ACT_BF16"),
-        Dtype::F32 => ("float", "ACT_F32"),
-    };
+    let (act, _) = act_types(s.dtype);
     let mut o = String::new();
     let _ = writeln!(
         o,
@@ -566,22 +596,7 @@ pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant)
     tensor_cfg(&mut o, "KeyCfg", Tensor::Key, s, l, v, kernel);
     tensor_cfg(&mut o, "ValueCfg", Tensor::Value, s, l, v, kernel);
     let cthreads = combine_threads(d);
-    let _ = writeln!(o, "struct Cfg {{");
-    let _ = writeln!(o, "  typedef {act} act_t;");
-    let _ = writeln!(o, "  static constexpr int ACT = kivi::{act_enum};");
-    let _ = writeln!(o, "  static constexpr int HQ = {};", shape.q_heads);
-    let _ = writeln!(o, "  static constexpr int HKV = {};", shape.kv_heads);
-    let _ = writeln!(
-        o,
-        "  static constexpr int GROUP_Q = {group};   // query heads per KV head"
-    );
-    let _ = writeln!(o, "  static constexpr int D = {d};");
-    let _ = writeln!(o, "  static constexpr int SINKS = {};", s.sinks);
-    let _ = writeln!(o, "  static constexpr int RESIDUAL = {};", s.residual);
-    let _ = writeln!(o, "  static constexpr bool CHUNKED = {};", s.flush == Flush::Chunked);
-    let _ = writeln!(o, "  static constexpr int BLOCK_TOKENS = {};", l.block_tokens);
-    let _ = writeln!(o, "  static constexpr int BLOCK_WORDS = {};", l.block_words);
-    let _ = writeln!(o, "  static constexpr int HEAD_WORDS = {};", l.head_words);
+    cfg_prelude(&mut o, s, l);
     let _ = writeln!(o, "  // variant {}", v.name());
     let _ = writeln!(o, "  static constexpr int THREADS = {};", v.threads);
     let _ = writeln!(o, "  static constexpr int TILE = {};", v.tile_tokens);
