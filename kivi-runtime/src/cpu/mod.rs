@@ -43,6 +43,7 @@
 //! `KIVI_CPU_SCALAR=1` (read once) force the scalar one.
 
 mod block;
+mod codec;
 mod fused;
 mod kernel;
 mod probe;
@@ -65,8 +66,9 @@ pub use simd::Isa;
 /// build time. Tuning decisions for the CPU backend are keyed by it, so a
 /// changed kernel is measured again instead of trusted.
 pub const KERNEL_HASH: u64 = {
-    const PARTS: [&str; 5] = [
+    const PARTS: [&str; 6] = [
         include_str!("mod.rs"),
+        include_str!("codec.rs"),
         include_str!("kernel.rs"),
         include_str!("fused.rs"),
         include_str!("simd.rs"),

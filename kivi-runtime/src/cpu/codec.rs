@@ -1,0 +1,546 @@
+//! Fused decode of codec-pipeline tensors (the `codec2` / `codec15`
+//! presets and their kin): token-axis codes of 1 to 4 bits, Lloyd–Max or
+//! uniform levels, one norm (or scale and zero point) per group of
+//! channels, sparse outliers, in the transformed (rotated, centered) domain.
+//!
+//! The generic codec path decodes every row to f32 through the cache's row
+//! reader and then runs the ordinary loops over that copy; this one consumes
+//! the codes where they lie:
+//! - **Codes to levels by a register table lookup.** A 2^b-entry table of
+//!   levels (Lloyd–Max, or `0, 1, 2, ...` for uniform codes) sits in one
+//!   zmm register; sixteen codes are fetched as words (a masked load of the
+//!   few words they occupy), spread one word per lane (`vpermd`), shifted
+//!   and masked (`vpsrlvd`, `vpandd`) and looked up (`vpermps`): five
+//!   instructions per sixteen channels whatever the code width, 3-bit codes
+//!   (ten to a word) included.
+//! - **The norm folded out of the inner loops.** Keys: `q . (s L[c]) =
+//!   s (q . L[c])`, one multiply per (token, head, group) on the partial dot
+//!   product. Values: `sum_t p_t s_t L[c_t]`, the norm folded into the
+//!   softmax weight once per (token, head, group). Uniform codes add
+//!   `z sum_group q` to a score and `sum_t p_t z_t` to each channel of a
+//!   value group.
+//! - **Outliers as a sparse correction**: `q[c_k] v_k` added to a score,
+//!   `p v_k` to one channel of the rotated value sum, per stored outlier.
+//! - The query is rotated once per split and the value sum un-rotated once
+//!   per split by the caller (`kernel.rs`), which also adds the means.
+//!
+//! Two implementations over the same plan: AVX-512F (keys four heads at a
+//! time, two accumulator chains per head, the four horizontal sums in one
+//! shuffle tree; values chunk by chunk with the accumulators of four heads
+//! in registers across the tokens of a piece) and a portable one (a row
+//! decoded word by word into a small buffer, then sixteen-lane loops the
+//! compiler vectorises), used on AVX2 and scalar machines.
+//!
+//! Rounding differs from the reference (`s * L[c]` per element, then the
+//! dot product) by the order of operations only: the norm multiplies a sum
+//! instead of each term (checked against the oracle in
+//! `tests/cpu_vs_reference.rs`).
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use super::simd::Isa;
+use kivi_spec::layout::TensorLayout;
+use kivi_spec::{Axis, Codec, Dtype, Levels, ScaleDtype, Scheme, Tensor};
+
+/// Where the sixteen codes of one chunk of channels lie in a token's row.
+#[derive(Clone, Copy, Debug)]
+struct Chunk {
+    /// First word of the row they occupy.
+    w0: usize,
+    /// Words `w0..w0 + words` hold them (a masked load of that many).
+    words: usize,
+    /// Per lane: the word (relative to `w0`) and the shift of its code.
+    idx: [i32; 16],
+    shift: [i32; 16],
+}
+
+/// One codec tensor's decoding plan (built once per decode call).
+#[derive(Clone, Debug)]
+pub(crate) struct CodecRows {
+    bits: u32,
+    /// Codes per word (`32 / bits`; codes never straddle words).
+    per: usize,
+    /// Channels per norm (a multiple of 16) and groups per token.
+    group: usize,
+    ng: usize,
+    d: usize,
+    /// The levels a code stands for: Lloyd–Max levels, or the code itself
+    /// for uniform levels (then `x = s c + z`).
+    table: [f32; 16],
+    uniform: bool,
+    scale: ScaleDtype,
+    dtype: Dtype,
+    tl: TensorLayout,
+    chunks: Vec<Chunk>,
+    avx512: bool,
+}
+
+impl CodecRows {
+    /// The plan for tensor `t` of scheme `s`, if this path decodes it:
+    /// token-axis codes of 1 to 4 bits in groups of a multiple of 16
+    /// channels (little-endian targets; the generic path takes the rest).
+    pub fn of(s: &Scheme, t: Tensor, tl: TensorLayout, d: usize, isa: Isa) -> Option<CodecRows> {
+        let Codec::Quant(q) = s.codec(t) else {
+            return None;
+        };
+        let group = q.group as usize;
+        if q.axis != Axis::Token
+            || !(1..=4).contains(&q.bits)
+            || !group.is_multiple_of(16)
+            || !d.is_multiple_of(group)
+            || cfg!(target_endian = "big")
+        {
+            return None;
+        }
+        let uniform = q.levels == Levels::Uniform;
+        let mut table = [0f32; 16];
+        if uniform {
+            for (c, x) in table.iter_mut().enumerate() {
+                *x = c as f32;
+            }
+        } else {
+            let levels = kivi_spec::lloyd_max_levels(q.bits)?;
+            table[..levels.len()].copy_from_slice(levels);
+        }
+        let per = (32 / q.bits) as usize;
+        let chunks = (0..d / 16)
+            .map(|k| {
+                let w0 = 16 * k / per;
+                let mut idx = [0i32; 16];
+                let mut shift = [0i32; 16];
+                for i in 0..16 {
+                    let c = 16 * k + i;
+                    idx[i] = (c / per - w0) as i32;
+                    shift[i] = ((c % per) as u32 * q.bits) as i32;
+                }
+                Chunk {
+                    w0,
+                    words: (16 * k + 15) / per - w0 + 1,
+                    idx,
+                    shift,
+                }
+            })
+            .collect();
+        Some(CodecRows {
+            bits: q.bits,
+            per,
+            group,
+            ng: d / group,
+            d,
+            table,
+            uniform,
+            scale: q.scale,
+            dtype: s.dtype,
+            tl,
+            chunks,
+            avx512: isa == Isa::Avx512,
+        })
+    }
+
+    /// Uniform levels: scores need `sum_group q` per (head, group).
+    pub fn uniform(&self) -> bool {
+        self.uniform
+    }
+
+    /// `sum_{c in group} q_c` per (head, group) of a `[g][d]` query, `[g][ng]`
+    /// (the zero points' share of a uniform score).
+    pub fn group_sums(&self, q: &[f32], g: usize) -> Vec<f32> {
+        let mut out = Vec::with_capacity(g * self.ng);
+        for h in 0..g {
+            for gi in 0..self.ng {
+                out.push(q[h * self.d + gi * self.group..][..self.group].iter().sum());
+            }
+        }
+        out
+    }
+
+    /// Norm (scale) and zero point of group `gi` of token `off` of `part`.
+    #[inline]
+    fn params(&self, part: &[u32], off: usize, gi: usize) -> (f32, f32) {
+        let i = off * self.ng + gi;
+        let read = |base: usize| match self.scale {
+            ScaleDtype::F16 => half::f16::from_bits((part[base + i / 2] >> (16 * (i % 2))) as u16).to_f32(),
+            ScaleDtype::F32 => f32::from_bits(part[base + i]),
+        };
+        let s = read(self.tl.scales_offset);
+        let z = if self.uniform { read(self.tl.zeros_offset) } else { 0.0 };
+        (s, z)
+    }
+
+    /// Outlier `k` of token `off`: its channel and stored correction.
+    #[inline]
+    fn outlier(&self, part: &[u32], off: usize, k: usize) -> (usize, f32) {
+        let tl = &self.tl;
+        let iw = part[tl.outlier_idx_offset + off * tl.outlier_idx_words + k / 2];
+        let c = ((iw >> (16 * (k % 2))) & 0xffff) as usize;
+        let vw = tl.outlier_val_offset + off * tl.outlier_val_words;
+        let v = match self.dtype {
+            Dtype::F32 => f32::from_bits(part[vw + k]),
+            d => crate::quant::from_bits_16((part[vw + k / 2] >> (16 * (k % 2))) as u16, d),
+        };
+        // A corrupted index would be a cache bug; stay in bounds regardless.
+        (c.min(self.d - 1), v)
+    }
+
+    /// The table levels of token `off`'s codes (no norm), word by word.
+    fn levels_row(&self, part: &[u32], off: usize, out: &mut [f32]) {
+        let wpt = self.tl.words_per_token;
+        let row = &part[self.tl.codes_offset + off * wpt..][..wpt];
+        let mask = (1u32 << self.bits) - 1;
+        for (chunk, &w) in out[..self.d].chunks_mut(self.per).zip(row) {
+            let mut w = w;
+            for o in chunk {
+                *o = self.table[(w & mask) as usize];
+                w >>= self.bits;
+            }
+        }
+    }
+
+    /// Scores of tokens `off..off + n` of `part` (this KV head's block part)
+    /// in the transformed domain: `out[r * g + h] = q_h . x_r` for the `g`
+    /// heads of `q` (`[g][d]`, already rotated), outliers included.
+    /// `qsum` is [`Self::group_sums`] of `q` for uniform levels (else unused).
+    #[allow(clippy::too_many_arguments)]
+    pub fn score(&self, part: &[u32], off: usize, n: usize, q: &[f32], qsum: &[f32], g: usize, out: &mut [f32]) {
+        assert!(
+            q.len() >= g * self.d
+                && out.len() >= n * g
+                && off + n <= self.tl.block_tokens
+                && part.len() >= self.tl.words,
+            "codec score: rows outside the part"
+        );
+        #[cfg(target_arch = "x86_64")]
+        if self.avx512 {
+            let mut h0 = 0;
+            while h0 < g {
+                // SAFETY: `avx512` is set only where `Isa::select` found
+                // AVX-512F; the bounds are asserted above.
+                unsafe {
+                    match g - h0 {
+                        1 => self.score_avx512::<1>(part, off, n, q, h0, g, out),
+                        2 => self.score_avx512::<2>(part, off, n, q, h0, g, out),
+                        3 => self.score_avx512::<3>(part, off, n, q, h0, g, out),
+                        _ => self.score_avx512::<4>(part, off, n, q, h0, g, out),
+                    }
+                }
+                h0 += 4;
+            }
+            self.score_extras(part, off, n, q, qsum, g, out);
+            return;
+        }
+        let d = self.d;
+        let mut x = vec![0f32; d];
+        for r in 0..n {
+            self.levels_row(part, off + r, &mut x);
+            for gi in 0..self.ng {
+                let (s, _) = self.params(part, off + r, gi);
+                let xs = &x[gi * self.group..][..self.group];
+                for h in 0..g {
+                    let qs = &q[h * d + gi * self.group..][..self.group];
+                    let dot = dot16(qs, xs);
+                    if gi == 0 {
+                        out[r * g + h] = s * dot;
+                    } else {
+                        out[r * g + h] += s * dot;
+                    }
+                }
+            }
+        }
+        self.score_extras(part, off, n, q, qsum, g, out);
+    }
+
+    /// Zero points (uniform levels) and outliers of [`Self::score`].
+    #[allow(clippy::too_many_arguments)]
+    fn score_extras(&self, part: &[u32], off: usize, n: usize, q: &[f32], qsum: &[f32], g: usize, out: &mut [f32]) {
+        let d = self.d;
+        for r in 0..n {
+            if self.uniform {
+                for gi in 0..self.ng {
+                    let (_, z) = self.params(part, off + r, gi);
+                    for h in 0..g {
+                        out[r * g + h] += z * qsum[h * self.ng + gi];
+                    }
+                }
+            }
+            for k in 0..self.tl.outliers {
+                let (c, v) = self.outlier(part, off + r, k);
+                for h in 0..g {
+                    out[r * g + h] += q[h * d + c] * v;
+                }
+            }
+        }
+    }
+
+    /// Adds `sum_r p[r * g + h] x_r` (tokens `off..off + n` of `part`, in
+    /// the transformed domain, outliers included) to `acc[h]` (`[g][d]`).
+    /// `wts` is scratch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn accum(&self, part: &[u32], off: usize, n: usize, p: &[f32], g: usize, acc: &mut [f32], wts: &mut Vec<f32>) {
+        let (d, ng) = (self.d, self.ng);
+        assert!(
+            p.len() >= n * g && acc.len() >= g * d && off + n <= self.tl.block_tokens && part.len() >= self.tl.words,
+            "codec accum: rows outside the part"
+        );
+        // The norm folded into the softmax weights: `[ng][n][g]`; and, for
+        // uniform levels, each group's `sum_r p z` per head, `[g][ng]`.
+        wts.clear();
+        wts.resize(ng * n * g + g * ng, 0.0);
+        let (w, zs) = wts.split_at_mut(ng * n * g);
+        for r in 0..n {
+            for gi in 0..ng {
+                let (s, z) = self.params(part, off + r, gi);
+                for h in 0..g {
+                    let pr = p[r * g + h];
+                    w[(gi * n + r) * g + h] = pr * s;
+                    zs[h * ng + gi] += pr * z;
+                }
+            }
+        }
+        let mut done = false;
+        #[cfg(target_arch = "x86_64")]
+        if self.avx512 {
+            let mut h0 = 0;
+            while h0 < g {
+                // SAFETY: AVX-512F was detected (see `score`); bounds asserted.
+                unsafe {
+                    match g - h0 {
+                        1 => self.accum_avx512::<1>(part, off, n, w, h0, g, acc),
+                        2 => self.accum_avx512::<2>(part, off, n, w, h0, g, acc),
+                        3 => self.accum_avx512::<3>(part, off, n, w, h0, g, acc),
+                        _ => self.accum_avx512::<4>(part, off, n, w, h0, g, acc),
+                    }
+                }
+                h0 += 4;
+            }
+            done = true;
+        }
+        if !done {
+            let mut x = vec![0f32; d];
+            for r in 0..n {
+                self.levels_row(part, off + r, &mut x);
+                for gi in 0..ng {
+                    let xs = &x[gi * self.group..][..self.group];
+                    for h in 0..g {
+                        let wr = w[(gi * n + r) * g + h];
+                        let a = &mut acc[h * d + gi * self.group..][..self.group];
+                        for (a, x) in a.iter_mut().zip(xs) {
+                            *a += wr * x;
+                        }
+                    }
+                }
+            }
+        }
+        if self.uniform {
+            for h in 0..g {
+                for gi in 0..ng {
+                    let z = zs[h * ng + gi];
+                    for a in &mut acc[h * d + gi * self.group..][..self.group] {
+                        *a += z;
+                    }
+                }
+            }
+        }
+        for r in 0..n {
+            for k in 0..self.tl.outliers {
+                let (c, v) = self.outlier(part, off + r, k);
+                for h in 0..g {
+                    acc[h * d + c] += p[r * g + h] * v;
+                }
+            }
+        }
+    }
+}
+
+/// `a . b` with sixteen partial sums (which the compiler keeps in vector
+/// registers); lengths are multiples of 16 here.
+#[inline]
+fn dot16(a: &[f32], b: &[f32]) -> f32 {
+    let mut s = [0f32; 16];
+    for (x, y) in a.chunks_exact(16).zip(b.chunks_exact(16)) {
+        for i in 0..16 {
+            s[i] += x[i] * y[i];
+        }
+    }
+    s.iter().sum()
+}
+
+#[cfg(target_arch = "x86_64")]
+impl CodecRows {
+    /// The sixteen levels of chunk `ch` of the row at `row` (no norm).
+    ///
+    /// # Safety
+    /// AVX-512F; `row` points at a token's codes (words `w0..w0 + words`
+    /// of the chunk are readable; the masked load touches no others).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn levels16(ch: &Chunk, row: *const u32, table: __m512, mask: __m512i) -> __m512 {
+        let words = _mm512_maskz_loadu_epi32(((1u32 << ch.words) - 1) as u16, row.add(ch.w0) as *const i32);
+        let w = _mm512_permutexvar_epi32(_mm512_loadu_si512(ch.idx.as_ptr() as *const _), words);
+        let c = _mm512_and_si512(
+            _mm512_srlv_epi32(w, _mm512_loadu_si512(ch.shift.as_ptr() as *const _)),
+            mask,
+        );
+        _mm512_permutexvar_ps(c, table)
+    }
+
+    /// Scores of heads `h0..h0 + H` (see [`Self::score`]; no extras).
+    ///
+    /// # Safety
+    /// AVX-512F; the caller checked that the rows, `q` and `out` are in bounds.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn score_avx512<const H: usize>(
+        &self,
+        part: &[u32],
+        off: usize,
+        n: usize,
+        q: &[f32],
+        h0: usize,
+        g: usize,
+        out: &mut [f32],
+    ) {
+        let d = self.d;
+        let wpt = self.tl.words_per_token;
+        let table = _mm512_loadu_ps(self.table.as_ptr());
+        let mask = _mm512_set1_epi32((1i32 << self.bits) - 1);
+        let per_group = self.group / 16;
+        let qp = q.as_ptr().add(h0 * d);
+        for r in 0..n {
+            let row = part.as_ptr().add(self.tl.codes_offset + (off + r) * wpt);
+            let mut tot = [_mm512_setzero_ps(); H];
+            for gi in 0..self.ng {
+                // Two chains per head: eight FMAs in flight for four heads.
+                let mut a = [[_mm512_setzero_ps(); H]; 2];
+                for kk in 0..per_group {
+                    let k = gi * per_group + kk;
+                    let x = Self::levels16(&self.chunks[k], row, table, mask);
+                    for j in 0..H {
+                        let qv = _mm512_loadu_ps(qp.add(j * d + 16 * k));
+                        a[kk & 1][j] = _mm512_fmadd_ps(qv, x, a[kk & 1][j]);
+                    }
+                }
+                let (s, _) = self.params(part, off + r, gi);
+                let s = _mm512_set1_ps(s);
+                for j in 0..H {
+                    tot[j] = _mm512_fmadd_ps(_mm512_add_ps(a[0][j], a[1][j]), s, tot[j]);
+                }
+            }
+            let o = out.as_mut_ptr().add(r * g + h0);
+            if H == 4 {
+                let s = hsum4(tot[0], tot[1], tot[2], tot[3]);
+                _mm_storeu_ps(o, s);
+            } else {
+                for (j, t) in tot.iter().enumerate() {
+                    *o.add(j) = _mm512_reduce_add_ps(*t);
+                }
+            }
+        }
+    }
+
+    /// Adds the weighted rows to heads `h0..h0 + H` of `acc`; `w` holds the
+    /// weights with the norms folded in, `[ng][n][g]` (see [`Self::accum`]).
+    ///
+    /// # Safety
+    /// AVX-512F; the caller checked the bounds.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn accum_avx512<const H: usize>(
+        &self,
+        part: &[u32],
+        off: usize,
+        n: usize,
+        w: &[f32],
+        h0: usize,
+        g: usize,
+        acc: &mut [f32],
+    ) {
+        let d = self.d;
+        let wpt = self.tl.words_per_token;
+        let table = _mm512_loadu_ps(self.table.as_ptr());
+        let mask = _mm512_set1_epi32((1i32 << self.bits) - 1);
+        let per_group = self.group / 16;
+        let rows = part.as_ptr().add(self.tl.codes_offset + off * wpt);
+        let ap = acc.as_mut_ptr().add(h0 * d);
+        let wp = w.as_ptr();
+        // Two chunks at a time where the group has them: eight independent
+        // accumulators for four heads, and each weight broadcast serves two.
+        let mut k = 0;
+        while k < self.chunks.len() {
+            let gi = k / per_group;
+            let wg = wp.add(gi * n * g + h0);
+            if k + 1 < (gi + 1) * per_group {
+                let (c0, c1) = (&self.chunks[k], &self.chunks[k + 1]);
+                let mut a0 = [_mm512_setzero_ps(); H];
+                let mut a1 = [_mm512_setzero_ps(); H];
+                for j in 0..H {
+                    a0[j] = _mm512_loadu_ps(ap.add(j * d + 16 * k));
+                    a1[j] = _mm512_loadu_ps(ap.add(j * d + 16 * k + 16));
+                }
+                for r in 0..n {
+                    let row = rows.add(r * wpt);
+                    let x0 = Self::levels16(c0, row, table, mask);
+                    let x1 = Self::levels16(c1, row, table, mask);
+                    for j in 0..H {
+                        let wv = _mm512_set1_ps(*wg.add(r * g + j));
+                        a0[j] = _mm512_fmadd_ps(wv, x0, a0[j]);
+                        a1[j] = _mm512_fmadd_ps(wv, x1, a1[j]);
+                    }
+                }
+                for j in 0..H {
+                    _mm512_storeu_ps(ap.add(j * d + 16 * k), a0[j]);
+                    _mm512_storeu_ps(ap.add(j * d + 16 * k + 16), a1[j]);
+                }
+                k += 2;
+            } else {
+                let c0 = &self.chunks[k];
+                let mut a0 = [_mm512_setzero_ps(); H];
+                for j in 0..H {
+                    a0[j] = _mm512_loadu_ps(ap.add(j * d + 16 * k));
+                }
+                for r in 0..n {
+                    let x0 = Self::levels16(c0, rows.add(r * wpt), table, mask);
+                    for j in 0..H {
+                        let wv = _mm512_set1_ps(*wg.add(r * g + j));
+                        a0[j] = _mm512_fmadd_ps(wv, x0, a0[j]);
+                    }
+                }
+                for j in 0..H {
+                    _mm512_storeu_ps(ap.add(j * d + 16 * k), a0[j]);
+                }
+                k += 1;
+            }
+        }
+    }
+}
+
+/// The four horizontal sums of `a..d` as one vector: halves added, then
+/// three horizontal adds and one more half (13 instructions instead of
+/// four full reductions).
+///
+/// # Safety
+/// AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn hsum4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
+    let (a, b, c, d) = (halves(a), halves(b), halves(c), halves(d));
+    let ab = _mm256_hadd_ps(a, b);
+    let cd = _mm256_hadd_ps(c, d);
+    let abcd = _mm256_hadd_ps(ab, cd);
+    _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1))
+}
+
+/// The low and high 256-bit halves of `v`, added.
+///
+/// # Safety
+/// AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn halves(v: __m512) -> __m256 {
+    _mm256_add_ps(
+        _mm512_castps512_ps256(v),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),
+    )
+}
