@@ -48,8 +48,8 @@ use kivi_spec::{Axis, Codec, Dtype, Levels, ScaleDtype, Scheme, Tensor};
 struct Chunk {
     /// First word of the row they occupy.
     w0: usize,
-    /// Words `w0..w0 + words` hold them (a masked load of that many).
-    words: usize,
+    /// Words `w0..w0 + words` hold them: the mask of a load of that many.
+    mask: u16,
     /// Per lane: the word (relative to `w0`) and the shift of its code.
     idx: [i32; 16],
     shift: [i32; 16],
@@ -116,7 +116,7 @@ impl CodecRows {
                 }
                 Chunk {
                     w0,
-                    words: (16 * k + 15) / per - w0 + 1,
+                    mask: ((1u32 << ((16 * k + 15) / per - w0 + 1)) - 1) as u16,
                     idx,
                     shift,
                 }
@@ -156,11 +156,11 @@ impl CodecRows {
     }
 
     /// Norm (scale) and zero point of group `gi` of token `off` of `part`.
-    #[inline]
+    #[inline(always)]
     fn params(&self, part: &[u32], off: usize, gi: usize) -> (f32, f32) {
         let i = off * self.ng + gi;
         let read = |base: usize| match self.scale {
-            ScaleDtype::F16 => half::f16::from_bits((part[base + i / 2] >> (16 * (i % 2))) as u16).to_f32(),
+            ScaleDtype::F16 => f16_to_f32((part[base + i / 2] >> (16 * (i % 2))) as u16),
             ScaleDtype::F32 => f32::from_bits(part[base + i]),
         };
         let s = read(self.tl.scales_offset);
@@ -169,7 +169,7 @@ impl CodecRows {
     }
 
     /// Outlier `k` of token `off`: its channel and stored correction.
-    #[inline]
+    #[inline(always)]
     fn outlier(&self, part: &[u32], off: usize, k: usize) -> (usize, f32) {
         let tl = &self.tl;
         let iw = part[tl.outlier_idx_offset + off * tl.outlier_idx_words + k / 2];
@@ -177,7 +177,8 @@ impl CodecRows {
         let vw = tl.outlier_val_offset + off * tl.outlier_val_words;
         let v = match self.dtype {
             Dtype::F32 => f32::from_bits(part[vw + k]),
-            d => crate::quant::from_bits_16((part[vw + k / 2] >> (16 * (k % 2))) as u16, d),
+            Dtype::F16 => f16_to_f32((part[vw + k / 2] >> (16 * (k % 2))) as u16),
+            Dtype::Bf16 => f32::from_bits((part[vw + k / 2] >> (16 * (k % 2))) << 16),
         };
         // A corrupted index would be a cache bug; stay in bounds regardless.
         (c.min(self.d - 1), v)
@@ -217,11 +218,10 @@ impl CodecRows {
                 // SAFETY: `avx512` is set only where `Isa::select` found
                 // AVX-512F; the bounds are asserted above.
                 unsafe {
-                    match g - h0 {
-                        1 => self.score_avx512::<1>(part, off, n, q, h0, g, out),
-                        2 => self.score_avx512::<2>(part, off, n, q, h0, g, out),
-                        3 => self.score_avx512::<3>(part, off, n, q, h0, g, out),
-                        _ => self.score_avx512::<4>(part, off, n, q, h0, g, out),
+                    if self.bits <= 2 {
+                        self.score_heads::<true>(part, off, n, q, h0, g, out)
+                    } else {
+                        self.score_heads::<false>(part, off, n, q, h0, g, out)
                     }
                 }
                 h0 += 4;
@@ -304,11 +304,10 @@ impl CodecRows {
             while h0 < g {
                 // SAFETY: AVX-512F was detected (see `score`); bounds asserted.
                 unsafe {
-                    match g - h0 {
-                        1 => self.accum_avx512::<1>(part, off, n, w, h0, g, acc),
-                        2 => self.accum_avx512::<2>(part, off, n, w, h0, g, acc),
-                        3 => self.accum_avx512::<3>(part, off, n, w, h0, g, acc),
-                        _ => self.accum_avx512::<4>(part, off, n, w, h0, g, acc),
+                    if self.bits <= 2 {
+                        self.accum_heads::<true>(part, off, n, w, h0, g, acc)
+                    } else {
+                        self.accum_heads::<false>(part, off, n, w, h0, g, acc)
                     }
                 }
                 h0 += 4;
@@ -352,6 +351,18 @@ impl CodecRows {
     }
 }
 
+/// A finite f16 as f32, exactly, in three integer operations and a
+/// multiply (inlined where the `half` crate's call checks for F16C on every
+/// value): the sign, exponent and mantissa moved to f32's places make
+/// `x * 2^-112`, and `2^112` is exact. Norms and outlier corrections are
+/// finite (the cache refuses to store anything else); an infinity would read
+/// as 2^16-ish, a NaN as a finite number.
+#[inline(always)]
+fn f16_to_f32(h: u16) -> f32 {
+    let h = h as u32;
+    f32::from_bits(((h & 0x8000) << 16) | ((h & 0x7fff) << 13)) * f32::from_bits(0x7780_0000)
+}
+
 /// `a . b` with sixteen partial sums (which the compiler keeps in vector
 /// registers); lengths are multiples of 16 here.
 #[inline]
@@ -366,22 +377,57 @@ fn dot16(a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)] // indexes walk arrays of registers in step
 impl CodecRows {
     /// The sixteen levels of chunk `ch` of the row at `row` (no norm).
+    /// `ONE`: the chunk's codes share one word (1- and 2-bit codes), which
+    /// is broadcast instead of loaded and spread.
     ///
     /// # Safety
     /// AVX-512F; `row` points at a token's codes (words `w0..w0 + words`
     /// of the chunk are readable; the masked load touches no others).
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn levels16(ch: &Chunk, row: *const u32, table: __m512, mask: __m512i) -> __m512 {
-        let words = _mm512_maskz_loadu_epi32(((1u32 << ch.words) - 1) as u16, row.add(ch.w0) as *const i32);
-        let w = _mm512_permutexvar_epi32(_mm512_loadu_si512(ch.idx.as_ptr() as *const _), words);
+    unsafe fn levels16<const ONE: bool>(ch: &Chunk, row: *const u32, table: __m512, mask: __m512i) -> __m512 {
+        let w = if ONE {
+            _mm512_set1_epi32(*row.add(ch.w0) as i32)
+        } else {
+            let words = _mm512_maskz_loadu_epi32(ch.mask, row.add(ch.w0) as *const i32);
+            _mm512_permutexvar_epi32(_mm512_loadu_si512(ch.idx.as_ptr() as *const _), words)
+        };
+        // A rotate, not a shift: the code's bits come down alike (a code
+        // never straddles its word), and `vprorvd` has no out-of-range
+        // counts to emulate, where `_mm512_srlv_epi32` compiles to a compare
+        // and a masked shift.
         let c = _mm512_and_si512(
-            _mm512_srlv_epi32(w, _mm512_loadu_si512(ch.shift.as_ptr() as *const _)),
+            _mm512_rorv_epi32(w, _mm512_loadu_si512(ch.shift.as_ptr() as *const _)),
             mask,
         );
         _mm512_permutexvar_ps(c, table)
+    }
+
+    /// [`Self::score_avx512`] for heads `h0..`, up to four at a time.
+    ///
+    /// # Safety
+    /// AVX-512F; the caller checked the bounds.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn score_heads<const ONE: bool>(
+        &self,
+        part: &[u32],
+        off: usize,
+        n: usize,
+        q: &[f32],
+        h0: usize,
+        g: usize,
+        out: &mut [f32],
+    ) {
+        match g - h0 {
+            1 => self.score_avx512::<1, ONE>(part, off, n, q, h0, g, out),
+            2 => self.score_avx512::<2, ONE>(part, off, n, q, h0, g, out),
+            3 => self.score_avx512::<3, ONE>(part, off, n, q, h0, g, out),
+            _ => self.score_avx512::<4, ONE>(part, off, n, q, h0, g, out),
+        }
     }
 
     /// Scores of heads `h0..h0 + H` (see [`Self::score`]; no extras).
@@ -390,7 +436,7 @@ impl CodecRows {
     /// AVX-512F; the caller checked that the rows, `q` and `out` are in bounds.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f")]
-    unsafe fn score_avx512<const H: usize>(
+    unsafe fn score_avx512<const H: usize, const ONE: bool>(
         &self,
         part: &[u32],
         off: usize,
@@ -406,35 +452,71 @@ impl CodecRows {
         let mask = _mm512_set1_epi32((1i32 << self.bits) - 1);
         let per_group = self.group / 16;
         let qp = q.as_ptr().add(h0 * d);
+        let z = _mm512_setzero_ps();
         for r in 0..n {
             let row = part.as_ptr().add(self.tl.codes_offset + (off + r) * wpt);
-            let mut tot = [_mm512_setzero_ps(); H];
-            for gi in 0..self.ng {
-                // Two chains per head: eight FMAs in flight for four heads.
-                let mut a = [[_mm512_setzero_ps(); H]; 2];
-                for kk in 0..per_group {
-                    let k = gi * per_group + kk;
-                    let x = Self::levels16(&self.chunks[k], row, table, mask);
+            let mut tot = [z; H];
+            for (gi, chunks) in self.chunks.chunks_exact(per_group).enumerate() {
+                // Two chains per head (chunks in pairs): eight FMAs in
+                // flight for four heads, all in registers.
+                let (mut a0, mut a1) = ([z; H], [z; H]);
+                let mut k = gi * per_group;
+                let mut pairs = chunks.chunks_exact(2);
+                for pair in &mut pairs {
+                    let x0 = Self::levels16::<ONE>(&pair[0], row, table, mask);
+                    let x1 = Self::levels16::<ONE>(&pair[1], row, table, mask);
                     for j in 0..H {
-                        let qv = _mm512_loadu_ps(qp.add(j * d + 16 * k));
-                        a[kk & 1][j] = _mm512_fmadd_ps(qv, x, a[kk & 1][j]);
+                        let q0 = _mm512_loadu_ps(qp.add(j * d + 16 * k));
+                        let q1 = _mm512_loadu_ps(qp.add(j * d + 16 * k + 16));
+                        a0[j] = _mm512_fmadd_ps(q0, x0, a0[j]);
+                        a1[j] = _mm512_fmadd_ps(q1, x1, a1[j]);
+                    }
+                    k += 2;
+                }
+                if let [c] = pairs.remainder() {
+                    let x0 = Self::levels16::<ONE>(c, row, table, mask);
+                    for j in 0..H {
+                        a0[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(j * d + 16 * k)), x0, a0[j]);
                     }
                 }
                 let (s, _) = self.params(part, off + r, gi);
                 let s = _mm512_set1_ps(s);
                 for j in 0..H {
-                    tot[j] = _mm512_fmadd_ps(_mm512_add_ps(a[0][j], a[1][j]), s, tot[j]);
+                    tot[j] = _mm512_fmadd_ps(_mm512_add_ps(a0[j], a1[j]), s, tot[j]);
                 }
             }
             let o = out.as_mut_ptr().add(r * g + h0);
             if H == 4 {
-                let s = hsum4(tot[0], tot[1], tot[2], tot[3]);
-                _mm_storeu_ps(o, s);
+                _mm_storeu_ps(o, hsum4(tot[0], tot[1], tot[2], tot[3]));
             } else {
-                for (j, t) in tot.iter().enumerate() {
-                    *o.add(j) = _mm512_reduce_add_ps(*t);
+                for j in 0..H {
+                    *o.add(j) = _mm512_reduce_add_ps(tot[j]);
                 }
             }
+        }
+    }
+
+    /// [`Self::accum_avx512`] for heads `h0..`, up to four at a time.
+    ///
+    /// # Safety
+    /// AVX-512F; the caller checked the bounds.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn accum_heads<const ONE: bool>(
+        &self,
+        part: &[u32],
+        off: usize,
+        n: usize,
+        w: &[f32],
+        h0: usize,
+        g: usize,
+        acc: &mut [f32],
+    ) {
+        match g - h0 {
+            1 => self.accum_avx512::<1, ONE>(part, off, n, w, h0, g, acc),
+            2 => self.accum_avx512::<2, ONE>(part, off, n, w, h0, g, acc),
+            3 => self.accum_avx512::<3, ONE>(part, off, n, w, h0, g, acc),
+            _ => self.accum_avx512::<4, ONE>(part, off, n, w, h0, g, acc),
         }
     }
 
@@ -445,7 +527,7 @@ impl CodecRows {
     /// AVX-512F; the caller checked the bounds.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f")]
-    unsafe fn accum_avx512<const H: usize>(
+    unsafe fn accum_avx512<const H: usize, const ONE: bool>(
         &self,
         part: &[u32],
         off: usize,
@@ -463,14 +545,15 @@ impl CodecRows {
         let rows = part.as_ptr().add(self.tl.codes_offset + off * wpt);
         let ap = acc.as_mut_ptr().add(h0 * d);
         let wp = w.as_ptr();
-        // Two chunks at a time where the group has them: eight independent
-        // accumulators for four heads, and each weight broadcast serves two.
-        let mut k = 0;
-        while k < self.chunks.len() {
-            let gi = k / per_group;
+        // Chunks in pairs (a group has an even number of them but for
+        // 16-channel groups): eight independent accumulators for four
+        // heads, and each weight broadcast serves two chunks.
+        for (gi, chunks) in self.chunks.chunks_exact(per_group).enumerate() {
             let wg = wp.add(gi * n * g + h0);
-            if k + 1 < (gi + 1) * per_group {
-                let (c0, c1) = (&self.chunks[k], &self.chunks[k + 1]);
+            let mut k = gi * per_group;
+            let mut pairs = chunks.chunks_exact(2);
+            for pair in &mut pairs {
+                let (c0, c1) = (&pair[0], &pair[1]);
                 let mut a0 = [_mm512_setzero_ps(); H];
                 let mut a1 = [_mm512_setzero_ps(); H];
                 for j in 0..H {
@@ -479,8 +562,8 @@ impl CodecRows {
                 }
                 for r in 0..n {
                     let row = rows.add(r * wpt);
-                    let x0 = Self::levels16(c0, row, table, mask);
-                    let x1 = Self::levels16(c1, row, table, mask);
+                    let x0 = Self::levels16::<ONE>(c0, row, table, mask);
+                    let x1 = Self::levels16::<ONE>(c1, row, table, mask);
                     for j in 0..H {
                         let wv = _mm512_set1_ps(*wg.add(r * g + j));
                         a0[j] = _mm512_fmadd_ps(wv, x0, a0[j]);
@@ -492,14 +575,14 @@ impl CodecRows {
                     _mm512_storeu_ps(ap.add(j * d + 16 * k + 16), a1[j]);
                 }
                 k += 2;
-            } else {
-                let c0 = &self.chunks[k];
+            }
+            if let [c0] = pairs.remainder() {
                 let mut a0 = [_mm512_setzero_ps(); H];
                 for j in 0..H {
                     a0[j] = _mm512_loadu_ps(ap.add(j * d + 16 * k));
                 }
                 for r in 0..n {
-                    let x0 = Self::levels16(c0, rows.add(r * wpt), table, mask);
+                    let x0 = Self::levels16::<ONE>(c0, rows.add(r * wpt), table, mask);
                     for j in 0..H {
                         let wv = _mm512_set1_ps(*wg.add(r * g + j));
                         a0[j] = _mm512_fmadd_ps(wv, x0, a0[j]);
@@ -508,7 +591,6 @@ impl CodecRows {
                 for j in 0..H {
                     _mm512_storeu_ps(ap.add(j * d + 16 * k), a0[j]);
                 }
-                k += 1;
             }
         }
     }
@@ -543,4 +625,17 @@ unsafe fn halves(v: __m512) -> __m256 {
         _mm512_castps512_ps256(v),
         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn f16_conversion_is_exact_for_every_finite_half() {
+        for b in 0..=u16::MAX {
+            let want = half::f16::from_bits(b);
+            if want.is_finite() {
+                assert_eq!(super::f16_to_f32(b).to_bits(), want.to_f32().to_bits(), "{b:#06x}");
+            }
+        }
+    }
 }
