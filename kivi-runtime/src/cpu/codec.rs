@@ -226,7 +226,7 @@ impl CodecRows {
                 }
                 h0 += 4;
             }
-            self.score_extras(part, off, n, q, qsum, g, out);
+            self.score_extras(part, off, n, q, qsum, g, false, out);
             return;
         }
         let d = self.d;
@@ -247,12 +247,26 @@ impl CodecRows {
                 }
             }
         }
-        self.score_extras(part, off, n, q, qsum, g, out);
+        self.score_extras(part, off, n, q, qsum, g, true, out);
     }
 
-    /// Zero points (uniform levels) and outliers of [`Self::score`].
+    /// Zero points (uniform levels) and, with `outliers`, the outliers of
+    /// [`Self::score`] (the AVX-512 loops add those themselves).
     #[allow(clippy::too_many_arguments)]
-    fn score_extras(&self, part: &[u32], off: usize, n: usize, q: &[f32], qsum: &[f32], g: usize, out: &mut [f32]) {
+    fn score_extras(
+        &self,
+        part: &[u32],
+        off: usize,
+        n: usize,
+        q: &[f32],
+        qsum: &[f32],
+        g: usize,
+        outliers: bool,
+        out: &mut [f32],
+    ) {
+        if !self.uniform && !(outliers && self.tl.outliers > 0) {
+            return;
+        }
         let d = self.d;
         for r in 0..n {
             if self.uniform {
@@ -262,6 +276,9 @@ impl CodecRows {
                         out[r * g + h] += z * qsum[h * self.ng + gi];
                     }
                 }
+            }
+            if !outliers {
+                continue;
             }
             // A token's few outliers read once, each head's correction
             // summed in a register (not through `out`).
@@ -537,10 +554,20 @@ impl CodecRows {
                         sums[j] = _mm512_reduce_add_ps(a[t][j]);
                     }
                 }
-                for j in 0..H {
-                    if gi == 0 {
-                        *o.add(j) = s * sums[j];
-                    } else {
+                if gi == 0 {
+                    // The token's outliers, while its row is at hand.
+                    let mut e = [0f32; 4];
+                    for kk in 0..self.tl.outliers {
+                        let (c, v) = self.outlier(part, off + t, kk);
+                        for j in 0..H {
+                            e[j] += *qp.add(j * d + c) * v;
+                        }
+                    }
+                    for j in 0..H {
+                        *o.add(j) = s * sums[j] + e[j];
+                    }
+                } else {
+                    for j in 0..H {
                         *o.add(j) += s * sums[j];
                     }
                 }
