@@ -264,7 +264,7 @@ impl CodecRows {
         outliers: bool,
         out: &mut [f32],
     ) {
-        if !self.uniform && !(outliers && self.tl.outliers > 0) {
+        if !(self.uniform || (outliers && self.tl.outliers > 0)) {
             return;
         }
         let d = self.d;
