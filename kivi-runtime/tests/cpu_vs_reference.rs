@@ -422,9 +422,11 @@ fn fused_path_shapes() {
 }
 
 /// The codec pipeline (rotation, Lloyd–Max levels, norms, outliers,
-/// centering, sinks) on the generic path, every instruction set, at odd
-/// lengths, MHA / GQA 4:1 / GQA 7:1 / MQA and head_dim 64, 128, 256. The
-/// fused AVX-512 path declines these schemes and `kernel_path` says so.
+/// centering, sinks) on every instruction set, at odd lengths, MHA / GQA
+/// 4:1 / GQA 7:1 / MQA and head_dim 64, 128, 256: token-axis codec tensors
+/// on the fused codec loops, the rotated channel-axis keys of `chan_rot` on
+/// the generic row reader. The KIVI fused path declines these schemes and
+/// `kernel_path` says so.
 #[test]
 fn codec_pipelines_odd_lengths_and_layouts() {
     let texts = [
