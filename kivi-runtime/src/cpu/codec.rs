@@ -624,52 +624,73 @@ impl CodecRows {
         let rows = part.as_ptr().add(self.tl.codes_offset + off * wpt);
         let ap = acc.as_mut_ptr().add(h0 * d);
         let wp = w.as_ptr();
-        // Chunks in pairs (a group has an even number of them but for
-        // 16-channel groups): eight independent accumulators for four
-        // heads, and each weight broadcast serves two chunks.
+        // Chunks four at a time (then a pair, then one): with four heads,
+        // sixteen independent accumulators, and each weight broadcast
+        // serves four chunks (a 512-bit load issues once per cycle on Zen 4,
+        // so broadcasts, not FMAs, bound two at a time).
         for (gi, chunks) in self.chunks.chunks_exact(per_group).enumerate() {
             let wg = wp.add(gi * n * g + h0);
             let mut k = gi * per_group;
-            let mut pairs = chunks.chunks_exact(2);
-            for pair in &mut pairs {
-                let (c0, c1) = (&pair[0], &pair[1]);
-                let mut a0 = [_mm512_setzero_ps(); H];
-                let mut a1 = [_mm512_setzero_ps(); H];
-                for j in 0..H {
-                    a0[j] = _mm512_loadu_ps(ap.add(j * d + 16 * k));
-                    a1[j] = _mm512_loadu_ps(ap.add(j * d + 16 * k + 16));
-                }
-                for r in 0..n {
-                    let row = rows.add(r * wpt);
-                    let x0 = Self::levels16::<ONE>(c0, row, table, mask);
-                    let x1 = Self::levels16::<ONE>(c1, row, table, mask);
-                    for j in 0..H {
-                        let wv = _mm512_set1_ps(*wg.add(r * g + j));
-                        a0[j] = _mm512_fmadd_ps(wv, x0, a0[j]);
-                        a1[j] = _mm512_fmadd_ps(wv, x1, a1[j]);
-                    }
-                }
-                for j in 0..H {
-                    _mm512_storeu_ps(ap.add(j * d + 16 * k), a0[j]);
-                    _mm512_storeu_ps(ap.add(j * d + 16 * k + 16), a1[j]);
-                }
+            let mut quads = chunks.chunks_exact(4);
+            for c in &mut quads {
+                self.accum_block::<H, ONE, 4>(c, k, rows, n, wg, g, ap, table, mask);
+                k += 4;
+            }
+            let mut pairs = quads.remainder().chunks_exact(2);
+            for c in &mut pairs {
+                self.accum_block::<H, ONE, 2>(c, k, rows, n, wg, g, ap, table, mask);
                 k += 2;
             }
-            if let [c0] = pairs.remainder() {
-                let mut a0 = [_mm512_setzero_ps(); H];
-                for j in 0..H {
-                    a0[j] = _mm512_loadu_ps(ap.add(j * d + 16 * k));
+            if let [c] = pairs.remainder() {
+                self.accum_block::<H, ONE, 1>(std::slice::from_ref(c), k, rows, n, wg, g, ap, table, mask);
+            }
+        }
+    }
+
+    /// Adds the weighted rows' chunks `k..k + C` (`chunks`) to heads
+    /// `h0..h0 + H` of the accumulator at `ap` (`[H][d]` from head `h0`);
+    /// `rows` is the piece's first row, `wg` its weights for this group.
+    ///
+    /// # Safety
+    /// AVX-512F; the caller checked the bounds.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn accum_block<const H: usize, const ONE: bool, const C: usize>(
+        &self,
+        chunks: &[Chunk],
+        k: usize,
+        rows: *const u32,
+        n: usize,
+        wg: *const f32,
+        g: usize,
+        ap: *mut f32,
+        table: __m512,
+        mask: __m512i,
+    ) {
+        let (d, wpt) = (self.d, self.tl.words_per_token);
+        let mut a = [[_mm512_setzero_ps(); C]; H];
+        for j in 0..H {
+            for c in 0..C {
+                a[j][c] = _mm512_loadu_ps(ap.add(j * d + 16 * (k + c)));
+            }
+        }
+        for r in 0..n {
+            let row = rows.add(r * wpt);
+            let mut x = [_mm512_setzero_ps(); C];
+            for c in 0..C {
+                x[c] = Self::levels16::<ONE>(&chunks[c], row, table, mask);
+            }
+            for j in 0..H {
+                let wv = _mm512_set1_ps(*wg.add(r * g + j));
+                for c in 0..C {
+                    a[j][c] = _mm512_fmadd_ps(wv, x[c], a[j][c]);
                 }
-                for r in 0..n {
-                    let x0 = Self::levels16::<ONE>(c0, rows.add(r * wpt), table, mask);
-                    for j in 0..H {
-                        let wv = _mm512_set1_ps(*wg.add(r * g + j));
-                        a0[j] = _mm512_fmadd_ps(wv, x0, a0[j]);
-                    }
-                }
-                for j in 0..H {
-                    _mm512_storeu_ps(ap.add(j * d + 16 * k), a0[j]);
-                }
+            }
+        }
+        for j in 0..H {
+            for c in 0..C {
+                _mm512_storeu_ps(ap.add(j * d + 16 * (k + c)), a[j][c]);
             }
         }
     }
