@@ -74,6 +74,8 @@ pub(crate) struct CodecRows {
     tl: TensorLayout,
     chunks: Vec<Chunk>,
     avx512: bool,
+    /// The portable loops compiled for AVX2 + FMA (else for the baseline).
+    avx2: bool,
 }
 
 impl CodecRows {
@@ -135,6 +137,7 @@ impl CodecRows {
             tl,
             chunks,
             avx512: isa == Isa::Avx512,
+            avx2: isa == Isa::Avx2,
         })
     }
 
@@ -229,10 +232,46 @@ impl CodecRows {
             self.score_extras(part, off, n, q, qsum, g, false, out);
             return;
         }
+        #[cfg(target_arch = "x86_64")]
+        if self.avx2 {
+            // SAFETY: `avx2` is set only where `Isa::select` found AVX2 + FMA.
+            unsafe { self.score_portable_avx2(part, off, n, q, g, out) };
+            self.score_extras(part, off, n, q, qsum, g, true, out);
+            return;
+        }
+        self.score_portable::<false>(part, off, n, q, g, out);
+        self.score_extras(part, off, n, q, qsum, g, true, out);
+    }
+
+    /// The portable loops of [`Self::score`] compiled for AVX2 + FMA: the
+    /// same source, vectorised eight lanes wide by the compiler.
+    ///
+    /// # Safety
+    /// AVX2 and FMA are available.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn score_portable_avx2(&self, part: &[u32], off: usize, n: usize, q: &[f32], g: usize, out: &mut [f32]) {
+        self.score_portable::<true>(part, off, n, q, g, out)
+    }
+
+    /// [`Self::score`] without extras, portable: each row's levels decoded
+    /// word by word into a buffer, then sixteen-lane dot products.
+    /// `AVX2`: rows decoded by [`Self::levels_row_avx2`] (the caller has
+    /// AVX2 + FMA).
+    #[inline(always)]
+    fn score_portable<const AVX2: bool>(
+        &self,
+        part: &[u32],
+        off: usize,
+        n: usize,
+        q: &[f32],
+        g: usize,
+        out: &mut [f32],
+    ) {
         let d = self.d;
         let mut x = vec![0f32; d];
         for r in 0..n {
-            self.levels_row(part, off + r, &mut x);
+            self.levels_row_any::<AVX2>(part, off + r, &mut x);
             for gi in 0..self.ng {
                 let (s, _) = self.params(part, off + r, gi);
                 let xs = &x[gi * self.group..][..self.group];
@@ -247,7 +286,6 @@ impl CodecRows {
                 }
             }
         }
-        self.score_extras(part, off, n, q, qsum, g, true, out);
     }
 
     /// Zero points (uniform levels) and, with `outliers`, the outliers of
@@ -344,21 +382,14 @@ impl CodecRows {
             }
             done = true;
         }
+        #[cfg(target_arch = "x86_64")]
+        if !done && self.avx2 {
+            // SAFETY: `avx2` is set only where `Isa::select` found AVX2 + FMA.
+            unsafe { self.accum_portable_avx2(part, off, n, w, g, acc) };
+            done = true;
+        }
         if !done {
-            let mut x = vec![0f32; d];
-            for r in 0..n {
-                self.levels_row(part, off + r, &mut x);
-                for gi in 0..ng {
-                    let xs = &x[gi * self.group..][..self.group];
-                    for h in 0..g {
-                        let wr = w[(gi * n + r) * g + h];
-                        let a = &mut acc[h * d + gi * self.group..][..self.group];
-                        for (a, x) in a.iter_mut().zip(xs) {
-                            *a += wr * x;
-                        }
-                    }
-                }
-            }
+            self.accum_portable::<false>(part, off, n, w, g, acc);
         }
         if self.uniform {
             for h in 0..g {
@@ -376,6 +407,99 @@ impl CodecRows {
                 for h in 0..g {
                     acc[h * d + c] += p[r * g + h] * v;
                 }
+            }
+        }
+    }
+}
+
+impl CodecRows {
+    /// The portable loops of [`Self::accum`] compiled for AVX2 + FMA.
+    ///
+    /// # Safety
+    /// AVX2 and FMA are available.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn accum_portable_avx2(&self, part: &[u32], off: usize, n: usize, w: &[f32], g: usize, acc: &mut [f32]) {
+        self.accum_portable::<true>(part, off, n, w, g, acc)
+    }
+
+    /// The weighted rows of [`Self::accum`] (weights `[ng][n][g]` with the
+    /// norms folded in), portable: levels decoded into a buffer, then one
+    /// multiply-add per channel and head.
+    #[inline(always)]
+    fn accum_portable<const AVX2: bool>(
+        &self,
+        part: &[u32],
+        off: usize,
+        n: usize,
+        w: &[f32],
+        g: usize,
+        acc: &mut [f32],
+    ) {
+        let (d, ng) = (self.d, self.ng);
+        let mut x = vec![0f32; d];
+        for r in 0..n {
+            self.levels_row_any::<AVX2>(part, off + r, &mut x);
+            for gi in 0..ng {
+                let xs = &x[gi * self.group..][..self.group];
+                for h in 0..g {
+                    let wr = w[(gi * n + r) * g + h];
+                    let a = &mut acc[h * d + gi * self.group..][..self.group];
+                    for (a, x) in a.iter_mut().zip(xs) {
+                        *a += wr * x;
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl CodecRows {
+    /// [`Self::levels_row`], or with `AVX2` (only from code compiled for
+    /// AVX2 + FMA) [`Self::levels_row_avx2`].
+    #[inline(always)]
+    fn levels_row_any<const AVX2: bool>(&self, part: &[u32], off: usize, out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if AVX2 {
+            let wpt = self.tl.words_per_token;
+            assert!(out.len() >= self.d && part.len() >= self.tl.codes_offset + (off + 1) * wpt);
+            // SAFETY: AVX2 is there (the const parameter's contract); the
+            // row and `out` are in bounds (asserted).
+            unsafe { self.levels_row_avx2(part.as_ptr().add(self.tl.codes_offset + off * wpt), out) };
+            return;
+        }
+        self.levels_row(part, off, out)
+    }
+
+    /// The levels of one row, eight channels per step: the words of a
+    /// 16-channel chunk loaded once (masked), spread by `vpermd`, shifted,
+    /// masked and looked up by `vpermps` (two lookups and a blend for
+    /// 16-entry tables).
+    ///
+    /// # Safety
+    /// AVX2; `row` points at a token's codes, `out` holds `d` floats.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn levels_row_avx2(&self, row: *const u32, out: &mut [f32]) {
+        let lo = _mm256_loadu_ps(self.table.as_ptr());
+        let hi = _mm256_loadu_ps(self.table.as_ptr().add(8));
+        let mask = _mm256_set1_epi32((1i32 << self.bits) - 1);
+        let seven = _mm256_set1_epi32(7);
+        let iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        for (k, ch) in self.chunks.iter().enumerate() {
+            let live = _mm256_cmpgt_epi32(_mm256_set1_epi32(ch.mask.count_ones() as i32), iota);
+            let words = _mm256_maskload_epi32(row.add(ch.w0) as *const i32, live);
+            for half in 0..2 {
+                let idx = _mm256_loadu_si256(ch.idx.as_ptr().add(8 * half) as *const _);
+                let shift = _mm256_loadu_si256(ch.shift.as_ptr().add(8 * half) as *const _);
+                let w = _mm256_permutevar8x32_epi32(words, idx);
+                let c = _mm256_and_si256(_mm256_srlv_epi32(w, shift), mask);
+                let mut x = _mm256_permutevar8x32_ps(lo, c);
+                if self.bits == 4 {
+                    let big = _mm256_castsi256_ps(_mm256_cmpgt_epi32(c, seven));
+                    x = _mm256_blendv_ps(x, _mm256_permutevar8x32_ps(hi, c), big);
+                }
+                _mm256_storeu_ps(out.as_mut_ptr().add(16 * k + 8 * half), x);
             }
         }
     }
