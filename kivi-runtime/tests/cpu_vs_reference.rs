@@ -422,9 +422,11 @@ fn fused_path_shapes() {
 }
 
 /// The codec pipeline (rotation, Lloyd–Max levels, norms, outliers,
-/// centering, sinks) on the generic path, every instruction set, at odd
-/// lengths, MHA / GQA 4:1 / GQA 7:1 / MQA and head_dim 64, 128, 256. The
-/// fused AVX-512 path declines these schemes and `kernel_path` says so.
+/// centering, sinks) on every instruction set, at odd lengths, MHA / GQA
+/// 4:1 / GQA 7:1 / MQA and head_dim 64, 128, 256: token-axis codec tensors
+/// on the fused codec loops, the rotated channel-axis keys of `chan_rot` on
+/// the generic row reader. The KIVI fused path declines these schemes and
+/// `kernel_path` says so.
 #[test]
 fn codec_pipelines_odd_lengths_and_layouts() {
     let texts = [
@@ -474,5 +476,71 @@ fn codec_presets_at_the_gemma_shape() {
     for s in kivi_spec::presets::pipeline() {
         check(&s, Heads::Mqa(4), 256, &[1, 127, 1000], &params_default(), 60);
         check(&s, Heads::Gqa { q: 8, kv: 2 }, 256, &[33, 1000], &params_default(), 61);
+    }
+}
+
+/// The fused codec loops (`cpu/codec.rs`: table lookup of 1- to 4-bit
+/// codes, norms folded into scores and weights, sparse outliers, uniform
+/// codes with zero points) against the oracle: the two codec presets with
+/// and without a sliding window, and kin that exercise every code width,
+/// both norms, uniform levels, f32 scales, bf16 and f32 activations,
+/// groups narrower than a token, and GQA groups of 1, 4 and 7 heads (whole
+/// and partial blocks of four heads), at odd lengths, on every instruction
+/// set. `kernel_path` must name the fused codec loops for each.
+#[test]
+fn codec_fused_path_variants() {
+    let avx512 = std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512dq");
+    let mut schemes: Vec<(Scheme, u32)> = Vec::new();
+    for mut s in presets::pipeline() {
+        schemes.push((s.clone(), 256));
+        s.name = format!("{}_sliding", s.name);
+        s.sliding_window = Some(300);
+        schemes.push((s, 256));
+    }
+    let texts = [
+        "lm4_rms { key: quant(bits = 4, axis = token, group = 16, levels = lloyd_max, norm = rms),
+                   value: quant(bits = 1, axis = token, group = 32, levels = lloyd_max, norm = l2, scale = f32),
+                   rotation: hadamard(block = 64, apply = [key, value], signs = 5),
+                   outliers: sparse(per_token = 3, apply = [key, value]), residual: 16, sinks: 2 }",
+        "uni_rot { key: quant(bits = 3, axis = token, group = 32), value: quant(bits = 4, axis = token, group = 64),
+                   rotation: hadamard(block = 32, apply = [key, value]),
+                   outliers: sparse(per_token = 1, apply = [key, value]),
+                   center: channel_mean(tokens = 8, apply = [key, value]), residual: 32, sinks: 1 }",
+        "lm3_bf16 { key: quant(bits = 3, axis = token, group = 64, levels = lloyd_max, norm = l2),
+                    value: quant(bits = 2, axis = token, group = 16, levels = lloyd_max, norm = rms),
+                    rotation: hadamard(block = 64, apply = [value]), residual: 8, dtype: bf16, sliding_window: 200 }",
+        "lm2_f32 { key: quant(bits = 2, axis = token, group = 64, levels = lloyd_max, norm = l2),
+                   value: quant(bits = 3, axis = token, group = 64, levels = lloyd_max, norm = l2),
+                   outliers: sparse(per_token = 2, apply = [value]), residual: 16, sinks: 4, dtype: f32 }",
+    ];
+    for t in texts {
+        schemes.push((kivi_spec::parse_scheme(t).unwrap(), 64));
+    }
+    for (i, (s, d)) in schemes.iter().enumerate() {
+        let layouts = [Heads::Mqa(4), Heads::Mha(4), Heads::Gqa { q: 14, kv: 2 }];
+        for (j, heads) in layouts.into_iter().enumerate() {
+            let bound = s.with_shape(heads, *d).unwrap();
+            let cache = PagedCache::new(bound, CacheConfig::for_tokens(64)).unwrap();
+            for p in isas() {
+                let path = CpuBackend::new(p).unwrap().kernel_path(&cache);
+                let want = match p.isa(*d as usize) {
+                    Isa::Avx512 => "avx512-fused+codec",
+                    Isa::Avx2 => "avx2-table+codec",
+                    Isa::Scalar => "scalar-table+codec",
+                };
+                assert_eq!(path, want, "{} {heads}", s.name);
+            }
+            check(
+                s,
+                heads,
+                *d,
+                &[1, 31, 33, 127, 1000],
+                &params_default(),
+                700 + (i * 3 + j) as u64,
+            );
+        }
+        if avx512 {
+            assert_eq!(CpuParams::default().isa(*d as usize), Isa::Avx512);
+        }
     }
 }

@@ -76,34 +76,8 @@ __device__ void codec_value_split(const float (&accq)[H][CH], float* s_w, float*
                                   const typename C::act_t* __restrict__ means_v, int b, int hk, int warp, int lane,
                                   int vl, int tid) {
   typedef typename C::V V;
-  typedef Lanes<C, V> LV;
   constexpr int NWARPS = C::THREADS / 32;
-  constexpr int TEAMS_PER_WARP = 32 / V::TEAM;
-  const int team_in_warp = lane / V::TEAM;
-  float* w_mine = s_w + warp * H * C::D;
-#pragma unroll 1
-  for (int r = 0; r < TEAMS_PER_WARP; ++r) {
-    if (team_in_warp == r) {
-#pragma unroll
-      for (int k = 0; k < V::STEPS; ++k) {
-#pragma unroll
-        for (int j = 0; j < C::WIDTH; ++j) {
-#pragma unroll
-          for (int i = 0; i < V::CPW; ++i) {
-            const int d = (LV::word(k, vl) + j) * V::CPW + i;
-            if (LV::word(k, vl) < V::WPT && d < C::D) {
-#pragma unroll
-              for (int h = 0; h < H; ++h) {
-                const float x = accq[h][(k * C::WIDTH + j) * V::CPW + i];
-                w_mine[h * C::D + d] = r == 0 ? x : w_mine[h * C::D + d] + x;
-              }
-            }
-          }
-        }
-      }
-    }
-    __syncwarp();
-  }
+  teams_to_warp<C, H, CH>(accq, s_w + warp * H * C::D, lane, vl);
   __syncthreads();
   for (int e = tid; e < H * C::D; e += C::THREADS) {
     float x = 0.0f;

@@ -228,6 +228,42 @@ __device__ __forceinline__ void value_acc(const RowRef<C>& r, int tl, const floa
   }
 }
 
+// The value accumulators `acc` of the teams of one warp summed into that
+// warp's slice `w_mine` of shared memory ([H][D]): the teams take turns
+// adding (no shuffles: a lane may own 100+ accumulators). Shared by the
+// raw-domain sum below and the codes'-domain one of a rotated or centered
+// value (codec_value_split, kivi_codec_decode.cuh), so both add in one order.
+template <class C, int H, int CH>
+__device__ __forceinline__ void teams_to_warp(const float (&acc)[H][CH], float* w_mine, int lane, int vl) {
+  typedef typename C::V V;
+  typedef Lanes<C, V> LV;
+  constexpr int TEAMS_PER_WARP = 32 / V::TEAM;
+  const int team_in_warp = lane / V::TEAM;
+#pragma unroll 1
+  for (int r = 0; r < TEAMS_PER_WARP; ++r) {
+    if (team_in_warp == r) {
+#pragma unroll
+      for (int k = 0; k < V::STEPS; ++k) {
+#pragma unroll
+        for (int j = 0; j < C::WIDTH; ++j) {
+#pragma unroll
+          for (int i = 0; i < V::CPW; ++i) {
+            const int d = (LV::word(k, vl) + j) * V::CPW + i;
+            if (LV::word(k, vl) < V::WPT && d < C::D) {
+#pragma unroll
+              for (int h = 0; h < H; ++h) {
+                const float x = acc[h][(k * C::WIDTH + j) * V::CPW + i];
+                w_mine[h * C::D + d] = r == 0 ? x : w_mine[h * C::D + d] + x;
+              }
+            }
+          }
+        }
+      }
+    }
+    __syncwarp();
+  }
+}
+
 // The codec pipeline's decode steps, defined in kivi_codec_decode.cuh
 // (pasted only into sources whose scheme has a pipeline; the calls below
 // sit in `if constexpr` branches that other schemes never instantiate).
@@ -442,34 +478,9 @@ __device__ __forceinline__ void decode_kernel(
   // A rotated or centered value's quantized tokens first: summed into
   // s_rot and brought back to the raw domain (kivi_codec_decode.cuh).
   if constexpr (SPLIT) codec_value_split<C, H, LV::CH>(accq, &s_w[0][0][0], &s_rot[0][0], s_lq, means_v, b, hk, warp, lane, vl, tid);
-  // Sum the value teams: the teams of a warp take turns adding into the
-  // warp's slice of shared memory (no shuffles: a lane may own 100+
-  // accumulators), then one pass sums the warps while writing the partial.
-  constexpr int TEAMS_PER_WARP = 32 / V::TEAM;
-  const int team_in_warp = lane / V::TEAM;
-#pragma unroll 1
-  for (int r = 0; r < TEAMS_PER_WARP; ++r) {
-    if (team_in_warp == r) {
-#pragma unroll
-      for (int k = 0; k < V::STEPS; ++k) {
-#pragma unroll
-        for (int j = 0; j < C::WIDTH; ++j) {
-#pragma unroll
-          for (int i = 0; i < V::CPW; ++i) {
-            const int d = (LV::word(k, vl) + j) * V::CPW + i;
-            if (LV::word(k, vl) < V::WPT && d < C::D) {
-#pragma unroll
-              for (int h = 0; h < H; ++h) {
-                const float x = acc[h][(k * C::WIDTH + j) * V::CPW + i];
-                s_w[warp][h][d] = r == 0 ? x : s_w[warp][h][d] + x;
-              }
-            }
-          }
-        }
-      }
-    }
-    __syncwarp();
-  }
+  // Sum the value teams into each warp's slice of shared memory, then one
+  // pass sums the warps while writing the partial.
+  teams_to_warp<C, H, LV::CH>(acc, &s_w[warp][0][0], lane, vl);
   __syncthreads();
   const u64 row0 = ((u64)b * C::HQ + hq0) * C::SPLITS + split;
   for (int e = tid; e < H * C::D; e += C::THREADS) {

@@ -316,8 +316,56 @@ fn kv_data(tokens: usize, l: Layout, seed: u64) -> (Vec<f32>, Vec<f32>) {
     (k, v)
 }
 
+/// Ablations of the codec presets, by name, to measure what each pipeline
+/// feature costs at decode (`--schemes f16,kivi2,codec2,codec2_norot,...`):
+/// `codec2` without its rotation (`_norot`), outliers (`_noout`) or
+/// centering (`_nocenter`), or with uniform min/max codes instead of
+/// Lloyd–Max levels (`_uniform`, which adds a zero point per group); the
+/// same for `codec15`'s values where they apply.
+pub fn codec_ablations() -> Vec<Scheme> {
+    let codec2 = |name: &str, levels: &str, rotation: &str, outliers: &str, center: &str| {
+        format!(
+            "{name} {{
+                key: quant(bits = 3, axis = token, group = 256{levels}),
+                value: quant(bits = 2, axis = token, group = 256{levels}),
+                {rotation}{outliers}{center}residual: 128, sinks: 4 }}"
+        )
+    };
+    let (lm, rot, out, cen) = (
+        ", levels = lloyd_max, norm = l2",
+        "rotation: hadamard(block = 256, apply = [key, value]), ",
+        "outliers: sparse(per_token = 4, apply = [key]), ",
+        "center: channel_mean(tokens = 128, apply = [key]), ",
+    );
+    let codec15 = |name: &str, levels: &str, rotation: &str, outliers: &str| {
+        format!(
+            "{name} {{
+                key: quant(bits = 2, axis = channel, group = 64),
+                value: quant(bits = 1, axis = token, group = 256{levels}),
+                {rotation}{outliers}residual: 128, sinks: 4 }}"
+        )
+    };
+    let (rot15, out15) = (
+        "rotation: hadamard(block = 256, apply = [value]), ",
+        "outliers: sparse(per_token = 2, apply = [value]), ",
+    );
+    [
+        codec2("codec2_norot", lm, "", out, cen),
+        codec2("codec2_noout", lm, rot, "", cen),
+        codec2("codec2_nocenter", lm, rot, out, ""),
+        codec2("codec2_uniform", "", rot, out, cen),
+        codec15("codec15_norot", lm, "", out15),
+        codec15("codec15_noout", lm, rot15, ""),
+    ]
+    .iter()
+    .map(|t| kivi_spec::parse_scheme(t).expect("the codec ablations parse"))
+    .collect()
+}
+
 fn bind(name: &str, l: Layout) -> Result<Scheme, String> {
-    let s = kivi_spec::load_scheme(name).map_err(|e| e.to_string())?;
+    let s = kivi_spec::resolve_scheme(name, &codec_ablations())
+        .map_err(|e| e.to_string())?
+        .scheme;
     s.with_shape(l.heads(), l.head_dim)
         .map_err(|e| format!("scheme `{name}` does not fit {}: {e}", l.name))
 }
@@ -749,6 +797,41 @@ mod tests {
         assert_eq!(b, 32768 * 8 * 2 * 128 * 2);
         assert!(a * 5 < b);
         assert!(bind("nope", GQA).is_err());
+    }
+
+    #[test]
+    fn codec_ablations_bind_and_run() {
+        let names: Vec<String> = codec_ablations().into_iter().map(|s| s.name).collect();
+        assert_eq!(names.len(), 6);
+        for n in &names {
+            let a = bind(n, MQA).unwrap();
+            let base = bind(if n.starts_with("codec15") { "codec15" } else { "codec2" }, MQA).unwrap();
+            assert_ne!(kivi_spec::canonical_body(&a), kivi_spec::canonical_body(&base), "{n}");
+        }
+        // Every row is checked against the oracle before it is timed.
+        let cfg = Config {
+            layouts: vec![MQA],
+            contexts: vec![300],
+            batches: vec![2],
+            schemes: vec![
+                "f16".into(),
+                "codec2".into(),
+                "codec2_uniform".into(),
+                "codec15_noout".into(),
+            ],
+            reps: 1,
+            params: CpuParams::default(),
+            cold: false,
+            prefill: false,
+            prefill_tokens: 0,
+        };
+        let r = run(&cfg, "test".into(), &mut |_| peers::PeerReport::default(), &mut |_| {}).unwrap();
+        assert_eq!(r.decode.len(), 4);
+        assert!(
+            r.decode[1..].iter().all(|d| d.path.ends_with("+codec")),
+            "{:?}",
+            r.decode
+        );
     }
 
     #[test]

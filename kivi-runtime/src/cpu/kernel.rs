@@ -14,6 +14,7 @@
 //! registers (`c * s + z` with the reference's two roundings, f16/bf16
 //! widening) and consumed at once.
 
+use super::codec::CodecRows;
 use super::fused::{self, Fast, Tile, ROWS};
 use super::simd::{self, Bf16Rows, ChanRows, CodeRows, F16Rows, F32Rows, Isa, TokRows};
 use super::Partial;
@@ -59,6 +60,9 @@ pub(crate) struct Plan {
     fast: Option<Fast>,
     /// Some tensor runs a codec pipeline through the generic row reader.
     codec_rows: bool,
+    /// Per tensor, the fused codec decoding (`codec.rs`) where a codec
+    /// tensor has its shape (token-axis codes of 1 to 4 bits).
+    codec: [Option<CodecRows>; 2],
 }
 
 fn kind_of(codec: &Codec, t: Tensor, isa: Isa) -> Kind {
@@ -157,6 +161,13 @@ impl Plan {
             scale,
             fast,
             codec_rows: s.has_pipeline(Tensor::Key) || s.has_pipeline(Tensor::Value),
+            codec: [Tensor::Key, Tensor::Value].map(|t| {
+                if kinds[ti(t)] == Kind::Codec {
+                    CodecRows::of(s, t, *l.tensor(t), shape.head_dim, isa)
+                } else {
+                    None
+                }
+            }),
         }
     }
 }
@@ -169,6 +180,16 @@ impl Plan {
         if self.fast.is_some() {
             "avx512-fused"
         } else if self.codec_rows {
+            // Every codec tensor on the fused codec loops: AVX-512 or the
+            // portable ones (`codec.rs`).
+            let fused = (0..2).all(|i| self.kinds[i] != Kind::Codec || self.codec[i].is_some());
+            if fused {
+                return match self.isa {
+                    Isa::Avx512 => "avx512-fused+codec",
+                    Isa::Avx2 => "avx2-table+codec",
+                    Isa::Scalar => "scalar-table+codec",
+                };
+            }
             match self.isa {
                 Isa::Avx512 => "avx512+codec",
                 Isa::Avx2 => "avx2+codec",
@@ -239,6 +260,8 @@ struct Scratch {
     /// means of this KV head), added to the score of every quantized token.
     qrot: Vec<f32>,
     qm: Vec<f32>,
+    /// Fused codec keys with uniform levels: `sum_group qrot` per (head, group).
+    qsum: Vec<f32>,
     /// Codec values: the weighted sum of quantized rows in the rotated
     /// domain, and the weight it holds, per head.
     acc_rot: Vec<f32>,
@@ -492,6 +515,27 @@ fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: us
                             ),
                         }
                     }
+                    Kind::Codec if plan.codec[i].is_some() => {
+                        let cr = plan.codec[i].as_ref().expect("matched");
+                        match &mut sub {
+                            Op::Score { out, .. } => {
+                                cr.score(part, off, len, &sc.qrot, &sc.qsum, g, out);
+                                for r in 0..len {
+                                    for (o, m) in out[r * g..(r + 1) * g].iter_mut().zip(&sc.qm) {
+                                        *o += m;
+                                    }
+                                }
+                            }
+                            Op::Accum { p: pr, .. } => {
+                                cr.accum(part, off, len, pr, g, &mut sc.acc_rot, &mut sc.rows);
+                                for r in 0..len {
+                                    for (s, w) in sc.psum.iter_mut().zip(&pr[r * g..(r + 1) * g]) {
+                                        *s += w;
+                                    }
+                                }
+                            }
+                        }
+                    }
                     Kind::Codec => {
                         sc.rows.resize(len * d, 0.0);
                         for r in 0..len {
@@ -596,6 +640,7 @@ impl Scratch {
             rows: Vec::new(),
             qrot: Vec::new(),
             qm: vec![0.0; g],
+            qsum: Vec::new(),
             acc_rot: vec![0.0; g * d],
             psum: vec![0.0; g],
         }
@@ -622,6 +667,9 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
             let qh = &mut sc.qrot[hh * d..(hh + 1) * d];
             codec.forward(qh, None);
             sc.qm[hh] = mean.map_or(0.0, |m| q[hh * d..(hh + 1) * d].iter().zip(m).map(|(a, b)| a * b).sum());
+        }
+        if let Some(cr) = plan.codec[0].as_ref().filter(|c| c.uniform()) {
+            sc.qsum = cr.group_sums(&sc.qrot, g);
         }
     }
     let mut fs = plan.fast.map(|f| fused::State::new(f, g, d, tile, q));

@@ -30,7 +30,12 @@
 //!   un-rotation), keys are scored against the query rotated once per split
 //!   plus `q . m` for the key means, and values are summed in the rotated
 //!   domain and un-rotated once per split, with `(sum p) m` added for the
-//!   value means. `kernel_path` reports these as `<isa>+codec`.
+//!   value means. Token-axis codes of 1 to 4 bits (the codec presets)
+//!   are decoded in `codec.rs` without a copy: a register table lookup of
+//!   the levels, the norm folded into the score and the softmax weight,
+//!   outliers added as a sparse correction (`avx512-fused+codec` on
+//!   AVX-512, `avx2-table+codec` / `scalar-table+codec` elsewhere); other
+//!   codec tensors take the row reader, reported as `<isa>+codec`.
 //!
 //! Many new queries per sequence (`Backend::attend_block`: chunked
 //! prefill, speculative verification) run in `block.rs`: the long common
@@ -43,6 +48,7 @@
 //! `KIVI_CPU_SCALAR=1` (read once) force the scalar one.
 
 mod block;
+mod codec;
 mod fused;
 mod kernel;
 mod probe;
@@ -65,8 +71,9 @@ pub use simd::Isa;
 /// build time. Tuning decisions for the CPU backend are keyed by it, so a
 /// changed kernel is measured again instead of trusted.
 pub const KERNEL_HASH: u64 = {
-    const PARTS: [&str; 5] = [
+    const PARTS: [&str; 6] = [
         include_str!("mod.rs"),
+        include_str!("codec.rs"),
         include_str!("kernel.rs"),
         include_str!("fused.rs"),
         include_str!("simd.rs"),
@@ -223,8 +230,11 @@ impl CpuBackend {
     /// (the fast path: channel-axis 2/4-bit or token-axis 2/4/8-bit keys with
     /// token-axis values, GQA groups of a multiple of four heads), or
     /// `avx512`, `avx2`, `scalar` (the generic loops), with `+codec` when a
-    /// tensor's codec pipeline is consumed on the query side (the fused path
-    /// declines those).
+    /// tensor's codec pipeline is consumed on the query side (the KIVI fused
+    /// path declines those): `avx512-fused+codec`, `avx2-table+codec` or
+    /// `scalar-table+codec` where every codec tensor runs the fused codec
+    /// loops (`codec.rs`: token-axis codes of 1 to 4 bits), else
+    /// `<isa>+codec` (the generic row reader).
     ///
     /// ```
     /// use kivi_runtime::{CacheConfig, CpuBackend, CpuParams, PagedCache};
