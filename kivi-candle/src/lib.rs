@@ -229,7 +229,7 @@ pub enum Error {
         source: kivi_runtime::Error,
     },
     /// An attention backend that cannot be opened here (no GPU, no CUDA
-    /// driver, no NVRTC, no C++ compiler for the simulator).
+    /// driver, no NVRTC): [`AttentionBackend::cuda`].
     #[error("attention backend `{backend}` is unavailable: {reason}")]
     Unavailable { backend: &'static str, reason: String },
     /// An error of a candle tensor operation.
@@ -647,7 +647,9 @@ impl KiviKvCache {
     /// (`[1, kv_heads, seq, head_dim]`) and returns the attention output of
     /// their queries (`q`: `[1, q_heads, seq, head_dim]`) over the cache,
     /// `[1, q_heads, seq, head_dim]` in the dtype of `q`. Causal within the
-    /// new tokens, sliding window per layer; see the crate docs.
+    /// new tokens, sliding window per layer; see the crate docs. Computed on
+    /// [`Self::backend`] (the CPU unless [`Self::set_backend`] chose a
+    /// device).
     pub fn attend(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         let (n, kh, vh) = self.new_kv(layer, k, v)?;
         let (nq, qh) = host_rows(q, "query", self.shape.q_heads, self.shape.head_dim)?;

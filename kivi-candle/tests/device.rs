@@ -219,6 +219,40 @@ fn bad_input_on_the_simulated_device_leaves_the_cache_unchanged() {
     step(&mut dev, &mut cpu, 7);
 }
 
+/// The backend can change between calls in the middle of a sequence: the
+/// cache is the host's either way, so CPU → sim → CPU agrees with the CPU
+/// all along, and the stored cache is the same bit for bit.
+#[test]
+fn switching_backends_mid_sequence_changes_nothing() {
+    let shape = ModelShape {
+        layers: 1,
+        q_heads: 8,
+        kv_heads: 2,
+        head_dim: 64,
+    };
+    let mut mixed = KiviKvCache::new(&presets::kivi4(), shape, 256).unwrap();
+    let mut cpu = KiviKvCache::new(&presets::kivi4(), shape, 256).unwrap();
+    let mut rng = fastrand::Rng::with_seed(11);
+    for (i, n) in [31, 1, 127, 33, 1].into_iter().enumerate() {
+        mixed.set_backend(if i % 2 == 1 {
+            AttentionBackend::simulated()
+        } else {
+            AttentionBackend::Cpu
+        });
+        let (q, _) = random(&mut rng, 8, n, 64);
+        let (k, _) = random(&mut rng, 2, n, 64);
+        let (v, _) = random(&mut rng, 2, n, 64);
+        let got = rows_of(&mixed.attend(0, &q, &k, &v).unwrap());
+        let want = rows_of(&cpu.attend(0, &q, &k, &v).unwrap());
+        let on = mixed.backend().name();
+        assert_rows_close(&want, &got, 8 * 64, &format!("chunk {i} of {n} on {on}"));
+    }
+    let empty = Tensor::zeros((1, 2, 0, 64), DType::F32, &Device::Cpu).unwrap();
+    let (mk, mv) = mixed.append(0, &empty, &empty).unwrap();
+    let (ck, cv) = cpu.append(0, &empty, &empty).unwrap();
+    assert_eq!((rows_of(&mk), rows_of(&mv)), (rows_of(&ck), rows_of(&cv)));
+}
+
 /// GPU 0 when usable; else the typed error, printed as the reason for the
 /// skip (`KIVI_REQUIRE_GPU` set: a missing GPU fails, as in
 /// kivi-runtime's device tests).
