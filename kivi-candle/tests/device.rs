@@ -275,3 +275,12 @@ fn cuda_device_matches_the_oracle_or_skips() {
         check(&gpu, s, *shape, 40 + i as u64);
     }
 }
+
+/// A model holding the cache can move to another thread whichever backend
+/// it attends on (a serving loop's worker).
+#[test]
+fn the_cache_and_its_backends_are_send() {
+    fn send<T: Send>() {}
+    send::<KiviKvCache>();
+    send::<AttentionBackend>();
+}
