@@ -15,7 +15,10 @@
 //!   quantized cache by kivi's CPU backend (dequantization fused into the dot
 //!   products, one pass over the bytes per group of query heads: GQA/MQA are
 //!   handled inside, no `repeat_kv`). Any number of new queries at once: a
-//!   prefill chunk or one decode token.
+//!   prefill chunk or one decode token. [`KiviKvCache::set_backend`] runs
+//!   it through kivi's device layer instead ([`AttentionBackend`]): the
+//!   generated CUDA kernels on a GPU, or the same kernels on the simulated
+//!   device.
 //!
 //! # Shapes
 //!
@@ -62,6 +65,26 @@
 //! the output back into a tensor (`seq x heads x head_dim` values), small
 //! next to the attention itself.
 //!
+//! # Attention backends
+//!
+//! [`KiviKvCache::attend`] runs on the CPU by default. [`AttentionBackend`]
+//! chooses where it runs instead: [`AttentionBackend::cuda`] opens a GPU
+//! through kivi's device layer (cudarc, kernels generated for the layer's
+//! scheme and compiled with NVRTC) and returns [`Error::Unavailable`] saying
+//! why when there is no GPU, driver or NVRTC — never a panic;
+//! [`AttentionBackend::simulated`] runs the same generated CUDA compiled as
+//! C++ on the CPU (how the tests check the device path without a GPU; slow,
+//! not for serving). Outputs agree with the CPU path within float noise
+//! (another accumulation order), the stored cache is the same bit for bit
+//! (the host cache stays the source of truth), and a failed call still
+//! leaves it unchanged.
+//!
+//! Candle tensors stay on the CPU either way: candle is built without its
+//! `cuda` feature, so q/k/v come from host memory and the output goes back
+//! there. Each device call uploads the layer's cache and the new tokens and
+//! downloads the output (a correctness path; a serving loop that keeps the
+//! cache resident on the GPU uses `kivi_runtime::device::DeviceCache`).
+//!
 //! # Errors
 //!
 //! Methods return [`Result`] with this crate's [`Error`]; it converts into
@@ -70,8 +93,10 @@
 //!
 //! # Supported candle versions
 //!
-//! candle-core 0.11 (built and tested with 0.11.1), CPU device. Only
-//! `candle-core` is needed; candle-nn is not a dependency.
+//! candle-core 0.11 (built and tested with 0.11.1), CPU device (candle's
+//! `cuda` feature is not used: tensors are host tensors even when the
+//! attention runs on a GPU, see [Attention backends](#attention-backends)).
+//! Only `candle-core` is needed; candle-nn is not a dependency.
 //!
 //! # Swapping a plain cache for kivi's
 //!
@@ -159,6 +184,7 @@
 //! ```
 
 use candle_core::{DType, Device, Tensor};
+use kivi_runtime::device::{DeviceBackend, DeviceKind};
 use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, MemoryReport, NewTokens, PagedCache, SeqId};
 use kivi_spec::{Heads, Scheme};
 
@@ -202,6 +228,10 @@ pub enum Error {
         #[source]
         source: kivi_runtime::Error,
     },
+    /// An attention backend that cannot be opened here (no GPU, no CUDA
+    /// driver, no NVRTC): [`AttentionBackend::cuda`].
+    #[error("attention backend `{backend}` is unavailable: {reason}")]
+    Unavailable { backend: &'static str, reason: String },
     /// An error of a candle tensor operation.
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
@@ -225,6 +255,67 @@ pub struct ModelShape {
     pub head_dim: usize,
 }
 
+/// Where [`KiviKvCache::attend`] computes attention. The cache itself
+/// (codes, scales, residual window) lives in host memory in every case.
+#[derive(Clone, Default)]
+pub enum AttentionBackend {
+    /// kivi's CPU backend (`kivi_runtime::CpuBackend`) on rayon's global
+    /// pool: the default.
+    #[default]
+    Cpu,
+    /// kivi's device layer: the kernels generated for each layer's scheme,
+    /// launched on a GPU or on the simulated device. Build it with
+    /// [`AttentionBackend::cuda`] or [`AttentionBackend::simulated`], or wrap
+    /// a `DeviceBackend` of your own (e.g. with a tuned decode variant).
+    Device(DeviceBackend),
+}
+
+impl AttentionBackend {
+    /// GPU `ordinal` through cudarc. [`Error::Unavailable`] (never a panic)
+    /// when this machine has no CUDA driver, no such GPU, or no NVRTC to
+    /// compile the kernels with, the reason in the message.
+    pub fn cuda(ordinal: usize) -> Result<AttentionBackend> {
+        let dev = kivi_runtime::cuda::CudaDevice::new(ordinal).map_err(|e| Error::Unavailable {
+            backend: "cuda",
+            reason: match e {
+                kivi_runtime::Error::Unavailable { reason, .. } => reason,
+                e => e.to_string(),
+            },
+        })?;
+        Ok(AttentionBackend::Device(DeviceBackend::new(std::sync::Arc::new(dev))))
+    }
+
+    /// The simulated device: the generated CUDA compiled as C++ and run on
+    /// the CPU (kernels are compiled on first use, then cached on disk).
+    /// For testing the device path without a GPU; far slower than
+    /// [`AttentionBackend::Cpu`].
+    pub fn simulated() -> AttentionBackend {
+        AttentionBackend::Device(DeviceBackend::new(kivi_runtime::device::SimDevice::shared()))
+    }
+
+    /// Short name: `cpu`, `sim` or `cuda`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            AttentionBackend::Cpu => "cpu",
+            AttentionBackend::Device(d) => d.device().kind().name(),
+        }
+    }
+
+    /// Whether this is a GPU (not the CPU, not the simulator).
+    pub fn is_gpu(&self) -> bool {
+        matches!(self, AttentionBackend::Device(d) if d.device().kind() == DeviceKind::Cuda)
+    }
+}
+
+impl std::fmt::Debug for AttentionBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AttentionBackend::Cpu => f.write_str("Cpu"),
+            AttentionBackend::Device(d) => write!(f, "Device({})", d.device().describe()),
+        }
+    }
+}
+
 struct Layer {
     cache: PagedCache,
     seq: SeqId,
@@ -239,7 +330,8 @@ pub struct KiviKvCache {
     shape: ModelShape,
     max_tokens: usize,
     layers: Vec<Layer>,
-    backend: CpuBackend,
+    cpu: CpuBackend,
+    backend: AttentionBackend,
 }
 
 impl KiviKvCache {
@@ -308,8 +400,9 @@ impl KiviKvCache {
             layers,
             // threads = 0: rayon's global pool, the one candle's CPU kernels
             // use too (a pool per call would be rebuilt every token).
-            backend: CpuBackend::new(kivi_runtime::CpuParams::default())
+            cpu: CpuBackend::new(kivi_runtime::CpuParams::default())
                 .map_err(|e| Error::Cache { layer: 0, source: e })?,
+            backend: AttentionBackend::Cpu,
         })
     }
 
@@ -355,6 +448,26 @@ impl KiviKvCache {
             cache.set_window(l, *w)?;
         }
         Ok(cache)
+    }
+
+    /// Where [`Self::attend`] runs from now on (the default is
+    /// [`AttentionBackend::Cpu`]). The stored tokens do not move: every
+    /// backend reads and appends to the same host cache, so this can change
+    /// between calls, even in the middle of a sequence.
+    pub fn set_backend(&mut self, backend: AttentionBackend) {
+        self.backend = backend;
+    }
+
+    /// [`Self::set_backend`] in builder style:
+    /// `KiviKvCache::new(&scheme, shape, n)?.with_backend(AttentionBackend::cuda(0)?)`.
+    pub fn with_backend(mut self, backend: AttentionBackend) -> KiviKvCache {
+        self.backend = backend;
+        self
+    }
+
+    /// Where [`Self::attend`] runs.
+    pub fn backend(&self) -> &AttentionBackend {
+        &self.backend
     }
 
     /// The model shape the cache was made for.
@@ -534,7 +647,9 @@ impl KiviKvCache {
     /// (`[1, kv_heads, seq, head_dim]`) and returns the attention output of
     /// their queries (`q`: `[1, q_heads, seq, head_dim]`) over the cache,
     /// `[1, q_heads, seq, head_dim]` in the dtype of `q`. Causal within the
-    /// new tokens, sliding window per layer; see the crate docs.
+    /// new tokens, sliding window per layer; see the crate docs. Computed on
+    /// [`Self::backend`] (the CPU unless [`Self::set_backend`] chose a
+    /// device).
     pub fn attend(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         let (n, kh, vh) = self.new_kv(layer, k, v)?;
         let (nq, qh) = host_rows(q, "query", self.shape.q_heads, self.shape.head_dim)?;
@@ -553,7 +668,11 @@ impl KiviKvCache {
             k: &kh,
             v: &vh,
         }];
-        let out = self.backend.attend_block(&mut l.cache, &blocks, l.attn).map_err(|e| {
+        let backend: &dyn Backend = match &self.backend {
+            AttentionBackend::Cpu => &self.cpu,
+            AttentionBackend::Device(d) => d,
+        };
+        let out = backend.attend_block(&mut l.cache, &blocks, l.attn).map_err(|e| {
             // One block per call: its index adds nothing to the message.
             let source = match e {
                 kivi_runtime::Error::InSequence { source, .. } => *source,
