@@ -15,6 +15,7 @@
 //! widening) and consumed at once.
 
 use super::codec::CodecRows;
+use super::dense;
 use super::fused::{self, Fast, Tile, ROWS};
 use super::simd::{self, Bf16Rows, ChanRows, CodeRows, F16Rows, F32Rows, Isa, TokRows};
 use super::Partial;
@@ -58,6 +59,9 @@ pub(crate) struct Plan {
     scale: [ScaleDtype; 2],
     /// The AVX-512 fast path's parameters, where the scheme has its shape.
     fast: Option<Fast>,
+    /// Both tensors are `full` and an AVX ISA is on: rows go to the dense
+    /// loops (`dense.rs`) instead of the generic ones.
+    dense: bool,
     /// Some tensor runs a codec pipeline through the generic row reader.
     codec_rows: bool,
     /// Per tensor, the fused codec decoding (`codec.rs`) where a codec
@@ -160,6 +164,7 @@ impl Plan {
             layouts: [l.key, l.value],
             scale,
             fast,
+            dense: kinds == [Kind::Full; 2] && isa != Isa::Scalar && !super::env_no_dense(),
             codec_rows: s.has_pipeline(Tensor::Key) || s.has_pipeline(Tensor::Value),
             codec: [Tensor::Key, Tensor::Value].map(|t| {
                 if kinds[ti(t)] == Kind::Codec {
@@ -179,6 +184,11 @@ impl Plan {
     pub fn path_name(&self) -> &'static str {
         if self.fast.is_some() {
             "avx512-fused"
+        } else if self.dense {
+            match self.isa {
+                Isa::Avx512 => "avx512-dense",
+                _ => "avx2-dense",
+            }
         } else if self.codec_rows {
             // Every codec tensor on the fused codec loops: AVX-512 or the
             // portable ones (`codec.rs`).
@@ -271,6 +281,13 @@ struct Scratch {
 /// Runs `op` over rows `0..n`, applying the instruction set of the plan.
 fn apply<R: simd::Rows>(plan: &Plan, rows: &R, n: usize, op: &mut Op) {
     let (isa, d, g) = (plan.isa, plan.d, plan.group);
+    if plan.dense {
+        match op {
+            Op::Score { q, out } => dense::dot(isa, rows, n, d, q, g, out, g),
+            Op::Accum { p, acc } => dense::axpy(isa, rows, n, d, p, g, g, acc),
+        }
+        return;
+    }
     match op {
         Op::Score { q, out } => simd::dot(isa, rows, n, d, q, g, out, g),
         Op::Accum { p, acc } => simd::axpy(isa, rows, n, d, p, g, g, acc),

@@ -49,6 +49,7 @@
 
 mod block;
 mod codec;
+mod dense;
 mod fused;
 mod kernel;
 mod probe;
@@ -71,8 +72,9 @@ pub use simd::Isa;
 /// build time. Tuning decisions for the CPU backend are keyed by it, so a
 /// changed kernel is measured again instead of trusted.
 pub const KERNEL_HASH: u64 = {
-    const PARTS: [&str; 6] = [
+    const PARTS: [&str; 7] = [
         include_str!("mod.rs"),
+        include_str!("dense.rs"),
         include_str!("codec.rs"),
         include_str!("kernel.rs"),
         include_str!("fused.rs"),
@@ -159,6 +161,13 @@ impl CpuParams {
 fn env_scalar() -> bool {
     static ONCE: OnceLock<bool> = OnceLock::new();
     *ONCE.get_or_init(|| std::env::var("KIVI_CPU_SCALAR").is_ok_and(|v| v == "1" || v == "true"))
+}
+
+/// `KIVI_CPU_DENSE=0` sends `full` tensors back to the generic loops (the
+/// dense loops' baseline, for side-by-side benchmarks in one build).
+fn env_no_dense() -> bool {
+    static ONCE: OnceLock<bool> = OnceLock::new();
+    *ONCE.get_or_init(|| std::env::var("KIVI_CPU_DENSE").is_ok_and(|v| v == "0" || v == "false"))
 }
 
 /// Fused CPU decode attention.
