@@ -20,7 +20,8 @@ use super::simd::{Isa, Rows};
 
 /// `out[i * ostride + h] = sum_k q[h * d + k] * row_i[k]` for `heads` query
 /// heads and rows `0..n`; the caller has checked `isa != Scalar` and the
-/// head dim against the ISA width.
+/// head dim against the ISA width. `ahead` (`n` rows, or empty) is
+/// prefetched as the rows are scored.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn dot<R: Rows>(
     isa: Isa,
@@ -31,6 +32,7 @@ pub(crate) fn dot<R: Rows>(
     heads: usize,
     out: &mut [f32],
     ostride: usize,
+    ahead: &[u32],
 ) {
     if n == 0 || heads == 0 {
         return;
@@ -40,19 +42,46 @@ pub(crate) fn dot<R: Rows>(
     match isa {
         Isa::Avx512 => {
             assert!(d.is_multiple_of(16) && std::arch::is_x86_feature_detected!("avx512f"));
-            // SAFETY: features checked; `fits` and the asserts above bound
-            // every read and write.
-            unsafe { avx512::dot(r, n, d, q.as_ptr(), heads, out.as_mut_ptr(), ostride) };
+            for (i0, m) in chunks(n) {
+                prefetch(ahead, n, i0, m);
+                // SAFETY: features checked; `fits` and the asserts above
+                // bound every read and write (rows `i0..i0 + m < n`).
+                unsafe {
+                    avx512::dot(
+                        &Shifted(r, i0),
+                        m,
+                        d,
+                        q.as_ptr(),
+                        heads,
+                        out.as_mut_ptr().add(i0 * ostride),
+                        ostride,
+                    )
+                };
+            }
             return;
         }
         Isa::Avx2 => {
             assert!(d.is_multiple_of(8) && std::arch::is_x86_feature_detected!("fma"));
-            // SAFETY: as above.
-            unsafe { avx2::dot(r, n, d, q.as_ptr(), heads, out.as_mut_ptr(), ostride) };
+            for (i0, m) in chunks(n) {
+                prefetch(ahead, n, i0, m);
+                // SAFETY: as above.
+                unsafe {
+                    avx2::dot(
+                        &Shifted(r, i0),
+                        m,
+                        d,
+                        q.as_ptr(),
+                        heads,
+                        out.as_mut_ptr().add(i0 * ostride),
+                        ostride,
+                    )
+                };
+            }
             return;
         }
         Isa::Scalar => {}
     }
+    let _ = ahead;
     super::simd::dot(isa, r, n, d, q, heads, out, ostride)
 }
 
@@ -68,6 +97,7 @@ pub(crate) fn axpy<R: Rows>(
     pstride: usize,
     heads: usize,
     acc: &mut [f32],
+    ahead: &[u32],
 ) {
     if n == 0 || heads == 0 {
         return;
@@ -76,13 +106,79 @@ pub(crate) fn axpy<R: Rows>(
     if isa == Isa::Avx512 && d.is_multiple_of(64) {
         assert!(r.fits(n, d) && acc.len() >= heads * d && p.len() >= (n - 1) * pstride + heads);
         assert!(std::arch::is_x86_feature_detected!("avx512f"));
-        // SAFETY: as in `dot`.
-        unsafe { avx512::axpy(r, n, d, p.as_ptr(), pstride, heads, acc.as_mut_ptr()) };
+        for (i0, m) in chunks(n) {
+            prefetch(ahead, n, i0, m);
+            // SAFETY: as in `dot`.
+            unsafe {
+                avx512::axpy(
+                    &Shifted(r, i0),
+                    m,
+                    d,
+                    p.as_ptr().add(i0 * pstride),
+                    pstride,
+                    heads,
+                    acc.as_mut_ptr(),
+                )
+            };
+        }
         return;
     }
     // AVX2 has 16 registers: the generic loops' two chunks of four heads
     // already fill them.
-    super::simd::axpy(isa, r, n, d, p, pstride, heads, acc)
+    for (i0, m) in chunks(n) {
+        prefetch(ahead, n, i0, m);
+        super::simd::axpy(isa, &Shifted(r, i0), m, d, &p[i0 * pstride..], pstride, heads, acc);
+    }
+}
+
+/// Rows per prefetch step: 16 rows of the next block are requested, then 16
+/// rows of this one computed (4 KiB at head_dim 128 in f16).
+const STEP: usize = 16;
+
+/// `(first row, rows)` of the steps covering `0..n`.
+fn chunks(n: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..n).step_by(STEP).map(move |i0| (i0, STEP.min(n - i0)))
+}
+
+/// Prefetches rows `i0..i0 + m` of `ahead` (`n` rows, or empty) into L2.
+fn prefetch(ahead: &[u32], n: usize, i0: usize, m: usize) {
+    if ahead.is_empty() {
+        return;
+    }
+    let wpr = ahead.len() / n;
+    let part = &ahead[(i0 * wpr).min(ahead.len())..((i0 + m) * wpr).min(ahead.len())];
+    #[cfg(target_arch = "x86_64")]
+    for line in part.chunks(16) {
+        // SAFETY: a prefetch is a hint; the address is inside `part`.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(line.as_ptr() as *const i8)
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = part;
+}
+
+/// Rows `i0..` of `r`, as rows `0..`.
+struct Shifted<'r, R>(&'r R, usize);
+
+impl<R: Rows> Rows for Shifted<'_, R> {
+    fn fits(&self, n: usize, d: usize) -> bool {
+        self.0.fits(self.1 + n, d)
+    }
+    #[inline(always)]
+    fn get(&self, i: usize, k: usize) -> f32 {
+        self.0.get(self.1 + i, k)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn get8(&self, i: usize, c: usize) -> std::arch::x86_64::__m256 {
+        self.0.get8(self.1 + i, c)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn get16(&self, i: usize, c: usize) -> std::arch::x86_64::__m512 {
+        self.0.get16(self.1 + i, c)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]

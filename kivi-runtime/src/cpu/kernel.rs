@@ -282,15 +282,21 @@ struct Scratch {
 fn apply<R: simd::Rows>(plan: &Plan, rows: &R, n: usize, op: &mut Op) {
     let (isa, d, g) = (plan.isa, plan.d, plan.group);
     if plan.dense {
-        match op {
-            Op::Score { q, out } => dense::dot(isa, rows, n, d, q, g, out, g),
-            Op::Accum { p, acc } => dense::axpy(isa, rows, n, d, p, g, g, acc),
-        }
-        return;
+        return apply_dense(plan, rows, n, op, &[]);
     }
     match op {
         Op::Score { q, out } => simd::dot(isa, rows, n, d, q, g, out, g),
         Op::Accum { p, acc } => simd::axpy(isa, rows, n, d, p, g, g, acc),
+    }
+}
+
+/// As [`apply`] on the dense loops, which prefetch `ahead` (the matching
+/// rows of the head's next block, or nothing) row by row as they go.
+fn apply_dense<R: simd::Rows>(plan: &Plan, rows: &R, n: usize, op: &mut Op, ahead: &[u32]) {
+    let (isa, d, g) = (plan.isa, plan.d, plan.group);
+    match op {
+        Op::Score { q, out } => dense::dot(isa, rows, n, d, q, g, out, g, ahead),
+        Op::Accum { p, acc } => dense::axpy(isa, rows, n, d, p, g, g, acc, ahead),
     }
 }
 
@@ -355,7 +361,7 @@ fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: us
             Loc::Sink(s) => raw_rows(plan, view.sinks_raw(t), s, h, len, &mut sub),
             Loc::Window(w) => raw_rows(plan, view.ring_raw(t), w, h, len, &mut sub),
             Loc::Block(b, off) => {
-                if t == Tensor::Key && off == 0 {
+                if t == Tensor::Key && off == 0 && !plan.dense {
                     prefetch_next_block(plan, view, h, p, 0, plan.block_tokens);
                 }
                 let part = view.block_part(b, h, t);
@@ -365,6 +371,46 @@ fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: us
                 let zeros = &part[tl.zeros_offset..tl.zeros_offset + tl.zero_words];
                 let base = off * wpt;
                 match plan.kinds[i] {
+                    Kind::Full if plan.dense => {
+                        // The same rows of the head's next block, prefetched
+                        // a row at a time while these are computed: spread
+                        // over the tile, the requests keep the memory system
+                        // busy without queueing behind each other (a whole
+                        // block at once, as `prefetch_next_block` asks for,
+                        // stalls the loads of the tile being computed).
+                        let next = (p - plan.sinks) / plan.block_tokens + 1;
+                        let ahead = view
+                            .block_at(next)
+                            .and_then(|nb| view.block_part(nb, h, t).get(base..base + len * wpt))
+                            .unwrap_or(&[]);
+                        let rows = &part[..tl.codes_words()];
+                        match plan.dtype {
+                            Dtype::F32 => {
+                                let r = F32Rows {
+                                    data: as_f32(rows),
+                                    base,
+                                    stride: wpt,
+                                };
+                                apply_dense(plan, &r, len, &mut sub, ahead)
+                            }
+                            Dtype::Bf16 => {
+                                let r = Bf16Rows {
+                                    data: halves(rows),
+                                    base: 2 * base,
+                                    stride: 2 * wpt,
+                                };
+                                apply_dense(plan, &r, len, &mut sub, ahead)
+                            }
+                            Dtype::F16 => {
+                                let r = F16Rows {
+                                    data: halves(rows),
+                                    base: 2 * base,
+                                    stride: 2 * wpt,
+                                };
+                                apply_dense(plan, &r, len, &mut sub, ahead)
+                            }
+                        }
+                    }
                     Kind::Full => {
                         let rows = &part[..tl.codes_words()];
                         match plan.dtype {
