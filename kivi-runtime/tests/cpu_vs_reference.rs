@@ -544,3 +544,60 @@ fn codec_fused_path_variants() {
         }
     }
 }
+
+/// `full` tensors (the `f16` preset, and bf16/f32 variants) on the dense
+/// loops (`dense.rs`): odd lengths, MHA / GQA 4:1 / GQA 7:1 / MQA, head_dim
+/// 64, 128 and 256, with a sliding window, on every instruction
+/// set. `kernel_path` must name the dense loops on AVX-512 and AVX2.
+#[test]
+fn dense_full_path_odd_lengths_and_layouts() {
+    let mut cases = 0u64;
+    let mut variants = Vec::new();
+    for dtype in [Dtype::F16, Dtype::Bf16, Dtype::F32] {
+        let mut s = presets::f16();
+        s.dtype = dtype;
+        s.name = format!("full_{dtype:?}");
+        variants.push(s.clone());
+        if dtype == Dtype::F16 {
+            // Sinks and the residual window are rejected for schemes that
+            // quantize nothing; a sliding window is not.
+            for win in [300, 17] {
+                let mut w = s.clone();
+                w.name = format!("full_sliding{win}");
+                w.sliding_window = Some(win);
+                variants.push(w);
+            }
+        }
+    }
+    let heads_dims = [
+        (Heads::Mha(4), 64u32),
+        (Heads::Gqa { q: 8, kv: 2 }, 128),
+        (Heads::Gqa { q: 14, kv: 2 }, 64),
+        (Heads::Mqa(4), 256),
+    ];
+    for s in &variants {
+        for (heads, d) in heads_dims {
+            let bound = s.with_shape(heads, d).unwrap();
+            let cache = PagedCache::new(bound, CacheConfig::for_tokens(64)).unwrap();
+            let mut params = isas().to_vec();
+            // A tile that is not a multiple of the rows per pass.
+            params.push(CpuParams {
+                tile_tokens: 37,
+                splits: 3,
+                ..CpuParams::default()
+            });
+            for p in &params {
+                let path = CpuBackend::new(*p).unwrap().kernel_path(&cache);
+                let want = match p.isa(d as usize) {
+                    Isa::Avx512 => "avx512-dense",
+                    Isa::Avx2 => "avx2-dense",
+                    Isa::Scalar => "scalar",
+                };
+                assert_eq!(path, want, "{} {heads} d{d} {}", s.name, p.name());
+            }
+            check(s, heads, d, &[1, 31, 33, 127, 1000], &params, 1200 + cases);
+            cases += 1;
+        }
+    }
+    assert_eq!(cases, 20);
+}

@@ -15,6 +15,7 @@
 //! widening) and consumed at once.
 
 use super::codec::CodecRows;
+use super::dense;
 use super::fused::{self, Fast, Tile, ROWS};
 use super::simd::{self, Bf16Rows, ChanRows, CodeRows, F16Rows, F32Rows, Isa, TokRows};
 use super::Partial;
@@ -58,6 +59,9 @@ pub(crate) struct Plan {
     scale: [ScaleDtype; 2],
     /// The AVX-512 fast path's parameters, where the scheme has its shape.
     fast: Option<Fast>,
+    /// Both tensors are `full` and an AVX ISA is on: rows go to the dense
+    /// loops (`dense.rs`) instead of the generic ones.
+    dense: bool,
     /// Some tensor runs a codec pipeline through the generic row reader.
     codec_rows: bool,
     /// Per tensor, the fused codec decoding (`codec.rs`) where a codec
@@ -160,6 +164,7 @@ impl Plan {
             layouts: [l.key, l.value],
             scale,
             fast,
+            dense: kinds == [Kind::Full; 2] && isa != Isa::Scalar && !super::env_no_dense(),
             codec_rows: s.has_pipeline(Tensor::Key) || s.has_pipeline(Tensor::Value),
             codec: [Tensor::Key, Tensor::Value].map(|t| {
                 if kinds[ti(t)] == Kind::Codec {
@@ -179,6 +184,11 @@ impl Plan {
     pub fn path_name(&self) -> &'static str {
         if self.fast.is_some() {
             "avx512-fused"
+        } else if self.dense {
+            match self.isa {
+                Isa::Avx512 => "avx512-dense",
+                _ => "avx2-dense",
+            }
         } else if self.codec_rows {
             // Every codec tensor on the fused codec loops: AVX-512 or the
             // portable ones (`codec.rs`).
@@ -271,9 +281,22 @@ struct Scratch {
 /// Runs `op` over rows `0..n`, applying the instruction set of the plan.
 fn apply<R: simd::Rows>(plan: &Plan, rows: &R, n: usize, op: &mut Op) {
     let (isa, d, g) = (plan.isa, plan.d, plan.group);
+    if plan.dense {
+        return apply_dense(plan, rows, n, op, &[]);
+    }
     match op {
         Op::Score { q, out } => simd::dot(isa, rows, n, d, q, g, out, g),
         Op::Accum { p, acc } => simd::axpy(isa, rows, n, d, p, g, g, acc),
+    }
+}
+
+/// As [`apply`] on the dense loops, which prefetch `ahead` (the matching
+/// rows of the head's next block, or nothing) row by row as they go.
+fn apply_dense<R: simd::Rows>(plan: &Plan, rows: &R, n: usize, op: &mut Op, ahead: &[u32]) {
+    let (isa, d, g) = (plan.isa, plan.d, plan.group);
+    match op {
+        Op::Score { q, out } => dense::dot(isa, rows, n, d, q, g, out, g, ahead),
+        Op::Accum { p, acc } => dense::axpy(isa, rows, n, d, p, g, g, acc, ahead),
     }
 }
 
@@ -338,7 +361,7 @@ fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: us
             Loc::Sink(s) => raw_rows(plan, view.sinks_raw(t), s, h, len, &mut sub),
             Loc::Window(w) => raw_rows(plan, view.ring_raw(t), w, h, len, &mut sub),
             Loc::Block(b, off) => {
-                if t == Tensor::Key && off == 0 {
+                if t == Tensor::Key && off == 0 && !plan.dense {
                     prefetch_next_block(plan, view, h, p, 0, plan.block_tokens);
                 }
                 let part = view.block_part(b, h, t);
@@ -348,6 +371,46 @@ fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: us
                 let zeros = &part[tl.zeros_offset..tl.zeros_offset + tl.zero_words];
                 let base = off * wpt;
                 match plan.kinds[i] {
+                    Kind::Full if plan.dense => {
+                        // The same rows of the head's next block, prefetched
+                        // a row at a time while these are computed: spread
+                        // over the tile, the requests keep the memory system
+                        // busy without queueing behind each other (a whole
+                        // block at once, as `prefetch_next_block` asks for,
+                        // stalls the loads of the tile being computed).
+                        let next = (p - plan.sinks) / plan.block_tokens + 1;
+                        let ahead = view
+                            .block_at(next)
+                            .and_then(|nb| view.block_part(nb, h, t).get(base..base + len * wpt))
+                            .unwrap_or(&[]);
+                        let rows = &part[..tl.codes_words()];
+                        match plan.dtype {
+                            Dtype::F32 => {
+                                let r = F32Rows {
+                                    data: as_f32(rows),
+                                    base,
+                                    stride: wpt,
+                                };
+                                apply_dense(plan, &r, len, &mut sub, ahead)
+                            }
+                            Dtype::Bf16 => {
+                                let r = Bf16Rows {
+                                    data: halves(rows),
+                                    base: 2 * base,
+                                    stride: 2 * wpt,
+                                };
+                                apply_dense(plan, &r, len, &mut sub, ahead)
+                            }
+                            Dtype::F16 => {
+                                let r = F16Rows {
+                                    data: halves(rows),
+                                    base: 2 * base,
+                                    stride: 2 * wpt,
+                                };
+                                apply_dense(plan, &r, len, &mut sub, ahead)
+                            }
+                        }
+                    }
                     Kind::Full => {
                         let rows = &part[..tl.codes_words()];
                         match plan.dtype {

@@ -11,8 +11,11 @@
 //! `fused.rs`, one aligned tile of block-resident tokens per call: codes to
 //! floats in two instructions, keys scored sixteen tokens at a time from an
 //! in-register transpose, value scales folded into the softmax weights.
-//! [`CpuBackend::kernel_path`] says which path a cache gets. Everything
-//! else takes the generic loops below.
+//! [`CpuBackend::kernel_path`] says which path a cache gets. Caches whose
+//! keys and values are both `full` (f16/bf16/f32 rows) take `dense.rs` on
+//! AVX-512 and AVX2: register-resident value accumulation and a next-block
+//! prefetch spread over the tile. Everything else takes the generic loops
+//! below.
 //!
 //! Where the arithmetic happens in the generic loops (see `kernel.rs`):
 //! - channel-axis keys: the scale is folded into the query once per group of
@@ -49,6 +52,7 @@
 
 mod block;
 mod codec;
+mod dense;
 mod fused;
 mod kernel;
 mod probe;
@@ -71,8 +75,9 @@ pub use simd::Isa;
 /// build time. Tuning decisions for the CPU backend are keyed by it, so a
 /// changed kernel is measured again instead of trusted.
 pub const KERNEL_HASH: u64 = {
-    const PARTS: [&str; 6] = [
+    const PARTS: [&str; 7] = [
         include_str!("mod.rs"),
+        include_str!("dense.rs"),
         include_str!("codec.rs"),
         include_str!("kernel.rs"),
         include_str!("fused.rs"),
@@ -161,6 +166,13 @@ fn env_scalar() -> bool {
     *ONCE.get_or_init(|| std::env::var("KIVI_CPU_SCALAR").is_ok_and(|v| v == "1" || v == "true"))
 }
 
+/// `KIVI_CPU_DENSE=0` sends `full` tensors back to the generic loops (the
+/// dense loops' baseline, for side-by-side benchmarks in one build).
+fn env_no_dense() -> bool {
+    static ONCE: OnceLock<bool> = OnceLock::new();
+    *ONCE.get_or_init(|| std::env::var("KIVI_CPU_DENSE").is_ok_and(|v| v == "0" || v == "false"))
+}
+
 /// Fused CPU decode attention.
 ///
 /// ```
@@ -228,7 +240,9 @@ impl CpuBackend {
 
     /// Which inner loops decoding `cache` runs on this machine: `avx512-fused`
     /// (the fast path: channel-axis 2/4-bit or token-axis 2/4/8-bit keys with
-    /// token-axis values, GQA groups of a multiple of four heads), or
+    /// token-axis values, GQA groups of a multiple of four heads),
+    /// `avx512-dense` / `avx2-dense` (both tensors `full`: the `f16` preset,
+    /// bf16/f32 schemes; `KIVI_CPU_DENSE=0` turns it off for comparisons), or
     /// `avx512`, `avx2`, `scalar` (the generic loops), with `+codec` when a
     /// tensor's codec pipeline is consumed on the query side (the KIVI fused
     /// path declines those): `avx512-fused+codec`, `avx2-table+codec` or
