@@ -25,9 +25,14 @@ fn expected(stderr: &str) -> (String, usize, usize) {
 }
 
 /// The text of `source` with everything outside the body of the
-/// `kivi::scheme! { ... }` invocation replaced by spaces (newlines kept).
-fn macro_body_in_place(source: &str) -> String {
-    let open = source.find("kivi::scheme! {").expect("a kivi::scheme! invocation") + "kivi::scheme! ".len();
+/// `kivi::scheme! { ... }` or `kivi::model! { ... }` invocation replaced by
+/// spaces (newlines kept), and whether it is a model declaration.
+fn macro_body_in_place(source: &str) -> (String, bool) {
+    let (open, model) = match (source.find("kivi::scheme! {"), source.find("kivi::model! {")) {
+        (Some(i), _) => (i + "kivi::scheme! ".len(), false),
+        (None, Some(i)) => (i + "kivi::model! ".len(), true),
+        (None, None) => panic!("a kivi::scheme! or kivi::model! invocation"),
+    };
     let mut depth = 0usize;
     let mut close = None;
     for (i, c) in source[open..].char_indices() {
@@ -44,10 +49,11 @@ fn macro_body_in_place(source: &str) -> String {
         }
     }
     let close = close.expect("balanced braces");
-    source
+    let body = source
         .char_indices()
         .map(|(i, c)| if c == '\n' || (i > open && i < close) { c } else { ' ' })
-        .collect()
+        .collect();
+    (body, model)
 }
 
 fn ui_cases() -> Vec<PathBuf> {
@@ -61,6 +67,8 @@ fn ui_cases() -> Vec<PathBuf> {
     v
 }
 
+/// Every compile-fail case (`kivi::scheme!` and `kivi::model!`) fails the
+/// same way in the run-time parser: same message, same line and column.
 #[test]
 fn runtime_parser_agrees_with_every_compile_fail_case() {
     let cases = ui_cases();
@@ -73,13 +81,17 @@ fn runtime_parser_agrees_with_every_compile_fail_case() {
         let stderr = std::fs::read_to_string(rs.with_extension("stderr"))
             .unwrap_or_else(|_| panic!("{} has no .stderr snapshot", rs.display()));
         let (message, line, column) = expected(&stderr);
-        let text = macro_body_in_place(&std::fs::read_to_string(&rs).unwrap());
+        let (text, model) = macro_body_in_place(&std::fs::read_to_string(&rs).unwrap());
         // A valid scheme the CUDA templates cannot instantiate fails in the
         // macro's code generation; `check_declarations` is that step at run time.
-        let err = kivi::parse_scheme(&text)
-            .err()
-            .or_else(|| kivi::templates::check_declarations(&text).err())
-            .unwrap_or_else(|| panic!("{}: the run-time parser accepted it", rs.display()));
+        let err = if model {
+            kivi::spec::parse_model(&text).err()
+        } else {
+            kivi::parse_scheme(&text)
+                .err()
+                .or_else(|| kivi::templates::check_declarations(&text).err())
+        }
+        .unwrap_or_else(|| panic!("{}: the run-time parser accepted it", rs.display()));
         assert_eq!(err.message, message, "{}", rs.display());
         assert_eq!((err.line, err.column), (line, column), "{}: position", rs.display());
         // The run-time error names its place as `line:column: message`.

@@ -192,9 +192,13 @@ mod convention {
     fn parses(cmd: &Command, a: &Arg, v: &str) -> bool {
         let long = format!("--{}", a.get_long().unwrap_or_default());
         let probe = cmd.clone().mut_args(|x| x.required(false));
-        probe
-            .try_get_matches_from([OsStr::new("kivi"), OsStr::new(&long), OsStr::new(v)])
-            .is_ok()
+        // A flag that is required unless another is present (`kivi show
+        // --scheme` unless `--model`) still reports the pair as missing:
+        // that is not about this value, which clap checked first.
+        match probe.try_get_matches_from([OsStr::new("kivi"), OsStr::new(&long), OsStr::new(v)]) {
+            Ok(_) => true,
+            Err(e) => e.kind() == clap::error::ErrorKind::MissingRequiredArgument,
+        }
     }
 
     /// Flags that are token counts, by name or by what their help says.
