@@ -510,6 +510,23 @@ pub(crate) fn combine_threads(d: usize) -> u32 {
     (d.div_ceil(32) * 32).clamp(32, 256) as u32
 }
 
+/// The part of every generated source's header after its provenance
+/// line: the kernel's name, the scheme with its hash and canonical text,
+/// and the one system include.
+pub(crate) fn source_header(o: &mut String, name: &str, s: &Scheme) {
+    let _ = writeln!(o, "// kernel  {name}");
+    let _ = writeln!(
+        o,
+        "// scheme  {} (scheme hash {:016x})",
+        s.name,
+        kivi_spec::scheme_hash(s)
+    );
+    for line in kivi_spec::canonical_body(s).lines() {
+        let _ = writeln!(o, "//   {}", line.trim());
+    }
+    let _ = writeln!(o, "#include <cuda_fp16.h>\n");
+}
+
 /// The C type and the `kivi::ACT_*` enumerator of an activation dtype.
 pub(crate) fn act_types(d: Dtype) -> (&'static str, &'static str) {
     match d {
@@ -564,17 +581,7 @@ pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant)
         kernel.name(),
         v.name()
     );
-    let _ = writeln!(o, "// kernel  {name}");
-    let _ = writeln!(
-        o,
-        "// scheme  {} (scheme hash {:016x})",
-        s.name,
-        kivi_spec::scheme_hash(s)
-    );
-    for line in kivi_spec::canonical_body(s).lines() {
-        let _ = writeln!(o, "//   {}", line.trim());
-    }
-    let _ = writeln!(o, "#include <cuda_fp16.h>\n");
+    source_header(&mut o, name.as_str(), s);
     let pipeline = Pipe::of(s, Tensor::Key, l).any() || Pipe::of(s, Tensor::Value, l).any();
     for (file, text) in TEMPLATES {
         let wanted = match file {
