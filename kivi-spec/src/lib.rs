@@ -26,6 +26,7 @@
 mod canonical;
 pub mod layout;
 mod load;
+pub mod mla;
 mod model;
 mod model_decl;
 mod parse;
@@ -34,6 +35,7 @@ pub mod tokens;
 mod validate;
 
 pub use canonical::{canonical, canonical_body, fnv1a64, scheme_hash};
+pub use mla::{mla_bytes_per_token, Mla, MlaLayout, MlaParts};
 pub use load::{load_scheme, resolve_scheme, LoadError, ResolvedScheme, SchemeSource};
 pub use model::*;
 pub use model_decl::{parse_model, LayerKind, ModelDecl, SchemeRef};

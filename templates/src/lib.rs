@@ -288,8 +288,14 @@ pub struct GenOptions {
 /// assert!(kivi_templates::check_supported(&s).is_ok());
 /// ```
 pub fn check_supported(scheme: &Scheme) -> Result<(), GenError> {
-    // Every codec of the grammar is generated (see above).
-    let _ = scheme;
+    // Every codec of the grammar is generated (see above); MLA caches have
+    // their own layout (kivi_spec::mla) and no template yet.
+    if scheme.mla().is_some() {
+        return Err(GenError::Unsupported {
+            what: "mla heads (decode runs on the reference and CPU paths, kivi_runtime::mla)".into(),
+            field: kivi_spec::Field::Heads,
+        });
+    }
     Ok(())
 }
 
@@ -337,11 +343,12 @@ pub fn default_variant(scheme: &Scheme, kernel: Kernel) -> Variant {
 pub type KernelError = (String, Option<kivi_spec::Field>);
 
 /// `(name, source)` of the default variant of the prefill, append and
-/// decode kernels of a scheme with a shape (none without one): what
+/// decode kernels of a scheme with a shape (none without one, or with mla
+/// heads, which have no template yet): what
 /// `kivi::scheme!` embeds. On failure, the message the macro reports and
 /// the part of the scheme it is about, where the generator names one.
 pub fn default_kernels(s: &Scheme) -> Result<Vec<(String, String)>, KernelError> {
-    if s.shape().is_none() {
+    if s.shape().is_none() || s.mla().is_some() {
         return Ok(Vec::new());
     }
     [Kernel::Prefill, Kernel::Append, Kernel::Decode]
