@@ -286,6 +286,9 @@ impl PagedCache {
     /// A cache for a scheme with a bound shape ([`Scheme::with_shape`]).
     pub fn new(scheme: Scheme, config: CacheConfig) -> Result<Self> {
         kivi_spec::validate(&scheme)?;
+        if scheme.mla().is_some() {
+            return Err(Error::Config(crate::mla::NOT_PAGED.into()));
+        }
         let shape = scheme.shape().ok_or_else(|| Error::Unbound(scheme.name.clone()))?;
         let block_tokens = config
             .block_tokens

@@ -51,6 +51,7 @@
 //! `KIVI_CPU_SCALAR=1` (read once) force the scalar one.
 
 mod block;
+pub mod mla;
 mod codec;
 mod dense;
 mod fused;
