@@ -8,6 +8,7 @@ pub mod generate;
 pub mod inspect;
 pub mod schemes;
 pub mod show;
+pub mod show_mla;
 pub mod tune;
 
 /// Errors bubble up to `main`, which prints them on one line.
