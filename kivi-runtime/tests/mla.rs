@@ -339,3 +339,84 @@ fn bytes_per_token_against_f16_and_fp8() {
         assert!(want < 656 || key == "full");
     }
 }
+
+/// The generated CUDA decode kernel, executed in the simulator, against the
+/// oracle: every scheme without Lloyd–Max levels (the template has none
+/// yet), the odd lengths in one batch, and a sliding window.
+#[test]
+fn simulated_cuda_decode_matches_the_oracle() {
+    use kivi_runtime::device::SimDevice;
+    use kivi_runtime::mla::device::MlaDeviceDecode;
+    let mut rng = Rng::new(0x51a);
+    let dev = SimDevice::shared();
+    for s in schemes().into_iter().take(4) {
+        let params = reference::attn_params(&s).unwrap();
+        let mut cache = MlaCache::new(s.clone(), config(64)).unwrap();
+        let mut ids = Vec::new();
+        let mut inputs = Vec::new();
+        for &t in &LENGTHS {
+            let d = data(&mut rng, t);
+            let id = cache.add_sequence();
+            cache.extend(id, &d.latent, &d.rope).unwrap();
+            ids.push(id);
+            inputs.push(d);
+        }
+        let q: Vec<f32> = (0..ids.len()).flat_map(|_| query(&mut rng)).collect();
+        let sim = MlaDeviceDecode::new(dev.clone(), &s, None).unwrap();
+        let win = AttnParams {
+            window: Some(40),
+            ..params
+        };
+        for p in [params, win] {
+            let got = sim.decode(&cache, &ids, &q, p).unwrap();
+            for (b, d) in inputs.iter().enumerate() {
+                let qb = &q[b * HEADS * (LATENT + ROPE)..][..HEADS * (LATENT + ROPE)];
+                let want = reference::attend(&s, qb, &d.latent, &d.rope, p).unwrap();
+                let e = rel_err(&got[b * HEADS * LATENT..][..HEADS * LATENT], &want);
+                assert!(e < 1e-4, "{} T={} window {:?}: sim vs oracle rel err {e}", s.name, LENGTHS[b], p.window);
+            }
+        }
+    }
+}
+
+/// Every launch variant of the MLA kernel (threads x tile) is correct:
+/// what a tuner may choose from. Lloyd–Max latents are refused with the
+/// field that asks for them.
+#[test]
+fn every_simulated_mla_variant_matches_the_oracle() {
+    use kivi_runtime::device::SimDevice;
+    use kivi_runtime::mla::device::MlaDeviceDecode;
+    let mut rng = Rng::new(0x7a5);
+    let s = schemes().remove(1);
+    let variants = kivi_templates::mla_variants(&s);
+    assert!(variants.len() >= 6, "{variants:?}");
+    let runs = MlaDeviceDecode::new_many(SimDevice::shared(), &s, &variants).unwrap();
+    let mut cache = MlaCache::new(s.clone(), config(16)).unwrap();
+    let mut ids = Vec::new();
+    let mut inputs = Vec::new();
+    for t in [1, 33, 127] {
+        let d = data(&mut rng, t);
+        let id = cache.add_sequence();
+        cache.extend(id, &d.latent, &d.rope).unwrap();
+        ids.push(id);
+        inputs.push(d);
+    }
+    let q: Vec<f32> = (0..ids.len()).flat_map(|_| query(&mut rng)).collect();
+    let p = reference::attn_params(&s).unwrap();
+    let want: Vec<f32> = inputs
+        .iter()
+        .enumerate()
+        .flat_map(|(b, d)| {
+            reference::attend(&s, &q[b * HEADS * (LATENT + ROPE)..][..HEADS * (LATENT + ROPE)], &d.latent, &d.rope, p)
+                .unwrap()
+        })
+        .collect();
+    for run in &runs {
+        let got = run.decode(&cache, &ids, &q, p).unwrap();
+        let e = rel_err(&got, &want);
+        assert!(e < 1e-4, "{}: rel err {e}", run.generated().name);
+    }
+    let lloyd = schemes().remove(4);
+    let e = MlaDeviceDecode::new(SimDevice::shared(), &lloyd, None).err().unwrap();
+    assert!(e.to_string().contains("lloyd_max"), "{e}");
+}

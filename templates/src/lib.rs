@@ -56,9 +56,11 @@
 
 mod block;
 mod generate;
+mod mla;
 mod variant;
 
 pub use block::BlockShape;
+pub use mla::{generate_mla_decode, mla_params, mla_shared_bytes, mla_variants, MlaVariant, MLA_ENTRY, MLA_TEMPLATE};
 
 pub use variant::{Variant, MAX_REGISTER_FLOATS};
 
@@ -292,7 +294,7 @@ pub fn check_supported(scheme: &Scheme) -> Result<(), GenError> {
     // their own layout (kivi_spec::mla) and no template yet.
     if scheme.mla().is_some() {
         return Err(GenError::Unsupported {
-            what: "mla heads (decode runs on the reference and CPU paths, kivi_runtime::mla)".into(),
+            what: "mla heads with the paged-cache kernels (mla decode has its own: generate_mla_decode)".into(),
             field: kivi_spec::Field::Heads,
         });
     }

@@ -212,6 +212,10 @@ impl MlaCache {
     pub fn layout(&self) -> &MlaLayout {
         &self.layout
     }
+    /// The block pool, `max_blocks * layout().block_words` words.
+    pub fn pool(&self) -> &[u32] {
+        &self.pool
+    }
     pub fn free_blocks(&self) -> usize {
         self.free.len()
     }

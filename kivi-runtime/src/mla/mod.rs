@@ -6,6 +6,7 @@
 //! - [`cache`] — [`MlaCache`], the paged cache of both parts with exact
 //!   accounting.
 //! - [`crate::cpu::mla`] — decode on the CPU over an [`MlaCache`].
+//! - [`device`] — the generated CUDA decode kernel on a GPU or the simulator.
 //!
 //! An MLA scheme is not a [`crate::PagedCache`] scheme: its two parts have
 //! different widths and codecs, and its latent is read as key and value
@@ -13,6 +14,7 @@
 //! with [`NOT_PAGED`].
 
 pub mod cache;
+pub mod device;
 pub mod reference;
 
 pub use cache::{MlaCache, MlaConfig, MlaMemory, Part};
