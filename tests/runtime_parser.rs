@@ -118,7 +118,11 @@ fn future_fields_are_not_supported_yet() {
     // MLA is a head layout (`heads: mla(...)`), not a field.
     for field in ["mla", "latent"] {
         let e = kivi::parse_scheme(&format!("S {{ {body} {field}: x }}")).unwrap_err();
-        assert!(e.message.contains("heads: mla(q = N, latent = L, rope_dim = R)"), "{}", e.message);
+        assert!(
+            e.message.contains("heads: mla(q = N, latent = L, rope_dim = R)"),
+            "{}",
+            e.message
+        );
     }
     let e = kivi::parse_scheme("S { key: full, heads: mla(q = 8) }").unwrap_err();
     assert!(e.message.contains("mla(...) is missing `latent`"), "{}", e.message);

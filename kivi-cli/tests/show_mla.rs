@@ -19,10 +19,22 @@ fn show_reports_mla_bytes_per_token_and_the_paged_cache() {
     let o = kivi(&["show", "--scheme", DS2, "--context", "1000"]);
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert!(out.contains("heads: mla(q = 16, latent = 512, rope_dim = 64, rope = full)"), "{out}");
-    assert!(out.contains("latent       192 = codes 128 + scales 32 + zeros 32"), "{out}");
-    assert!(out.contains("rope         128 = codes 128 + scales 0 + zeros 0"), "{out}");
-    assert!(out.contains("f16 latent + rope: 1152, 3.60x; DeepSeek FP8 layout: 656, 2.05x"), "{out}");
+    assert!(
+        out.contains("heads: mla(q = 16, latent = 512, rope_dim = 64, rope = full)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("latent       192 = codes 128 + scales 32 + zeros 32"),
+        "{out}"
+    );
+    assert!(
+        out.contains("rope         128 = codes 128 + scales 0 + zeros 0"),
+        "{out}"
+    );
+    assert!(
+        out.contains("f16 latent + rope: 1152, 3.60x; DeepSeek FP8 layout: 656, 2.05x"),
+        "{out}"
+    );
     let o = kivi(&["show", "--scheme", DS2, "--context", "1000", "--json"]);
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["bytes_per_token"]["per_token"], 320.0);

@@ -38,7 +38,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() {
     let contexts: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
-    let contexts = if contexts.is_empty() { vec![4096, 32768] } else { contexts };
+    let contexts = if contexts.is_empty() {
+        vec![4096, 32768]
+    } else {
+        contexts
+    };
     let schemes = [
         ("f16", "full", "full"),
         ("4-bit latent", "quant(bits = 4, axis = channel, group = 32)", "full"),
@@ -56,7 +60,9 @@ fn main() {
     for &t in &contexts {
         let mut rng = Rng::new(t as u64);
         let (c, k) = data(&mut rng, t);
-        let q: Vec<f32> = (0..HEADS * (LATENT + ROPE)).map(|i| if i % 576 < 512 { 0.15 } else { 0.3 } * rng.normal()).collect();
+        let q: Vec<f32> = (0..HEADS * (LATENT + ROPE))
+            .map(|i| if i % 576 < 512 { 0.15 } else { 0.3 } * rng.normal())
+            .collect();
         let exact_s = parse_scheme(
             "E { key: full, heads: mla(q = 16, latent = 512, rope_dim = 64), dtype: f32, softmax_scale: 0.07216878 }",
         )

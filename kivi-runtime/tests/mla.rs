@@ -86,7 +86,11 @@ fn data(rng: &mut Rng, tokens: usize) -> Data {
 
 fn query(rng: &mut Rng) -> Vec<f32> {
     (0..HEADS)
-        .flat_map(|_| (0..LATENT + ROPE).map(|c| if c < LATENT { 0.15 } else { 0.3 } * rng.normal()).collect::<Vec<_>>())
+        .flat_map(|_| {
+            (0..LATENT + ROPE)
+                .map(|c| if c < LATENT { 0.15 } else { 0.3 } * rng.normal())
+                .collect::<Vec<_>>()
+        })
         .collect()
 }
 
@@ -127,8 +131,16 @@ fn cache_and_cpu_decode_match_the_oracle_at_odd_lengths() {
         for (b, (&id, d)) in ids.iter().zip(&inputs).enumerate() {
             let t = LENGTHS[b];
             let (cv, rv) = reference::cache_views(&s, &d.latent, &d.rope).unwrap();
-            assert!(cache.dequantize(id, Part::Latent).unwrap() == cv, "{} T={t}: latent rows", s.name);
-            assert!(cache.dequantize(id, Part::Rope).unwrap() == rv, "{} T={t}: rope rows", s.name);
+            assert!(
+                cache.dequantize(id, Part::Latent).unwrap() == cv,
+                "{} T={t}: latent rows",
+                s.name
+            );
+            assert!(
+                cache.dequantize(id, Part::Rope).unwrap() == rv,
+                "{} T={t}: rope rows",
+                s.name
+            );
             let (lat, rope) = kivi_spec::mla::mla_bytes_for_tokens(&s, t).unwrap();
             let m = cache.sequence_memory(id).unwrap();
             assert_eq!((m.latent, m.rope), (lat, rope), "{} T={t}: memory", s.name);
@@ -143,7 +155,14 @@ fn cache_and_cpu_decode_match_the_oracle_at_odd_lengths() {
             ..params
         };
         let got = cpu_mla::decode(&cache, &ids[4..], &q[4 * HEADS * (LATENT + ROPE)..], win).unwrap();
-        let want = reference::attend(&s, &q[4 * HEADS * (LATENT + ROPE)..], &inputs[4].latent, &inputs[4].rope, win).unwrap();
+        let want = reference::attend(
+            &s,
+            &q[4 * HEADS * (LATENT + ROPE)..],
+            &inputs[4].latent,
+            &inputs[4].rope,
+            win,
+        )
+        .unwrap();
         assert!(rel_err(&got, &want) < 1e-5, "{}: window", s.name);
     }
 }
@@ -168,7 +187,11 @@ fn streaming_equals_prefill() {
             assert_eq!(c.block_table(b).unwrap(), one.block_table(a).unwrap());
             for &blk in one.block_table(a).unwrap() {
                 for part in [Part::Latent, Part::Rope] {
-                    assert!(c.block_part(blk, part) == one.block_part(blk, part), "{} chunk {chunk}", s.name);
+                    assert!(
+                        c.block_part(blk, part) == one.block_part(blk, part),
+                        "{} chunk {chunk}",
+                        s.name
+                    );
                 }
             }
             for part in [Part::Latent, Part::Rope] {
@@ -275,12 +298,25 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
     let before = (cache.memory(), cache.dequantize(id, Part::Latent).unwrap());
     let unchanged = |c: &MlaCache| (c.memory(), c.dequantize(id, Part::Latent).unwrap()) == before;
     // Wrong widths, mismatched token counts.
-    assert!(matches!(cache.append(id, &[0.0; 511], &[0.0; 64]), Err(Error::Shape { .. })));
-    assert!(matches!(cache.extend(id, &[0.0; 1024], &[0.0; 64]), Err(Error::Shape { .. })));
+    assert!(matches!(
+        cache.append(id, &[0.0; 511], &[0.0; 64]),
+        Err(Error::Shape { .. })
+    ));
+    assert!(matches!(
+        cache.extend(id, &[0.0; 1024], &[0.0; 64]),
+        Err(Error::Shape { .. })
+    ));
     // NaN in the RoPE part.
     let mut r = vec![0.0; 64];
     r[5] = f32::NAN;
-    assert!(matches!(cache.append(id, &[0.0; 512], &r), Err(Error::NonFinite { tensor: "rope", channel: 5, .. })));
+    assert!(matches!(
+        cache.append(id, &[0.0; 512], &r),
+        Err(Error::NonFinite {
+            tensor: "rope",
+            channel: 5,
+            ..
+        })
+    ));
     // A value no f16 scale can hold.
     let big = vec![1e30f32; 512 * 32];
     assert!(matches!(
@@ -289,27 +325,51 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
     ));
     // Out of blocks (2 blocks of 64 tokens hold 128 stored tokens).
     let more = data(&mut rng, 200);
-    assert!(matches!(cache.extend(id, &more.latent, &more.rope), Err(Error::OutOfBlocks { .. })));
+    assert!(matches!(
+        cache.extend(id, &more.latent, &more.rope),
+        Err(Error::OutOfBlocks { .. })
+    ));
     assert!(unchanged(&cache));
-    assert!(matches!(cache.extend(99, &d.latent, &d.rope), Err(Error::UnknownSequence(99))));
+    assert!(matches!(
+        cache.extend(99, &d.latent, &d.rope),
+        Err(Error::UnknownSequence(99))
+    ));
     // Queries: wrong length, NaN, unknown sequence.
     let p = reference::attn_params(&s).unwrap();
-    assert!(matches!(cpu_mla::decode(&cache, &[id], &[0.0; 10], p), Err(Error::Shape { .. })));
+    assert!(matches!(
+        cpu_mla::decode(&cache, &[id], &[0.0; 10], p),
+        Err(Error::Shape { .. })
+    ));
     let mut q = vec![0.0; HEADS * (LATENT + ROPE)];
     q[3] = f32::INFINITY;
-    assert!(matches!(cpu_mla::decode(&cache, &[id], &q, p), Err(Error::NonFinite { tensor: "query", .. })));
+    assert!(matches!(
+        cpu_mla::decode(&cache, &[id], &q, p),
+        Err(Error::NonFinite { tensor: "query", .. })
+    ));
     q[3] = 0.0;
-    assert!(matches!(cpu_mla::decode(&cache, &[id, 7], &[q.clone(), q.clone()].concat(), p), Err(Error::InSequence { seq: 1, .. })));
+    assert!(matches!(
+        cpu_mla::decode(&cache, &[id, 7], &[q.clone(), q.clone()].concat(), p),
+        Err(Error::InSequence { seq: 1, .. })
+    ));
     // An empty sequence attends to nothing: zeros.
     let e = cache.add_sequence();
     assert!(cpu_mla::decode(&cache, &[e], &q, p).unwrap().iter().all(|x| *x == 0.0));
     // The generic cache and oracle refuse an mla scheme rather than ignore
     // its RoPE part.
-    assert!(matches!(PagedCache::new(s.clone(), CacheConfig::for_tokens(64)), Err(Error::Config(_))));
+    assert!(matches!(
+        PagedCache::new(s.clone(), CacheConfig::for_tokens(64)),
+        Err(Error::Config(_))
+    ));
     assert!(kivi_runtime::reference::attend(&s, &q[..HEADS * LATENT], &d.latent, &d.latent, p).is_err());
     // Block sizes that split a channel group.
     assert!(matches!(
-        MlaCache::new(s, MlaConfig { block_tokens: Some(48), max_blocks: 1 }),
+        MlaCache::new(
+            s,
+            MlaConfig {
+                block_tokens: Some(48),
+                max_blocks: 1
+            }
+        ),
         Err(Error::Config(_))
     ));
 }
@@ -322,7 +382,11 @@ fn bytes_per_token_against_f16_and_fp8() {
     let mut rng = Rng::new(5);
     let cases = [
         ("quant(bits = 2, axis = channel, group = 32)", "full", 320),
-        ("quant(bits = 2, axis = channel, group = 32)", "quant(bits = 4, axis = token, group = 32)", 192 + 40),
+        (
+            "quant(bits = 2, axis = channel, group = 32)",
+            "quant(bits = 4, axis = token, group = 32)",
+            192 + 40,
+        ),
         ("quant(bits = 4, axis = channel, group = 32)", "full", 256 + 64 + 128),
         ("full", "full", 1152),
     ];
@@ -373,7 +437,13 @@ fn simulated_cuda_decode_matches_the_oracle() {
                 let qb = &q[b * HEADS * (LATENT + ROPE)..][..HEADS * (LATENT + ROPE)];
                 let want = reference::attend(&s, qb, &d.latent, &d.rope, p).unwrap();
                 let e = rel_err(&got[b * HEADS * LATENT..][..HEADS * LATENT], &want);
-                assert!(e < 1e-4, "{} T={} window {:?}: sim vs oracle rel err {e}", s.name, LENGTHS[b], p.window);
+                assert!(
+                    e < 1e-4,
+                    "{} T={} window {:?}: sim vs oracle rel err {e}",
+                    s.name,
+                    LENGTHS[b],
+                    p.window
+                );
             }
         }
     }
@@ -407,8 +477,14 @@ fn every_simulated_mla_variant_matches_the_oracle() {
         .iter()
         .enumerate()
         .flat_map(|(b, d)| {
-            reference::attend(&s, &q[b * HEADS * (LATENT + ROPE)..][..HEADS * (LATENT + ROPE)], &d.latent, &d.rope, p)
-                .unwrap()
+            reference::attend(
+                &s,
+                &q[b * HEADS * (LATENT + ROPE)..][..HEADS * (LATENT + ROPE)],
+                &d.latent,
+                &d.rope,
+                p,
+            )
+            .unwrap()
         })
         .collect();
     for run in &runs {

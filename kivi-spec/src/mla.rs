@@ -190,7 +190,10 @@ pub fn mla_bytes_for_tokens(s: &Scheme, tokens: usize) -> Option<(usize, usize)>
         let r = regions(ps, Tensor::Key, tokens);
         part_bytes(&ps.key, ps.dtype, d, r.quantized) + (r.sinks + r.window) * d * ps.dtype.bytes()
     };
-    Some((part(&p.latent, p.mla.latent as usize), part(&p.rope, p.mla.rope_dim as usize)))
+    Some((
+        part(&p.latent, p.mla.latent as usize),
+        part(&p.rope, p.mla.rope_dim as usize),
+    ))
 }
 
 /// The rules an `mla(...)` layout adds (run by [`crate::validate`]).
@@ -204,13 +207,19 @@ pub(crate) fn validate_mla(s: &Scheme, m: &Mla) -> Result<(), Invalid> {
     if m.latent == 0 || m.latent > MAX_HEAD_DIM {
         return Err(Invalid::new(
             Field::MlaLatent,
-            format!("mla latent = {} is out of range; expected 1 to {MAX_HEAD_DIM}", m.latent),
+            format!(
+                "mla latent = {} is out of range; expected 1 to {MAX_HEAD_DIM}",
+                m.latent
+            ),
         ));
     }
     if m.rope_dim == 0 || m.rope_dim > MAX_HEAD_DIM {
         return Err(Invalid::new(
             Field::MlaRopeDim,
-            format!("mla rope_dim = {} is out of range; expected 1 to {MAX_HEAD_DIM}", m.rope_dim),
+            format!(
+                "mla rope_dim = {} is out of range; expected 1 to {MAX_HEAD_DIM}",
+                m.rope_dim
+            ),
         ));
     }
     if s.head_dim != Some(m.latent) {
@@ -245,7 +254,10 @@ pub(crate) fn validate_mla(s: &Scheme, m: &Mla) -> Result<(), Invalid> {
         if !ALLOWED_BITS.contains(&q.bits) {
             return Err(Invalid::new(
                 Field::MlaRopeBits,
-                format!("mla rope bits = {} is not supported; expected one of 1, 2, 3, 4, 8", q.bits),
+                format!(
+                    "mla rope bits = {} is not supported; expected one of 1, 2, 3, 4, 8",
+                    q.bits
+                ),
             ));
         }
         if q.levels != Levels::Uniform && !LLOYD_MAX_BITS.contains(&q.bits) {

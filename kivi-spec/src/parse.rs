@@ -514,7 +514,10 @@ fn parse_mla(input: ParseStream, kind: Span, spans: &mut HashMap<Field, Span>) -
                 // map and move them to the rope fields.
                 let mut own = HashMap::new();
                 let codec = parse_codec(c, Tensor::Key, &mut own).map_err(|e| {
-                    syn::Error::new(e.span(), e.to_string().replacen("key quant(...)", "mla rope quant(...)", 1))
+                    syn::Error::new(
+                        e.span(),
+                        e.to_string().replacen("key quant(...)", "mla rope quant(...)", 1),
+                    )
                 })?;
                 for (from, to) in [
                     (Field::Codec(Tensor::Key), Field::MlaRope),

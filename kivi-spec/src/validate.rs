@@ -167,9 +167,8 @@ pub fn validate(s: &Scheme) -> Result<(), Invalid> {
             format!("sinks = {} is absurd; at most {MAX_SINKS}", s.sinks),
         ));
     }
-    let any_quant = s.key.quant().is_some()
-        || s.value.quant().is_some()
-        || s.mla().is_some_and(|m| m.rope.quant().is_some());
+    let any_quant =
+        s.key.quant().is_some() || s.value.quant().is_some() || s.mla().is_some_and(|m| m.rope.quant().is_some());
     if !any_quant && (s.residual > 0 || s.sinks > 0) {
         let field = if s.residual > 0 { Field::Residual } else { Field::Sinks };
         return Err(Invalid::new(

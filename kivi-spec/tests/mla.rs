@@ -40,7 +40,10 @@ fn mla_canonical_text_round_trips_and_hash_tracks_meaning() {
     ];
     for s in &variants {
         let text = canonical(s);
-        assert!(text.contains("heads: mla(q = 16, latent = 512, rope_dim = 64, rope = "), "{text}");
+        assert!(
+            text.contains("heads: mla(q = 16, latent = 512, rope_dim = 64, rope = "),
+            "{text}"
+        );
         assert!(!text.contains("value:"), "an mla scheme has no value field:\n{text}");
         let back = parse_scheme(&text).unwrap_or_else(|e| panic!("{text}\n{e}"));
         assert_eq!(&back, s);
@@ -130,7 +133,10 @@ fn with_shape_binds_an_mla_layout_only_at_its_latent_width() {
     let e = base.with_shape(Heads::Mla(m), 256).unwrap_err();
     assert_eq!(e.field, Field::HeadDim);
     // kivi2's value codec differs from its key codec: not one latent codec.
-    assert_eq!(presets::kivi2().with_shape(Heads::Mla(m), 512).unwrap_err().field, Field::Codec(Tensor::Value));
+    assert_eq!(
+        presets::kivi2().with_shape(Heads::Mla(m), 512).unwrap_err().field,
+        Field::Codec(Tensor::Value)
+    );
 }
 
 /// Exact bytes per token on DeepSeek-V2-Lite's cache (latent 512 + RoPE 64),
@@ -152,7 +158,10 @@ fn mla_bytes_per_token_are_exact() {
         192.0 + 36.0
     );
     // 4-bit latent, token g64: 256 B + 8 groups x 4 B.
-    assert_eq!(per(&mla("", "quant(bits = 4, axis = token, group = 64)")), 256.0 + 32.0 + 128.0);
+    assert_eq!(
+        per(&mla("", "quant(bits = 4, axis = token, group = 64)")),
+        256.0 + 32.0 + 128.0
+    );
     // Whole-sequence count: 200 tokens with R = 64 on the channel axis:
     // 128 quantized (4 groups), 72 in the window; the exact rope part.
     let (lat, rope) = mla::mla_bytes_for_tokens(&mla("", LATENT2), 200).unwrap();

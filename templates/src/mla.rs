@@ -7,8 +7,8 @@
 
 use crate::generate::{act_types, c_type, source_header};
 use crate::{EntryLaunch, GenError, Generated, LaunchInfo, Param, ParamTy};
-use kivi_spec::mla::mla_block_tokens;
 use kivi_spec::layout::{codes_per_word, TensorLayout};
+use kivi_spec::mla::mla_block_tokens;
 use kivi_spec::{Axis, Codec, Field, Levels, MlaLayout, ScaleDtype, Scheme, Tensor};
 use std::fmt::Write;
 
@@ -49,9 +49,7 @@ pub fn mla_variants(s: &Scheme) -> Vec<MlaVariant> {
         for tile in [1u32, 4, 8] {
             let v = MlaVariant { threads, tile };
             let cpt = (m.latent as usize).div_ceil(threads as usize);
-            if !out.contains(&v)
-                && mla_shared_bytes(s, &v).is_some_and(|b| b <= 48 * 1024)
-                && cpt * m.q as usize <= 512
+            if !out.contains(&v) && mla_shared_bytes(s, &v).is_some_and(|b| b <= 48 * 1024) && cpt * m.q as usize <= 512
             {
                 out.push(v);
             }
@@ -83,8 +81,15 @@ pub fn mla_params() -> Vec<Param> {
 fn part_cfg(o: &mut String, name: &str, tl: &TensorLayout, part_offset: usize) {
     let _ = writeln!(o, "struct {name} {{");
     let _ = writeln!(o, "  static constexpr int D = {};", tl.head_dim);
-    let _ = writeln!(o, "  static constexpr int PART = {part_offset};  // word offset in a block");
-    let _ = writeln!(o, "  static constexpr int WPT = {};   // words per row", tl.words_per_token);
+    let _ = writeln!(
+        o,
+        "  static constexpr int PART = {part_offset};  // word offset in a block"
+    );
+    let _ = writeln!(
+        o,
+        "  static constexpr int WPT = {};   // words per row",
+        tl.words_per_token
+    );
     let _ = writeln!(o, "  static constexpr int SCALES = {};", tl.scales_offset);
     let _ = writeln!(o, "  static constexpr int ZEROS = {};", tl.zeros_offset);
     match tl.codec {
@@ -126,7 +131,9 @@ fn part_cfg(o: &mut String, name: &str, tl: &TensorLayout, part_offset: usize) {
 /// ```
 pub fn generate_mla_decode(s: &Scheme, v: &MlaVariant) -> Result<Generated, GenError> {
     kivi_spec::validate(s).map_err(|e| GenError::Scheme(e.message))?;
-    let m = s.mla().ok_or_else(|| GenError::Scheme(format!("scheme `{}` has no mla heads", s.name)))?;
+    let m = s
+        .mla()
+        .ok_or_else(|| GenError::Scheme(format!("scheme `{}` has no mla heads", s.name)))?;
     for (c, field) in [(s.key, Field::Codec(Tensor::Key)), (m.rope, Field::MlaRope)] {
         if c.quant().is_some_and(|q| q.levels != Levels::Uniform) {
             return Err(GenError::Unsupported {
@@ -156,7 +163,10 @@ pub fn generate_mla_decode(s: &Scheme, v: &MlaVariant) -> Result<Generated, GenE
         env!("CARGO_PKG_VERSION")
     );
     source_header(&mut o, &name, s);
-    for (file, text) in [("kivi_common.cuh", crate::TEMPLATES[0].1), ("kivi_mla_decode.cuh", MLA_TEMPLATE)] {
+    for (file, text) in [
+        ("kivi_common.cuh", crate::TEMPLATES[0].1),
+        ("kivi_mla_decode.cuh", MLA_TEMPLATE),
+    ] {
         let _ = writeln!(o, "// ===== {file} =====");
         o.push_str(text);
         o.push('\n');

@@ -208,7 +208,11 @@ pub fn run(args: Args) -> super::Result {
     )?;
     let bound = bind_or_default(&scheme, args.heads, args.head_dim)?;
     if args.context > MAX_CONTEXT {
-        return Err(format!("--context {} is out of range; expected 1 to {MAX_CONTEXT}", args.context).into());
+        return Err(format!(
+            "--context {} is out of range; expected 1 to {MAX_CONTEXT}",
+            args.context
+        )
+        .into());
     }
     if bound.mla().is_some() {
         return super::show_mla::run(&bound, &args);

@@ -51,11 +51,11 @@
 //! `KIVI_CPU_SCALAR=1` (read once) force the scalar one.
 
 mod block;
-pub mod mla;
 mod codec;
 mod dense;
 mod fused;
 mod kernel;
+pub mod mla;
 mod probe;
 mod simd;
 pub(crate) mod write;

@@ -167,9 +167,10 @@ impl MlaCache {
     /// A cache for a validated scheme with `mla(...)` heads.
     pub fn new(scheme: Scheme, config: MlaConfig) -> Result<MlaCache> {
         kivi_spec::validate(&scheme)?;
-        let parts = super::reference::mla_of(&scheme)
-            .map(|_| scheme.mla_parts().expect("mla heads"))?;
-        let bt = config.block_tokens.unwrap_or_else(|| mla_block_tokens(&scheme, parts.mla));
+        let parts = super::reference::mla_of(&scheme).map(|_| scheme.mla_parts().expect("mla heads"))?;
+        let bt = config
+            .block_tokens
+            .unwrap_or_else(|| mla_block_tokens(&scheme, parts.mla));
         if bt == 0 || bt > kivi_spec::layout::MAX_BLOCK_TOKENS {
             return Err(Error::Config(format!("block size {bt} tokens is out of range")));
         }
@@ -466,7 +467,11 @@ impl MlaCache {
                     }
                 }
                 for j in 0..rows {
-                    pack(&codes[j * d..(j + 1) * d], q.bits, &mut out.words[j * wpt..(j + 1) * wpt]);
+                    pack(
+                        &codes[j * d..(j + 1) * d],
+                        q.bits,
+                        &mut out.words[j * wpt..(j + 1) * wpt],
+                    );
                 }
             }
         }

@@ -84,7 +84,10 @@ impl MlaDeviceDecode {
         let v = match variant {
             Some(v) => *v,
             None => *mla_variants(scheme).first().ok_or_else(|| {
-                Error::Config(format!("scheme `{}` has no mla heads or no mla decode variant", scheme.name))
+                Error::Config(format!(
+                    "scheme `{}` has no mla heads or no mla decode variant",
+                    scheme.name
+                ))
             })?,
         };
         generate_mla_decode(scheme, &v).map_err(|e| Error::Compile {
@@ -131,7 +134,9 @@ impl MlaDeviceDecode {
             return Ok(Vec::new());
         }
         if batch > 65535 {
-            return Err(Error::Config(format!("a batch of {batch} sequences exceeds the grid (65535)")));
+            return Err(Error::Config(format!(
+                "a batch of {batch} sequences exceeds the grid (65535)"
+            )));
         }
         let dtype = cache.scheme().dtype;
         let mut qs = Vec::with_capacity(q.len());
@@ -161,7 +166,9 @@ impl MlaDeviceDecode {
                 source: Box::new(e),
             };
             let t = cache.len(id).map_err(in_seq)?;
-            lens.push(i32::try_from(t).map_err(|_| Error::Config(format!("{t} tokens exceed the kernel's i32 index")))?);
+            lens.push(
+                i32::try_from(t).map_err(|_| Error::Config(format!("{t} tokens exceed the kernel's i32 index")))?,
+            );
             stride = stride.max(cache.block_table(id).map_err(in_seq)?.len());
             let mut per_part = Vec::with_capacity(2);
             for part in [Part::Latent, Part::Rope] {
