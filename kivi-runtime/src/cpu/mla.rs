@@ -156,7 +156,7 @@ fn span(cache: &MlaCache, id: SeqId, q: &[f32], s: usize, e: usize) -> Result<Pa
     };
     let mut cs = vec![0f32; TILE * l];
     let mut ks = vec![0f32; TILE * r];
-    let mut scores = vec![0f32; TILE];
+    let mut scores = [0f32; TILE];
     let mut t0 = s;
     while t0 < e {
         let n = (e - t0).min(TILE);
