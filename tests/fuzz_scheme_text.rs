@@ -188,7 +188,11 @@ fn heads(rng: &mut Rng) -> String {
         1 => format!("gqa(q = {}, kv = {})", n(rng), n(rng)),
         2 => format!("mqa(q = {})", n(rng)),
         _ => {
-            let rope = if rng.bool() { format!(", rope = {}", codec(rng)) } else { String::new() };
+            let rope = if rng.bool() {
+                format!(", rope = {}", codec(rng))
+            } else {
+                String::new()
+            };
             format!("mla(q = {}, latent = {}, rope_dim = {}{rope})", n(rng), n(rng), n(rng))
         }
     }

@@ -496,3 +496,31 @@ fn every_simulated_mla_variant_matches_the_oracle() {
     let e = MlaDeviceDecode::new(SimDevice::shared(), &lloyd, None).err().unwrap();
     assert!(e.to_string().contains("lloyd_max"), "{e}");
 }
+
+/// The MLA tuner on the simulated device: every variant is checked against
+/// the oracle before it is timed, and the choice is a correct one.
+#[test]
+fn tuning_times_only_correct_variants() {
+    use kivi_runtime::device::SimDevice;
+    use kivi_runtime::mla::device::{tune, TUNE_TOLERANCE};
+    let mut rng = Rng::new(9);
+    // The scheme of the variant test: its library is compiled once.
+    let s = schemes().remove(1);
+    let mut cache = MlaCache::new(s.clone(), config(4)).unwrap();
+    let id = cache.add_sequence();
+    let d = data(&mut rng, 70);
+    cache.extend(id, &d.latent, &d.rope).unwrap();
+    let q = query(&mut rng);
+    let p = reference::attn_params(&s).unwrap();
+    let (pick, all) = tune(SimDevice::shared(), &cache, &[id], &q, p, 0, 1).unwrap();
+    assert_eq!(all.len(), kivi_templates::mla_variants(&s).len());
+    for c in &all {
+        assert!(c.rel_err <= TUNE_TOLERANCE && c.timing.is_some(), "{c:?}");
+    }
+    assert!(all.iter().any(|c| c.variant == pick));
+    // A query of the wrong length is refused before anything runs.
+    assert!(matches!(
+        tune(SimDevice::shared(), &cache, &[id], &q[1..], p, 0, 1),
+        Err(Error::Shape { .. })
+    ));
+}

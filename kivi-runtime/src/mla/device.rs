@@ -231,3 +231,88 @@ impl MlaDeviceDecode {
         download(dev, &out)
     }
 }
+
+/// One candidate of [`tune`]: its error against the oracle on the tuning
+/// inputs and, when it was correct, its timing.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MlaCandidate {
+    pub variant: MlaVariant,
+    /// max |out - oracle| / max |oracle|.
+    pub rel_err: f32,
+    /// `None`: wrong (above [`TUNE_TOLERANCE`]), so never timed.
+    pub timing: Option<crate::device::Timing>,
+}
+
+/// The error a candidate may have against the oracle and still be timed.
+pub const TUNE_TOLERANCE: f32 = 1e-4;
+
+/// Picks the fastest correct variant of the MLA decode kernel on `dev` for
+/// these inputs. Every variant is first checked against the oracle
+/// ([`super::reference::decode_attention`] on the cache's own rows); only a
+/// correct one is timed (`warmup` + `iters` runs, median). Within 3 % of
+/// the fastest, the canonical variant (the first of [`mla_variants`]) wins,
+/// so the choice does not flip on noise.
+pub fn tune(
+    dev: Arc<dyn Device>,
+    cache: &MlaCache,
+    seqs: &[SeqId],
+    q: &[f32],
+    attn: AttnParams,
+    warmup: usize,
+    iters: usize,
+) -> Result<(MlaVariant, Vec<MlaCandidate>)> {
+    let s = cache.scheme().clone();
+    let m = cache.parts().mla;
+    let w = (m.latent + m.rope_dim) as usize * m.q as usize;
+    if q.len() != seqs.len() * w {
+        return Err(Error::Shape {
+            what: "query length",
+            expected: (seqs.len() * w).to_string(),
+            got: q.len().to_string(),
+        });
+    }
+    let mut want = Vec::new();
+    for (b, &id) in seqs.iter().enumerate() {
+        let (c, k) = (cache.dequantize(id, Part::Latent)?, cache.dequantize(id, Part::Rope)?);
+        want.extend(super::reference::decode_attention(
+            &s,
+            &q[b * w..(b + 1) * w],
+            &c,
+            &k,
+            attn,
+        )?);
+    }
+    let den = want.iter().map(|x| x.abs()).fold(0f32, f32::max).max(1e-30);
+    let variants = mla_variants(&s);
+    let runs = MlaDeviceDecode::new_many(dev.clone(), &s, &variants)?;
+    let mut out = Vec::with_capacity(runs.len());
+    for run in &runs {
+        let got = run.decode(cache, seqs, q, attn)?;
+        let rel_err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / den;
+        let timing = if rel_err <= TUNE_TOLERANCE {
+            Some(dev.time(warmup, iters, true, &mut || {
+                run.decode(cache, seqs, q, attn).map(|_| ())
+            })?)
+        } else {
+            None
+        };
+        out.push(MlaCandidate {
+            variant: run.variant(),
+            rel_err,
+            timing,
+        });
+    }
+    let fastest = out
+        .iter()
+        .filter_map(|c| c.timing.as_ref().map(|t| (c.variant, t.median_ms)))
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .ok_or_else(|| Error::Config(format!("no mla decode variant of `{}` matched the oracle", s.name)))?;
+    let canonical = out
+        .first()
+        .and_then(|c| c.timing.as_ref().map(|t| (c.variant, t.median_ms)));
+    let pick = match canonical {
+        Some((v, ms)) if ms <= fastest.1 * 1.03 => v,
+        _ => fastest.0,
+    };
+    Ok((pick, out))
+}
