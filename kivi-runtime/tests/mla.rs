@@ -524,3 +524,90 @@ fn tuning_times_only_correct_variants() {
         Err(Error::Shape { .. })
     ));
 }
+
+/// Random MLA schemes (small shapes, every codec option the cache takes)
+/// and random sessions of appends, odd extends, frees and new sequences:
+/// after every operation each live sequence's rows equal the oracle's
+/// one-shot views of its whole history, its bytes equal the spec's count,
+/// and the CPU decode equals the oracle's attention.
+#[test]
+fn random_sessions_match_the_oracle() {
+    let mut rng = Rng::new(0xf022);
+    let codec = |rng: &mut Rng, d: usize| -> String {
+        let bits = [1, 2, 3, 4, 8][rng.below(5)];
+        match rng.below(4) {
+            0 => "full".into(),
+            1 => format!(
+                "quant(bits = {bits}, axis = channel, group = {})",
+                [4, 8, 16][rng.below(3)]
+            ),
+            2 => {
+                let g = [1, 2, 4, d][rng.below(4)];
+                format!("quant(bits = {bits}, axis = token, group = {g}, scale = f32)")
+            }
+            _ => format!(
+                "quant(bits = {}, axis = token, group = {d}, levels = lloyd_max)",
+                1 + rng.below(4)
+            ),
+        }
+    };
+    let mut sessions = 0;
+    while sessions < 40 {
+        let (q, l, r) = (1 + rng.below(4), [8, 16, 32][rng.below(3)], [2, 4, 8][rng.below(3)]);
+        let text = format!(
+            "F {{ key: {}, heads: mla(q = {q}, latent = {l}, rope_dim = {r}, rope = {}), residual: {}, sinks: {}, flush: {}, dtype: {} }}",
+            codec(&mut rng, l),
+            codec(&mut rng, r),
+            [0, 4, 16][rng.below(3)],
+            rng.below(3),
+            ["eager", "chunked"][rng.below(2)],
+            ["f16", "bf16", "f32"][rng.below(3)],
+        );
+        let Ok(s) = parse_scheme(&text) else { continue }; // e.g. chunked without a window
+        sessions += 1;
+        let p = reference::attn_params(&s).unwrap();
+        let mut cache = MlaCache::new(s.clone(), config(64)).unwrap();
+        let mut live: Vec<(u64, Vec<f32>, Vec<f32>)> = Vec::new();
+        for _ in 0..12 {
+            match rng.below(6) {
+                0 => live.push((cache.add_sequence(), Vec::new(), Vec::new())),
+                1 if !live.is_empty() => {
+                    let (id, _, _) = live.remove(rng.below(live.len()));
+                    cache.free_sequence(id).unwrap();
+                }
+                _ if !live.is_empty() => {
+                    let i = rng.below(live.len());
+                    let n = [1, 1, 3, 17, 40][rng.below(5)];
+                    let c: Vec<f32> = (0..n * l)
+                        .map(|k| rng.normal() * if k % l == 1 { 20.0 } else { 1.0 })
+                        .collect();
+                    let kr: Vec<f32> = (0..n * r).map(|_| rng.normal()).collect();
+                    let (id, hc, hk) = &mut live[i];
+                    cache.extend(*id, &c, &kr).unwrap();
+                    hc.extend(c);
+                    hk.extend(kr);
+                }
+                _ => live.push((cache.add_sequence(), Vec::new(), Vec::new())),
+            }
+            let mut ids = Vec::new();
+            let mut qs = Vec::new();
+            for (id, hc, hk) in &live {
+                let (cv, rv) = reference::cache_views(&s, hc, hk).unwrap();
+                assert!(cache.dequantize(*id, Part::Latent).unwrap() == cv, "{text}");
+                assert!(cache.dequantize(*id, Part::Rope).unwrap() == rv, "{text}");
+                let t = hc.len() / l;
+                let (bl, br) = kivi_spec::mla::mla_bytes_for_tokens(&s, t).unwrap();
+                let m = cache.sequence_memory(*id).unwrap();
+                assert_eq!((m.latent, m.rope), (bl, br), "{text} T={t}");
+                ids.push(*id);
+                qs.extend((0..q * (l + r)).map(|_| rng.normal()));
+            }
+            let got = cpu_mla::decode(&cache, &ids, &qs, p).unwrap();
+            for (b, (_, hc, hk)) in live.iter().enumerate() {
+                let want = reference::attend(&s, &qs[b * q * (l + r)..][..q * (l + r)], hc, hk, p).unwrap();
+                let e = rel_err(&got[b * q * l..][..q * l], &want);
+                assert!(e < 1e-4 || want.iter().all(|x| *x == 0.0), "{text}: rel err {e}");
+            }
+        }
+    }
+}
