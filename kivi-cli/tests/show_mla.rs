@@ -57,3 +57,77 @@ fn commands_without_an_mla_path_refuse_it_on_one_line() {
     assert!(!err.contains("panicked"), "{err}");
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
 }
+
+fn npy_f32(path: &std::path::Path, shape: &[usize], data: &[f32]) {
+    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+    let mut header = format!(
+        "{{'descr': '<f4', 'fortran_order': False, 'shape': ({},), }}",
+        dims.join(", ")
+    );
+    let unaligned = (10 + header.len() + 1) % 64;
+    header.push_str(&" ".repeat((64 - unaligned) % 64));
+    header.push('\n');
+    let mut b = b"\x93NUMPY\x01\x00".to_vec();
+    b.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    b.extend_from_slice(header.as_bytes());
+    b.extend(data.iter().flat_map(|x| x.to_le_bytes()));
+    std::fs::write(path, b).unwrap();
+}
+
+/// `kivi attend` on an mla scheme: latent rows as --k, RoPE rows as --v,
+/// the output against the oracle; a query of the wrong width is one line.
+#[test]
+fn attend_runs_mla_schemes() {
+    use kivi_runtime::mla::reference;
+    let dir = std::env::temp_dir().join(format!("kivi-attend-mla-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut rng = kivi_runtime::rand::Rng::new(3);
+    let (t, hq, l, r) = (45, 16, 512, 64);
+    let c: Vec<f32> = (0..t * l)
+        .map(|i| rng.normal() * if i % l == 7 { 30.0 } else { 1.0 })
+        .collect();
+    let k: Vec<f32> = (0..t * r).map(|_| rng.normal()).collect();
+    let q: Vec<f32> = (0..hq * (l + r)).map(|_| rng.normal() * 0.2).collect();
+    npy_f32(&dir.join("q.npy"), &[hq, l + r], &q);
+    npy_f32(&dir.join("c.npy"), &[t, l], &c);
+    npy_f32(&dir.join("k.npy"), &[t, r], &k);
+    let out = dir.join("out.npy");
+    let p = |f: &str| dir.join(f).to_str().unwrap().to_string();
+    let args = [
+        "attend",
+        "--scheme",
+        DS2,
+        "--q",
+        &p("q.npy"),
+        "--k",
+        &p("c.npy"),
+        "--v",
+        &p("k.npy"),
+        "--out",
+        &p("out.npy"),
+        "--json",
+    ];
+    let o = kivi(&args);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let b = std::fs::read(&out).unwrap();
+    let hlen = u16::from_le_bytes([b[8], b[9]]) as usize;
+    let got: Vec<f32> = b[10 + hlen..]
+        .chunks_exact(4)
+        .map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]]))
+        .collect();
+    let s = kivi_spec::parse_scheme(DS2).unwrap();
+    let want = reference::attend(&s, &q, &c, &k, reference::attn_params(&s).unwrap()).unwrap();
+    let den = want.iter().map(|x| x.abs()).fold(0f32, f32::max);
+    let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / den;
+    assert_eq!(got.len(), hq * l);
+    assert!(err < 1e-5, "rel err {err}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["tokens"], t);
+    // Queries one channel short: refused on one line, naming the shape.
+    npy_f32(&dir.join("q.npy"), &[hq, l + r - 1], &q[..hq * (l + r - 1)]);
+    let o = kivi(&args);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("is not [16, 576]"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

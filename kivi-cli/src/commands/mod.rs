@@ -1,6 +1,7 @@
 //! One module per subcommand: `Args` (clap) and `run`.
 
 pub mod attend;
+pub mod attend_mla;
 pub mod bench;
 pub mod codegen;
 pub mod eval;
