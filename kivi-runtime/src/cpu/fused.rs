@@ -315,7 +315,7 @@ unsafe fn tile_avx2(fast: Fast, st: &mut State, t: &Tile, m: &mut [f32], l: &mut
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)] // indexes walk arrays of registers in step
 mod body {
-    use super::{Fast, Keys, State, Tile};
+    use super::{Fast, Keys, State, Tile, ROWS};
     use crate::cpu::width::Width;
 
     /// Scores, softmax and values of one tile.
@@ -376,47 +376,106 @@ mod body {
         }
     }
 
-    /// One word of a vector of rows (`z`, lane = row): its codes times the
-    /// folded query `qw[h * d + k]` of four heads, into `a[k % 2][h]`. The
-    /// top slot is shifted down rather than masked (see `State::qw`).
+    /// One word of sixteen rows (`z`, lane = row; one vector of 16 rows,
+    /// or two of 8): its codes times the folded query `qw[h * d + k]` of
+    /// four heads, into two sets of four accumulators. Sixteen lanes: the
+    /// sets are the even and odd codes; eight: the two halves of the rows,
+    /// so that each broadcast of the query (a separate instruction on AVX2)
+    /// feeds two FMAs. Either way eight FMA chains are in flight. The top
+    /// slot is shifted down rather than masked (see `State::qw`).
     #[inline(always)]
     unsafe fn word<V: Width, const BITS: u32>(
-        z: V::I,
+        z: [V::I; 2],
         qw: *const f32,
         d: usize,
         masks: &[V::I; 16],
         a: &mut [[V::F; 4]; 2],
     ) {
         let per = (32 / BITS) as usize;
-        let slot = |k: usize| {
-            if k == per - 1 {
-                V::cvt_i(V::srl_i(z, (BITS as usize * k) as i32))
-            } else {
-                V::cvt_i(V::and_i(z, masks[k]))
+        if V::LANES == ROWS {
+            for k in (0..per).step_by(2) {
+                let x0 = slot::<V, BITS>(z[0], k, masks);
+                let x1 = slot::<V, BITS>(z[0], k + 1, masks);
+                for h in 0..4 {
+                    a[0][h] = V::fmadd(V::splat(*qw.add(h * d + k)), x0, a[0][h]);
+                    a[1][h] = V::fmadd(V::splat(*qw.add(h * d + k + 1)), x1, a[1][h]);
+                }
             }
-        };
-        for k in (0..per).step_by(2) {
-            let x0 = slot(k);
-            let x1 = slot(k + 1);
-            for h in 0..4 {
-                a[0][h] = V::fmadd(V::splat(*qw.add(h * d + k)), x0, a[0][h]);
-                a[1][h] = V::fmadd(V::splat(*qw.add(h * d + k + 1)), x1, a[1][h]);
+        } else {
+            for k in 0..per {
+                let x0 = slot::<V, BITS>(z[0], k, masks);
+                let x1 = slot::<V, BITS>(z[1], k, masks);
+                for h in 0..4 {
+                    let q = V::splat(*qw.add(h * d + k));
+                    a[0][h] = V::fmadd(q, x0, a[0][h]);
+                    a[1][h] = V::fmadd(q, x1, a[1][h]);
+                }
             }
         }
     }
 
-    /// Scores of rows `off..off + n` into `st.p` (`[g][n]`), a vector of
-    /// rows at a time: a transpose turns the rows' word `w` into one vector
-    /// (lane = row), so each of the word's codes becomes a vector of rows'
-    /// values in two instructions and the scores come out as one vector per
+    /// Code slot `k` of every lane of `z`, times its weight (the top slot
+    /// shifted down, weight 1).
+    #[inline(always)]
+    unsafe fn slot<V: Width, const BITS: u32>(z: V::I, k: usize, masks: &[V::I; 16]) -> V::F {
+        if k == (32 / BITS) as usize - 1 {
+            V::cvt_i(V::srl_i(z, (BITS as usize * k) as i32))
+        } else {
+            V::cvt_i(V::and_i(z, masks[k]))
+        }
+    }
+
+    /// Rows `r * LANES..` of sixteen from the two accumulator sets: both
+    /// sets (even and odd codes) with one vector of rows, set `r` with two.
+    #[inline(always)]
+    unsafe fn part<V: Width>(a: &[[V::F; 4]; 2], r: usize, h: usize) -> V::F {
+        if V::LANES == ROWS {
+            V::add(a[0][h], a[1][h])
+        } else {
+            a[r][h]
+        }
+    }
+
+    /// Token-axis keys: closes key group `gk` of rows `r0..r0 + 16` for
+    /// heads `hb..hb + 4`: the partial scores times the rows' scales, plus
+    /// their zero points times `sum_group q`, into `sc`; clears `a`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn close_group<V: Width>(
+        st: &State,
+        a: &mut [[V::F; 4]; 2],
+        sc: &mut [[V::F; 4]; 2],
+        gk: usize,
+        n: usize,
+        r0: usize,
+        hb: usize,
+    ) {
+        let kng = st.kng;
+        for r in 0..ROWS / V::LANES {
+            let sv = V::load(st.ks.as_ptr().add(gk * n + r0 + r * V::LANES));
+            let zv = V::load(st.kz.as_ptr().add(gk * n + r0 + r * V::LANES));
+            for h in 0..4 {
+                sc[r][h] = V::fmadd(sv, part::<V>(a, r, h), sc[r][h]);
+                sc[r][h] = V::fmadd(zv, V::splat(*st.qsum.get_unchecked((hb + h) * kng + gk)), sc[r][h]);
+            }
+        }
+        *a = [[V::zero(); 4]; 2];
+    }
+
+    /// Scores of rows `off..off + n` into `st.p` (`[g][n]`), sixteen rows
+    /// at a time: a transpose turns the rows' word `w` into one or two
+    /// vectors (lane = row), so each of the word's codes becomes the rows'
+    /// values in two instructions and the scores come out as vectors per
     /// head, with no horizontal sums.
     #[inline(always)]
     unsafe fn scores<V: Width, const BITS: u32>(fast: Fast, st: &mut State, t: &Tile) {
         let (g, d, n) = (st.g, st.d, t.n);
         let wpt = t.klayout.words_per_token;
         let per = (32 / BITS) as usize;
-        // The next block's lines, spread over the tile's (rows, word) pieces.
-        let pieces = n / V::LANES * wpt;
+        // Vectors per sixteen rows: 1 (AVX-512) or 2 (AVX2).
+        let rv = ROWS / V::LANES;
+        // The next block's lines, spread over the tile's (16 rows, word) pieces.
+        let pieces = n / ROWS * wpt;
         let step = t.ahead.map(|p| p.len().div_ceil(16).div_ceil(pieces));
         let mut masks = [V::splat_i(0); 16];
         for (k, m) in masks.iter_mut().enumerate().take(per) {
@@ -431,7 +490,7 @@ mod body {
             }
             Keys::Channel { .. } => (0, usize::MAX),
         };
-        for r0 in (0..n).step_by(V::LANES) {
+        for r0 in (0..n).step_by(ROWS) {
             let off = t.off + r0;
             if let Keys::Channel { group } = fast.keys {
                 let key = (t.block, off / group);
@@ -441,55 +500,51 @@ mod body {
                 }
             }
             let rows = t.kpart.as_ptr().add(off * wpt) as *const i32;
+            let rows2 = rows.add(V::LANES * wpt);
             for hb in (0..g).step_by(4) {
                 // Channel axis: the folded query; token axis: the query itself.
                 let qf = if kng == 0 { st.qf.as_ptr() } else { st.qw.as_ptr() }.add(hb * d);
-                let mut sc = [V::zero(); 4];
-                let mut close = |a: &mut [[V::F; 4]; 2], w: usize| {
-                    if kng > 0 && (w + 1).is_multiple_of(wpg) {
-                        let gk = w / wpg;
-                        let sv = V::load(st.ks.as_ptr().add(gk * n + r0));
-                        let zv = V::load(st.kz.as_ptr().add(gk * n + r0));
-                        for h in 0..4 {
-                            let part = V::add(a[0][h], a[1][h]);
-                            sc[h] = V::fmadd(sv, part, sc[h]);
-                            sc[h] = V::fmadd(zv, V::splat(st.qsum[(hb + h) * kng + gk]), sc[h]);
-                            a[0][h] = V::zero();
-                            a[1][h] = V::zero();
-                        }
-                    }
-                };
-                // Two sets of four heads (even and odd codes of a word):
-                // eight FMA chains in flight.
+                let mut sc = [[V::zero(); 4]; 2];
+                // Token-axis keys close a group every `wpg` words (in a plain
+                // function: a closure was left out of line, its accumulators
+                // passed through memory every word, 15% of the tile).
                 let mut a = [[V::zero(); 4]; 2];
                 if wpt.is_multiple_of(8) {
                     for wb in (0..wpt).step_by(8) {
-                        let z = V::transpose8(rows, wpt, wb);
-                        for (w, &z) in z.iter().enumerate() {
+                        let z0 = V::transpose8(rows, wpt, wb);
+                        let z1 = if rv == 2 { V::transpose8(rows2, wpt, wb) } else { z0 };
+                        for w in 0..8 {
                             if hb == 0 {
-                                prefetch_piece(t, r0 / V::LANES * wpt + wb + w, step);
+                                prefetch_piece(t, r0 / ROWS * wpt + wb + w, step);
                             }
-                            word::<V, BITS>(z, qf.add((wb + w) * per), d, &masks, &mut a);
-                            close(&mut a, wb + w);
+                            word::<V, BITS>([z0[w], z1[w]], qf.add((wb + w) * per), d, &masks, &mut a);
+                            if kng > 0 && (wb + w + 1).is_multiple_of(wpg) {
+                                close_group::<V>(st, &mut a, &mut sc, (wb + w) / wpg, n, r0, hb);
+                            }
                         }
                     }
                 } else {
                     for w in 0..wpt {
                         if hb == 0 {
-                            prefetch_piece(t, r0 / V::LANES * wpt + w, step);
+                            prefetch_piece(t, r0 / ROWS * wpt + w, step);
                         }
-                        let z = V::gather_word(rows, wpt, w);
-                        word::<V, BITS>(z, qf.add(w * per), d, &masks, &mut a);
-                        close(&mut a, w);
+                        let z0 = V::gather_word(rows, wpt, w);
+                        let z1 = if rv == 2 { V::gather_word(rows2, wpt, w) } else { z0 };
+                        word::<V, BITS>([z0, z1], qf.add(w * per), d, &masks, &mut a);
+                        if kng > 0 && (w + 1).is_multiple_of(wpg) {
+                            close_group::<V>(st, &mut a, &mut sc, w / wpg, n, r0, hb);
+                        }
                     }
                 }
-                for h in 0..4 {
-                    let v = if kng > 0 {
-                        sc[h]
-                    } else {
-                        V::add(V::add(a[0][h], a[1][h]), V::splat(st.cst[hb + h]))
-                    };
-                    V::store(st.p.as_mut_ptr().add((hb + h) * n + r0), v);
+                for r in 0..rv {
+                    for h in 0..4 {
+                        let v = if kng > 0 {
+                            sc[r][h]
+                        } else {
+                            V::add(part::<V>(&a, r, h), V::splat(st.cst[hb + h]))
+                        };
+                        V::store(st.p.as_mut_ptr().add((hb + h) * n + r0 + r * V::LANES), v);
+                    }
                 }
             }
         }

@@ -57,7 +57,8 @@ pub(crate) struct Plan {
     kinds: [Kind; 2],
     layouts: [TensorLayout; 2],
     scale: [ScaleDtype; 2],
-    /// The AVX-512 fast path's parameters, where the scheme has its shape.
+    /// The fused fast path's parameters (AVX-512 or AVX2), where the scheme
+    /// has its shape.
     fast: Option<Fast>,
     /// Both tensors are `full` and an AVX ISA is on: rows go to the dense
     /// loops (`dense.rs`) instead of the generic ones.
@@ -178,7 +179,7 @@ impl Plan {
 }
 
 impl Plan {
-    /// `avx512-fused` where the fast path applies, `<isa>+codec` where a
+    /// `avx512-fused` / `avx2-fused` where the fast path applies, `<isa>+codec` where a
     /// codec pipeline (rotation, Lloyd–Max, outliers, centering) sends a
     /// tensor through the generic row reader, else the ISA's name.
     pub fn path_name(&self) -> &'static str {

@@ -24,6 +24,8 @@
 //! - **per-token parameters** `[n][groups]` f16 into `[groups][n]` f32.
 
 #[cfg(target_arch = "x86_64")]
+use super::simd::Rows;
+#[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
 /// One vector width. Every method is unsafe: it needs the ISA's features
@@ -64,6 +66,10 @@ pub(crate) trait Width {
     unsafe fn fnmadd(a: Self::F, b: Self::F, c: Self::F) -> Self::F;
     unsafe fn reduce_add(v: Self::F) -> f32;
     unsafe fn reduce_max(v: Self::F) -> f32;
+    /// The four horizontal sums of `v`, as one 128-bit vector.
+    unsafe fn sum4(v: [Self::F; 4]) -> __m128;
+    /// Chunk `c` (`LANES` values) of row `i` of `r`.
+    unsafe fn row<R: Rows>(r: &R, i: usize, c: usize) -> Self::F;
     /// `out[i] = reduce_add(v[i])` (wider ISAs overlap the reductions).
     unsafe fn reduce_many(v: &[Self::F], out: &mut [f32]) {
         for (o, &x) in out.iter_mut().zip(v) {
@@ -235,6 +241,15 @@ impl Width for Avx512 {
     #[inline(always)]
     unsafe fn reduce_max(v: __m512) -> f32 {
         _mm512_reduce_max_ps(v)
+    }
+    #[inline(always)]
+    unsafe fn sum4(v: [__m512; 4]) -> __m128 {
+        let half = |v: __m512| _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v));
+        hsum4(half(v[0]), half(v[1]), half(v[2]), half(v[3]))
+    }
+    #[inline(always)]
+    unsafe fn row<R: Rows>(r: &R, i: usize, c: usize) -> __m512 {
+        r.get16(i, c)
     }
     /// Sixteen at a time through one transpose tree.
     #[inline(always)]
@@ -572,6 +587,14 @@ impl Width for Avx2 {
         _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)))
     }
     #[inline(always)]
+    unsafe fn sum4(v: [__m256; 4]) -> __m128 {
+        hsum4(v[0], v[1], v[2], v[3])
+    }
+    #[inline(always)]
+    unsafe fn row<R: Rows>(r: &R, i: usize, c: usize) -> __m256 {
+        r.get8(i, c)
+    }
+    #[inline(always)]
     unsafe fn round(x: __m256) -> __m256 {
         _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x)
     }
@@ -661,6 +684,14 @@ impl Width for Avx2 {
             }
         }
     }
+}
+
+/// Horizontal sums of four vectors, as one vector `[s0, s1, s2, s3]`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
+    let u = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps::<1>(u))
 }
 
 /// Rows `r` (eight 32-bit lanes each) to columns.
