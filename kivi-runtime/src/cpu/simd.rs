@@ -12,6 +12,8 @@
 //! one small impl and is fused into the arithmetic (no f32 copy of the tile).
 
 #[cfg(target_arch = "x86_64")]
+use super::width::{Avx2, Avx512};
+#[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
 /// Which inner loops a call uses.
@@ -400,41 +402,15 @@ pub(crate) fn dot<R: Rows>(
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => {
             assert!(d.is_multiple_of(8) && avx2_available());
-            let mut h0 = 0;
-            while h0 < heads {
-                let rem = heads - h0;
-                let (qp, op) = (q[h0 * d..].as_ptr(), out[h0..].as_mut_ptr());
-                // SAFETY: features checked above; `fits` and the length
-                // asserts bound every read and write.
-                unsafe {
-                    h0 += if rem >= 4 {
-                        avx2::dot::<R, 4>(r, n, d, qp, op, ostride)
-                    } else if rem >= 2 {
-                        avx2::dot::<R, 2>(r, n, d, qp, op, ostride)
-                    } else {
-                        avx2::dot::<R, 1>(r, n, d, qp, op, ostride)
-                    };
-                }
-            }
+            // SAFETY: features checked above; `fits` and the length asserts
+            // bound every read and write.
+            unsafe { dot_heads::<Avx2, R>(r, n, d, q, heads, out, ostride) }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => {
             assert!(d.is_multiple_of(16) && avx512_available());
-            let mut h0 = 0;
-            while h0 < heads {
-                let rem = heads - h0;
-                let (qp, op) = (q[h0 * d..].as_ptr(), out[h0..].as_mut_ptr());
-                // SAFETY: as for AVX2.
-                unsafe {
-                    h0 += if rem >= 4 {
-                        avx512::dot::<R, 4>(r, n, d, qp, op, ostride)
-                    } else if rem >= 2 {
-                        avx512::dot::<R, 2>(r, n, d, qp, op, ostride)
-                    } else {
-                        avx512::dot::<R, 1>(r, n, d, qp, op, ostride)
-                    };
-                }
-            }
+            // SAFETY: as for AVX2.
+            unsafe { dot_heads::<Avx512, R>(r, n, d, q, heads, out, ostride) }
         }
         _ => {
             for i in 0..n {
@@ -472,40 +448,14 @@ pub(crate) fn axpy<R: Rows>(
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => {
             assert!(d.is_multiple_of(8) && avx2_available());
-            let mut h0 = 0;
-            while h0 < heads {
-                let rem = heads - h0;
-                let (pp, ap) = (p[h0..].as_ptr(), acc[h0 * d..].as_mut_ptr());
-                // SAFETY: as in `dot`.
-                unsafe {
-                    h0 += if rem >= 4 {
-                        avx2::axpy::<R, 4>(r, n, d, pp, pstride, ap)
-                    } else if rem >= 2 {
-                        avx2::axpy::<R, 2>(r, n, d, pp, pstride, ap)
-                    } else {
-                        avx2::axpy::<R, 1>(r, n, d, pp, pstride, ap)
-                    };
-                }
-            }
+            // SAFETY: as in `dot`.
+            unsafe { axpy_heads::<Avx2, R>(r, n, d, p, pstride, heads, acc) }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => {
             assert!(d.is_multiple_of(16) && avx512_available());
-            let mut h0 = 0;
-            while h0 < heads {
-                let rem = heads - h0;
-                let (pp, ap) = (p[h0..].as_ptr(), acc[h0 * d..].as_mut_ptr());
-                // SAFETY: as for AVX2.
-                unsafe {
-                    h0 += if rem >= 4 {
-                        avx512::axpy::<R, 4>(r, n, d, pp, pstride, ap)
-                    } else if rem >= 2 {
-                        avx512::axpy::<R, 2>(r, n, d, pp, pstride, ap)
-                    } else {
-                        avx512::axpy::<R, 1>(r, n, d, pp, pstride, ap)
-                    };
-                }
-            }
+            // SAFETY: as in `dot`.
+            unsafe { axpy_heads::<Avx512, R>(r, n, d, p, pstride, heads, acc) }
         }
         _ => {
             for i in 0..n {
@@ -517,6 +467,134 @@ pub(crate) fn axpy<R: Rows>(
                 }
             }
         }
+    }
+}
+
+/// The `#[target_feature]` entry points of one width (`avx2`, `avx512`
+/// below), so that the loop over blocks of heads is written once.
+#[cfg(target_arch = "x86_64")]
+trait Entry {
+    unsafe fn dot<R: Rows, const NH: usize>(
+        r: &R,
+        n: usize,
+        d: usize,
+        q: *const f32,
+        out: *mut f32,
+        os: usize,
+    ) -> usize;
+    unsafe fn axpy<R: Rows, const NH: usize>(
+        r: &R,
+        n: usize,
+        d: usize,
+        p: *const f32,
+        ps: usize,
+        acc: *mut f32,
+    ) -> usize;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Entry for Avx2 {
+    unsafe fn dot<R: Rows, const NH: usize>(
+        r: &R,
+        n: usize,
+        d: usize,
+        q: *const f32,
+        out: *mut f32,
+        os: usize,
+    ) -> usize {
+        avx2::dot::<R, NH>(r, n, d, q, out, os)
+    }
+    unsafe fn axpy<R: Rows, const NH: usize>(
+        r: &R,
+        n: usize,
+        d: usize,
+        p: *const f32,
+        ps: usize,
+        acc: *mut f32,
+    ) -> usize {
+        avx2::axpy::<R, NH>(r, n, d, p, ps, acc)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Entry for Avx512 {
+    unsafe fn dot<R: Rows, const NH: usize>(
+        r: &R,
+        n: usize,
+        d: usize,
+        q: *const f32,
+        out: *mut f32,
+        os: usize,
+    ) -> usize {
+        avx512::dot::<R, NH>(r, n, d, q, out, os)
+    }
+    unsafe fn axpy<R: Rows, const NH: usize>(
+        r: &R,
+        n: usize,
+        d: usize,
+        p: *const f32,
+        ps: usize,
+        acc: *mut f32,
+    ) -> usize {
+        avx512::axpy::<R, NH>(r, n, d, p, ps, acc)
+    }
+}
+
+/// [`dot`] in blocks of four, two or one heads on width `E`.
+///
+/// # Safety
+/// `E`'s features are available and [`dot`]'s asserts hold.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn dot_heads<E: Entry, R: Rows>(
+    r: &R,
+    n: usize,
+    d: usize,
+    q: &[f32],
+    heads: usize,
+    out: &mut [f32],
+    ostride: usize,
+) {
+    let mut h0 = 0;
+    while h0 < heads {
+        let rem = heads - h0;
+        let (qp, op) = (q[h0 * d..].as_ptr(), out[h0..].as_mut_ptr());
+        h0 += if rem >= 4 {
+            E::dot::<R, 4>(r, n, d, qp, op, ostride)
+        } else if rem >= 2 {
+            E::dot::<R, 2>(r, n, d, qp, op, ostride)
+        } else {
+            E::dot::<R, 1>(r, n, d, qp, op, ostride)
+        };
+    }
+}
+
+/// [`axpy`] in blocks of four, two or one heads on width `E`.
+///
+/// # Safety
+/// `E`'s features are available and [`axpy`]'s asserts hold.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn axpy_heads<E: Entry, R: Rows>(
+    r: &R,
+    n: usize,
+    d: usize,
+    p: &[f32],
+    pstride: usize,
+    heads: usize,
+    acc: &mut [f32],
+) {
+    let mut h0 = 0;
+    while h0 < heads {
+        let rem = heads - h0;
+        let (pp, ap) = (p[h0..].as_ptr(), acc[h0 * d..].as_mut_ptr());
+        h0 += if rem >= 4 {
+            E::axpy::<R, 4>(r, n, d, pp, pstride, ap)
+        } else if rem >= 2 {
+            E::axpy::<R, 2>(r, n, d, pp, pstride, ap)
+        } else {
+            E::axpy::<R, 1>(r, n, d, pp, pstride, ap)
+        };
     }
 }
 
