@@ -725,3 +725,99 @@ unsafe fn transpose8x8(r: [__m256i; 8]) -> [__m256i; 8] {
         }
     })
 }
+
+/// The contract the fused body relies on: `unpack` puts in each lane the
+/// code of the channel `value_lane` names, times the weight it names; every
+/// channel appears once; a vector's lanes stay inside one aligned span of
+/// `value_span` channels (one value group).
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    fn code(ch: usize, bits: u32) -> u32 {
+        ((ch * 7 + 3) as u32) % (1 << bits)
+    }
+
+    /// A row of `d` channels, packed as the layout packs codes (channel `k`
+    /// of a word at bits `bits * k`), with a word of slack for 8-byte loads.
+    fn row(d: usize, bits: u32) -> Vec<u32> {
+        let per = (32 / bits) as usize;
+        let mut w = vec![0u32; d / per + 2];
+        for ch in 0..d {
+            w[ch / per] |= code(ch, bits) << (bits as usize * (ch % per));
+        }
+        w
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn unpack_avx2<const B: u32>(row: &[u32], v: usize, out: &mut [f32; 16]) {
+        Avx2::store(out.as_mut_ptr(), Avx2::unpack::<B>(row.as_ptr(), v))
+    }
+
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
+    unsafe fn unpack_avx512<const B: u32>(row: &[u32], v: usize, out: &mut [f32; 16]) {
+        Avx512::store(out.as_mut_ptr(), Avx512::unpack::<B>(row.as_ptr(), v))
+    }
+
+    fn check<V: Width>(bits: u32, unpack: impl Fn(&[u32], usize, &mut [f32; 16])) {
+        let d = 128;
+        let r = row(d, bits);
+        let mut seen = vec![false; d];
+        for v in 0..d / V::LANES {
+            let mut out = [0f32; 16];
+            unpack(&r, v, &mut out);
+            let span = V::value_span(bits);
+            let first = V::value_lane(bits, v, 0).0 / span;
+            for (j, &x) in out.iter().enumerate().take(V::LANES) {
+                let (ch, w) = V::value_lane(bits, v, j);
+                assert_eq!(
+                    x,
+                    code(ch, bits) as f32 * w,
+                    "{bits}-bit vector {v} lane {j} (channel {ch})"
+                );
+                assert!(!seen[ch], "{bits}-bit channel {ch} twice");
+                assert_eq!(ch / span, first, "{bits}-bit vector {v} leaves its span");
+                seen[ch] = true;
+            }
+        }
+        assert!(seen.iter().all(|&s| s), "{bits}-bit: some channel in no lane");
+    }
+
+    #[test]
+    fn unpack_matches_value_lane() {
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+            // SAFETY (all three): features checked; rows have slack words.
+            check::<Avx2>(2, |r, v, o| unsafe { unpack_avx2::<2>(r, v, o) });
+            check::<Avx2>(4, |r, v, o| unsafe { unpack_avx2::<4>(r, v, o) });
+            check::<Avx2>(8, |r, v, o| unsafe { unpack_avx2::<8>(r, v, o) });
+        }
+        if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq") {
+            check::<Avx512>(2, |r, v, o| unsafe { unpack_avx512::<2>(r, v, o) });
+            check::<Avx512>(4, |r, v, o| unsafe { unpack_avx512::<4>(r, v, o) });
+            check::<Avx512>(8, |r, v, o| unsafe { unpack_avx512::<8>(r, v, o) });
+        }
+    }
+
+    #[test]
+    fn transpose8x8_is_a_transpose() {
+        if !is_x86_feature_detected!("avx2") {
+            return;
+        }
+        let m: Vec<i32> = (0..64).collect();
+        let mut out = [[0i32; 8]; 8];
+        // SAFETY: AVX2 checked; eight rows of eight words.
+        unsafe { transpose_avx2(&m, &mut out) };
+        for (w, col) in out.iter().enumerate() {
+            for (r, &x) in col.iter().enumerate() {
+                assert_eq!(x, m[r * 8 + w], "word {w} row {r}");
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn transpose_avx2(m: &[i32], out: &mut [[i32; 8]; 8]) {
+        for (o, v) in out.iter_mut().zip(Avx2::transpose8(m.as_ptr(), 8, 0)) {
+            _mm256_storeu_si256(o.as_mut_ptr() as *mut __m256i, v);
+        }
+    }
+}
