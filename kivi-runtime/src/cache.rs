@@ -632,15 +632,27 @@ impl PagedCache {
             regions(&self.scheme, Tensor::Value, new_tokens).quantized,
         ];
         let pipeline = [0, 1].map(|i| self.codecs[i].as_ref().is_some_and(|c| !c.is_plain_uniform()));
-        // Pipeline tensors take `quant.rs`'s path, which reads rounded rows.
+        // Token-axis pipelines run in `cpu/write.rs` too; the others take
+        // `quant.rs`'s path, which reads rounded rows.
+        let in_writes = [0, 1].map(|i| self.codecs[i].as_ref().is_some_and(|c| write::pipeline_fits(c, d)));
         let mut rounded: [Option<Vec<f32>>; 2] = [None, None];
         for t in [Tensor::Key, Tensor::Value] {
-            if pipeline[ti(t)] {
+            let i = ti(t);
+            // The centering means, once per sequence, read rounded rows too:
+            // only the tokens before `nc` are rounded for them.
+            let need = match self.scheme.center_of(t) {
+                Some(nc) if self.seqs.get(&id).is_some_and(|s| s.means[i].is_none()) && new_tokens >= nc => {
+                    (nc - old_tokens.min(nc)) * h * d
+                }
+                _ => 0,
+            };
+            let len = if pipeline[i] && !in_writes[i] { x[i].len() } else { need };
+            if len > 0 {
                 // Validated above; were it to fail, the reference path reports it.
-                let Ok(r) = round_inputs(&self.scheme, t.name(), x[ti(t)], h, d) else {
+                let Ok(r) = round_inputs(&self.scheme, t.name(), &x[i][..len], h, d) else {
                     return Ok(false);
                 };
-                rounded[ti(t)] = Some(r);
+                rounded[i] = Some(r);
             }
         }
         let bt = self.layout.block_tokens;
@@ -675,7 +687,9 @@ impl PagedCache {
             let i = ti(t);
             let Some(nc) = scheme.center_of(t) else { continue };
             if seq.means[i].is_none() && new_tokens >= nc {
-                let input = rounded[i].as_deref().expect("centered tensors are pipeline tensors");
+                // Rounded above: the tokens from `old_tokens` up to `nc` (none left
+                // when `old_tokens >= nc`).
+                let input = rounded[i].as_deref().unwrap_or(&[]);
                 new_means[i] = Some(center_means(scheme.dtype, sinks, seq, i, input, old_tokens, nc, h, d));
             }
         }
@@ -686,7 +700,8 @@ impl PagedCache {
             if range.is_empty() {
                 continue;
             }
-            if let Some(input) = rounded[i].as_deref() {
+            let means = new_means[i].as_deref().or(seq.means[i].as_deref());
+            if let (false, Some(input)) = (in_writes[i], rounded[i].as_deref()) {
                 let seq_ref: &Sequence = seq;
                 let src = |j: usize, hh: usize, out: &mut [f32]| {
                     let p = sinks + j;
@@ -699,7 +714,6 @@ impl PagedCache {
                         }
                     }
                 };
-                let means = new_means[i].as_deref().or(seq.means[i].as_deref());
                 let r = quantize_blocks(
                     scheme,
                     layout,
@@ -728,6 +742,7 @@ impl PagedCache {
                     quant,
                     dtype: scheme.dtype,
                     isa: write::tensor_isa(isa, quant.as_ref(), d),
+                    pipeline: codecs[i].as_ref().filter(|_| pipeline[i]).map(|codec| write::Pipeline { codec, means }),
                 },
                 rows: write::Rows {
                     input: x[i],

@@ -253,34 +253,47 @@ pub fn channel_mean<'a>(rows: impl IntoIterator<Item = &'a [f32]>, d: usize, dty
 /// Channels of the `k` entries of largest magnitude in `row`, ascending.
 /// Ties go to the lower channel.
 pub fn top_k_abs(row: &[f32], k: usize) -> Vec<usize> {
-    // A few outliers per token (the presets keep 2 or 4): one pass that
-    // keeps the best `k` so far, best first, instead of sorting every
-    // channel. Same order, so the same channels: a larger magnitude first,
-    // and among equal ones the lower channel (met first, kept ahead).
-    if k <= 16 {
-        let mut best: Vec<(f32, usize)> = Vec::with_capacity(k + 1);
-        for (i, x) in row.iter().enumerate() {
-            let a = x.abs();
-            if best.len() == k
-                && best
-                    .last()
-                    .is_none_or(|w| a.total_cmp(&w.0) != std::cmp::Ordering::Greater)
-            {
-                continue;
-            }
-            let at = best.partition_point(|b| b.0.total_cmp(&a) != std::cmp::Ordering::Less);
-            best.insert(at, (a, i));
-            best.truncate(k);
-        }
-        let mut idx: Vec<usize> = best.into_iter().map(|b| b.1).collect();
-        idx.sort_unstable();
-        return idx;
+    if k <= TOP_K_SMALL {
+        let mut idx = [0usize; TOP_K_SMALL];
+        let n = top_k_abs_small(row, k, &mut idx);
+        return idx[..n].to_vec();
     }
     let mut idx: Vec<usize> = (0..row.len()).collect();
     idx.sort_by(|&a, &b| row[b].abs().total_cmp(&row[a].abs()).then(a.cmp(&b)));
     idx.truncate(k);
     idx.sort_unstable();
     idx
+}
+
+/// The largest `k` that [`top_k_abs_small`] takes.
+pub const TOP_K_SMALL: usize = 16;
+
+/// [`top_k_abs`] for `k <= TOP_K_SMALL` without allocating (the cache
+/// writes call it once per token): the channels, ascending, go into
+/// `out[..n]`, `n = min(k, row.len())` returned.
+pub fn top_k_abs_small(row: &[f32], k: usize, out: &mut [usize; TOP_K_SMALL]) -> usize {
+    // A few outliers per token (the presets keep 2 or 4): one pass that
+    // keeps the best `k` so far, best first, instead of sorting every
+    // channel. Same order, so the same channels: a larger magnitude first,
+    // and among equal ones the lower channel (met first, kept ahead).
+    let k = k.min(TOP_K_SMALL);
+    let mut best = [(0f32, 0usize); TOP_K_SMALL + 1];
+    let mut len = 0;
+    for (i, x) in row.iter().enumerate() {
+        let a = x.abs();
+        if len == k && (len == 0 || a.total_cmp(&best[len - 1].0) != std::cmp::Ordering::Greater) {
+            continue;
+        }
+        let at = best[..len].partition_point(|b| b.0.total_cmp(&a) != std::cmp::Ordering::Less);
+        best.copy_within(at..len, at + 1);
+        best[at] = (a, i);
+        len = (len + 1).min(k);
+    }
+    for (o, b) in out.iter_mut().zip(&best[..len]) {
+        *o = b.1;
+    }
+    out[..len].sort_unstable();
+    len
 }
 
 /// Lloyd–Max code of `y` (a value already divided by its group's norm): the
@@ -440,6 +453,23 @@ impl TensorCodec {
         let idx = top_k_abs(row, self.outliers);
         let vals = idx.iter().map(|&i| std::mem::replace(&mut row[i], 0.0)).collect();
         (idx, vals)
+    }
+
+    /// [`Self::take_outliers`] without allocating, for at most
+    /// [`TOP_K_SMALL`] outliers a token: channels into `idx[..n]`, original
+    /// values into `vals[..n]`; `n` returned.
+    pub fn take_outliers_small(
+        &self,
+        row: &mut [f32],
+        idx: &mut [usize; TOP_K_SMALL],
+        vals: &mut [f32; TOP_K_SMALL],
+    ) -> usize {
+        debug_assert!(self.outliers <= TOP_K_SMALL);
+        let n = top_k_abs_small(row, self.outliers, idx);
+        for (v, &i) in vals.iter_mut().zip(&idx[..n]) {
+            *v = std::mem::replace(&mut row[i], 0.0);
+        }
+        n
     }
 
     /// The stored correction of an outlier: `x - x^` in the activation

@@ -23,9 +23,9 @@
 
 use super::simd::Isa;
 use crate::cache::RawRows;
-use crate::quant;
+use crate::quant::{self, GroupParams, TensorCodec};
 use kivi_spec::layout::TensorLayout;
-use kivi_spec::{Axis, Dtype, Quant, ScaleDtype};
+use kivi_spec::{Axis, Dtype, Levels, Norm, Quant, ScaleDtype};
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -114,6 +114,32 @@ pub(crate) struct Plan<'a> {
     pub quant: Option<Quant>,
     pub dtype: Dtype,
     pub isa: Isa,
+    /// The codec pipeline of a token-axis tensor that has one (centering,
+    /// rotation, sparse outliers, Lloyd–Max levels); `None` for plain
+    /// uniform codes and `full` rows.
+    pub pipeline: Option<Pipeline<'a>>,
+}
+
+/// A token-axis tensor's codec pipeline ([`pipeline_fits`]): each row is
+/// rounded here, then transformed, cleared of its outliers and (for
+/// Lloyd–Max levels) quantized by `quant.rs`'s own functions, call for call
+/// as the reference path does, only without a heap buffer per token.
+#[derive(Clone, Copy)]
+pub(crate) struct Pipeline<'a> {
+    pub codec: &'a TensorCodec,
+    /// The centering means, `[Hkv][D]`, once the sequence has them.
+    pub means: Option<&'a [f32]>,
+}
+
+/// Whether the writes take a pipeline tensor: token-axis groups (a row is
+/// quantized on its own, so no buffer of `G` rows) and at most
+/// [`quant::TOP_K_SMALL`] outliers a token (found without allocating).
+pub(crate) fn pipeline_fits(codec: &TensorCodec, d: usize) -> bool {
+    codec.quant.axis == Axis::Token
+        && codec.outliers <= quant::TOP_K_SMALL
+        && codec.outliers <= d
+        && d <= MAX_D
+        && codec.quant.bits <= 8
 }
 
 /// The instruction set a tensor's writes use: `cap` or the widest below it
@@ -199,13 +225,16 @@ fn job_body<L: Lanes>(plan: &Plan, rows: &Rows, job: &mut Job) -> bool {
     // One row of codes, padded with zeros to whole words.
     let mut codes = [0u8; MAX_D + 32];
     let padded = wpt * per;
+    if let Some(pipe) = plan.pipeline {
+        return pipeline_rows::<L>(plan, &pipe, &q, rows, job, &mut codes);
+    }
     match q.axis {
         Axis::Token => {
             for j in job.first..job.first + job.n {
                 let off = j % bt;
                 for hh in 0..h {
                     let part = &mut job.block[part_start(hh)..][..words];
-                    if !token_row::<L>(plan, &q, rows.row(j, hh), off, part, &mut codes) {
+                    if !token_row::<L>(plan, &q, rows.row(j, hh), off, part, &mut codes, None) {
                         return false;
                     }
                     codes[d..padded].fill(0);
@@ -227,9 +256,18 @@ fn job_body<L: Lanes>(plan: &Plan, rows: &Rows, job: &mut Job) -> bool {
 }
 
 /// Quantizes one row of token-axis groups into byte codes, writing the
-/// groups' parameters into `part`. `false`: a parameter overflows.
+/// groups' parameters into `part` (and, if given, into `params`, one a
+/// group). `false`: a parameter overflows.
 #[inline(always)]
-fn token_row<L: Lanes>(plan: &Plan, q: &Quant, src: Src, off: usize, part: &mut [u32], codes: &mut [u8]) -> bool {
+fn token_row<L: Lanes>(
+    plan: &Plan,
+    q: &Quant,
+    src: Src,
+    off: usize,
+    part: &mut [u32],
+    codes: &mut [u8],
+    mut params: Option<&mut [GroupParams]>,
+) -> bool {
     let tl = plan.tl;
     let g = q.group as usize;
     let maxc = q.max_code() as f32;
@@ -268,8 +306,250 @@ fn token_row<L: Lanes>(plan: &Plan, q: &Quant, src: Src, off: usize, part: &mut 
         let i = tl.param_index(off, c0);
         write_param::<L>(&mut part[tl.scales_offset..], i, p.scale, q.scale);
         write_param::<L>(&mut part[tl.zeros_offset..], i, p.zero, q.scale);
+        if let Some(ps) = params.as_deref_mut() {
+            ps[c0 / g] = p;
+        }
     }
     true
+}
+
+/// Rows of a pipeline tensor transformed together: the Lloyd–Max sums
+/// (f64, one dependent chain of additions per group, whose order fixes
+/// their bits) of this many rows are interleaved, so that the chains
+/// overlap instead of waiting on each other.
+const BATCH: usize = 4;
+
+/// One transformed row of a batch: its outliers (taken out) and, once
+/// quantized, its group parameters.
+struct Item {
+    j: usize,
+    hh: usize,
+    outliers: usize,
+    idx: [usize; quant::TOP_K_SMALL],
+    orig: [f32; quant::TOP_K_SMALL],
+}
+
+/// The rows of a pipeline tensor ([`Pipeline`]), token by token, every
+/// head of a token in turn, [`BATCH`] rows at a time: the reference path's
+/// steps (`quantize_range` in `cache.rs`) on rows on the stack. `false`: a
+/// parameter or an outlier's correction overflows (the reference path then
+/// says which).
+#[inline(always)]
+fn pipeline_rows<L: Lanes>(plan: &Plan, pipe: &Pipeline, q: &Quant, rows: &Rows, job: &mut Job, codes: &mut [u8]) -> bool {
+    let d = rows.d;
+    // Grown once per thread: zeroing ~40 KB of stack arrays per call
+    // was most of an append's time.
+    let mut sc = PIPE_SCRATCH.take();
+    sc.buf.resize(BATCH * d, 0.0);
+    sc.codes.resize(BATCH * d, 0);
+    sc.scales.resize(BATCH * d, 0.0);
+    sc.params.resize(d, GroupParams { scale: 0.0, zero: 0.0 });
+    let ok = pipeline_batches::<L>(plan, pipe, q, rows, job, codes, &mut sc);
+    PIPE_SCRATCH.set(sc);
+    ok
+}
+
+/// Per-thread scratch of [`pipeline_rows`]: [`BATCH`] rows, their codes
+/// and group norms, `[BATCH][D]` each, and one row's group parameters.
+#[derive(Default)]
+struct PipeScratch {
+    buf: Vec<f32>,
+    codes: Vec<u8>,
+    scales: Vec<f32>,
+    params: Vec<GroupParams>,
+}
+
+thread_local! {
+    static PIPE_SCRATCH: std::cell::Cell<PipeScratch> = std::cell::Cell::new(PipeScratch::default());
+}
+
+#[inline(always)]
+fn pipeline_batches<L: Lanes>(
+    plan: &Plan,
+    pipe: &Pipeline,
+    q: &Quant,
+    rows: &Rows,
+    job: &mut Job,
+    codes: &mut [u8],
+    sc: &mut PipeScratch,
+) -> bool {
+    let tl = plan.tl;
+    let (h, d) = (rows.heads, rows.d);
+    let (bt, wpt) = (tl.block_tokens, tl.words_per_token);
+    let g = q.group as usize;
+    let padded = wpt * kivi_spec::layout::codes_per_word(q.bits);
+    let codec = pipe.codec;
+    let PipeScratch {
+        buf,
+        codes: lcodes,
+        scales: lscale,
+        params,
+    } = sc;
+    let mut corr = [0f32; quant::TOP_K_SMALL];
+    let mut items: [Item; BATCH] = std::array::from_fn(|_| Item {
+        j: 0,
+        hh: 0,
+        outliers: 0,
+        idx: [0; quant::TOP_K_SMALL],
+        orig: [0.0; quant::TOP_K_SMALL],
+    });
+    let lloyd = !q.has_zeros();
+    let total = job.n * h;
+    let mut next = 0;
+    while next < total {
+        let nb = BATCH.min(total - next);
+        for (b, it) in items.iter_mut().enumerate().take(nb) {
+            let (j, hh) = (job.first + (next + b) / h, (next + b) % h);
+            let r = &mut buf[b * d..(b + 1) * d];
+            load_row::<L>(rows.row(j, hh), plan.dtype, r);
+            codec.forward(r, pipe.means.map(|m| &m[hh * d..(hh + 1) * d]));
+            it.outliers = codec.take_outliers_small(r, &mut it.idx, &mut it.orig);
+            (it.j, it.hh) = (j, hh);
+        }
+        next += nb;
+        if lloyd {
+            for c0 in (0..d).step_by(g) {
+                lloyd_groups::<L>(q, buf, d, nb, c0, g, lcodes, lscale);
+            }
+        }
+        for (b, it) in items.iter().enumerate().take(nb) {
+            let off = it.j % bt;
+            let r = &buf[b * d..(b + 1) * d];
+            let part = &mut job.block[it.hh * plan.head_words + plan.offset..][..tl.words];
+            if lloyd {
+                for c0 in (0..d).step_by(g) {
+                    let s = lscale[b * d + c0 / g];
+                    if !s.is_finite() {
+                        return false;
+                    }
+                    params[c0 / g] = GroupParams { scale: s, zero: 0.0 };
+                    let i = tl.param_index(off, c0);
+                    write_param::<L>(&mut part[tl.scales_offset..], i, s, q.scale);
+                }
+                codes[..d].copy_from_slice(&lcodes[b * d..(b + 1) * d]);
+            } else if !token_row::<L>(plan, q, Src::Stored(r), off, part, codes, Some(params)) {
+                return false;
+            }
+            codes[d..padded].fill(0);
+            pack_bytes(&codes[..padded], q.bits, &mut part[off * wpt..(off + 1) * wpt]);
+            if tl.outliers > 0 {
+                let no = it.outliers;
+                for i in 0..no {
+                    let c = it.idx[i];
+                    let deq = quant::dequantize(codes[c] as u32, params[c / g], q);
+                    match codec.correction(it.orig[i], deq) {
+                        Some(x) => corr[i] = x,
+                        None => return false,
+                    }
+                }
+                let iw = &mut part[tl.outlier_idx_offset + off * tl.outlier_idx_words..][..tl.outlier_idx_words];
+                for (w, pair) in iw.iter_mut().zip(it.idx[..no].chunks(2)) {
+                    *w = pair[0] as u32 | (pair.get(1).map_or(0, |x| *x as u32) << 16);
+                }
+                let vw = &mut part[tl.outlier_val_offset + off * tl.outlier_val_words..][..tl.outlier_val_words];
+                store_row_words::<L>(Src::Stored(&corr[..no]), plan.dtype, vw);
+            }
+        }
+    }
+    true
+}
+
+/// `quant::lloyd_group` of the group at channels `c0..c0 + g` of the first
+/// `nb` rows of `rows` (`[BATCH][d]`): codes into `codes[b * d + c0..]`, the
+/// stored norm into `scales[b * d + c0 / g]`. The same operations on the same values:
+/// - the sums `ss = sum x^2` and `lc = sum L[c]^2` are f64 chains in
+///   channel order, one per row (interleaved across rows, never
+///   reassociated); each term is an f32 squared in f64, which is exact,
+///   so the table `L[c]^2` gives the bits of the oracle's `powi(2)`;
+/// - `rms`, `s` and the thresholds `(L_i + L_{i+1}) / 2` by the oracle's
+///   scalar expressions;
+/// - `y = x / rms` an IEEE division in each lane, the code the number of
+///   thresholds below `y` (exact comparisons), `y = 0` when `rms == 0`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn lloyd_groups<L: Lanes>(
+    q: &Quant,
+    rows: &[f32],
+    d: usize,
+    nb: usize,
+    c0: usize,
+    g: usize,
+    codes: &mut [u8],
+    scales: &mut [f32],
+) {
+    let Levels::LloydMax(norm) = q.levels else {
+        unreachable!("lloyd_groups on uniform levels")
+    };
+    let levels = kivi_spec::lloyd_max_levels(q.bits).expect("validated: lloyd_max bits have a table");
+    let nt = levels.len() - 1;
+    let mut thresholds = [0f32; 15];
+    for (t, w) in thresholds.iter_mut().zip(levels.windows(2)) {
+        *t = (w[0] + w[1]) * 0.5;
+    }
+    let mut lsq = [0f64; 16];
+    for (s, l) in lsq.iter_mut().zip(levels) {
+        *s = (*l as f64).powi(2);
+    }
+    // A full batch always: the rows past `nb` are stale, their results unused.
+    let mut ss = [0f64; BATCH];
+    for i in c0..c0 + g {
+        for b in 0..BATCH {
+            let x = rows[b * d + i] as f64;
+            ss[b] += x * x;
+        }
+    }
+    let mut rms = [0f32; BATCH];
+    for b in 0..nb {
+        rms[b] = quant::round_to_scale((ss[b] / g as f64).sqrt() as f32, q.scale);
+        let (x, out) = (&rows[b * d + c0..][..g], &mut codes[b * d + c0..][..g]);
+        let mut c = 0;
+        while c + L::N <= g {
+            // SAFETY: `c + N <= g` values in the group and codes.
+            unsafe { L::lloyd_codes(x.as_ptr().add(c), rms[b], &thresholds[..nt], out.as_mut_ptr().add(c)) };
+            c += L::N;
+        }
+        for i in c..g {
+            let y = if rms[b] == 0.0 { 0.0 } else { x[i] / rms[b] };
+            out[i] = thresholds[..nt].iter().filter(|t| y > **t).count() as u8;
+        }
+    }
+    match norm {
+        Norm::Rms => {
+            for b in 0..nb {
+                scales[b * d + c0 / g] = rms[b];
+            }
+        }
+        Norm::L2 => {
+            let mut lc = [0f64; BATCH];
+            for i in c0..c0 + g {
+                for b in 0..BATCH {
+                    lc[b] += lsq[(codes[b * d + i] & 15) as usize];
+                }
+            }
+            for b in 0..nb {
+                scales[b * d + c0 / g] = if lc[b] == 0.0 || ss[b] == 0.0 {
+                    0.0
+                } else {
+                    quant::round_to_scale((ss[b] / lc[b]).sqrt() as f32, q.scale)
+                };
+            }
+        }
+    }
+}
+
+/// A row rounded to the activation dtype, as f32.
+#[inline(always)]
+fn load_row<L: Lanes>(src: Src, dtype: Dtype, out: &mut [f32]) {
+    let d = out.len();
+    let mut c = 0;
+    while c + L::N <= d {
+        // SAFETY: `c + N <= d` values in the row and in `out`.
+        unsafe { L::store(L::load(src, c, dtype), out.as_mut_ptr().add(c)) };
+        c += L::N;
+    }
+    for (i, o) in out.iter_mut().enumerate().skip(c) {
+        *o = scalar_at(src, i, dtype);
+    }
 }
 
 /// The channel-axis groups of a job (whole groups: blocks hold whole
@@ -642,6 +922,9 @@ trait Lanes {
     unsafe fn f16_bits(x: f32) -> u16;
     /// `encode` of every lane, one code a byte at `out`.
     unsafe fn encode(x: Self::F, zero: Self::F, scale: Self::F, max_code: f32, out: *mut u8);
+    /// Lloyd–Max codes of the `N` values at `x`, one a byte at `out`: the
+    /// number of `thresholds` below `x / rms` (`0` when `rms == 0`).
+    unsafe fn lloyd_codes(x: *const f32, rms: f32, thresholds: &[f32], out: *mut u8);
     /// 16-bit storage of values already representable in `dtype`.
     unsafe fn store16(x: Self::F, out: *mut u16, dtype: Dtype);
     unsafe fn all_true() -> Self::M;
@@ -718,6 +1001,11 @@ impl Lanes for Scalar {
     unsafe fn encode(x: f32, zero: f32, scale: f32, max_code: f32, out: *mut u8) {
         let p = quant::GroupParams { scale, zero };
         *out = quant::encode(x, p, max_code as u32) as u8;
+    }
+    #[inline(always)]
+    unsafe fn lloyd_codes(x: *const f32, rms: f32, thresholds: &[f32], out: *mut u8) {
+        let y = if rms == 0.0 { 0.0 } else { *x / rms };
+        *out = thresholds.iter().filter(|t| y > **t).count() as u8;
     }
     #[inline(always)]
     unsafe fn store16(x: f32, out: *mut u16, dtype: Dtype) {
@@ -856,6 +1144,23 @@ impl Lanes for Avx512 {
         _mm_storeu_si128(out as *mut __m128i, _mm512_cvtepi32_epi8(c));
     }
     #[inline(always)]
+    unsafe fn lloyd_codes(x: *const f32, rms: f32, thresholds: &[f32], out: *mut u8) {
+        // `y = 0` when `rms == 0`: then no threshold below 0 counts for
+        // the lane, as in the scalar rule (the thresholds are symmetric,
+        // but nothing here relies on it).
+        let y = if rms == 0.0 {
+            _mm512_setzero_ps()
+        } else {
+            _mm512_div_ps(_mm512_loadu_ps(x), _mm512_set1_ps(rms))
+        };
+        let mut c = _mm512_setzero_si512();
+        for t in thresholds {
+            let m = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(y, _mm512_set1_ps(*t));
+            c = _mm512_mask_sub_epi32(c, m, c, _mm512_set1_epi32(-1));
+        }
+        _mm_storeu_si128(out as *mut __m128i, _mm512_cvtepi32_epi8(c));
+    }
+    #[inline(always)]
     unsafe fn store16(x: __m512, out: *mut u16, dtype: Dtype) {
         let h = match dtype {
             // `x` is a bf16 value: its upper halves are its bits.
@@ -991,6 +1296,22 @@ impl Lanes for Avx2 {
         let r = _mm256_min_ps(_mm256_max_ps(r, _mm256_setzero_ps()), _mm256_set1_ps(max_code));
         let nz = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_NEQ_UQ>(scale, _mm256_setzero_ps()));
         let c = _mm256_and_si256(nz, _mm256_cvttps_epi32(r));
+        let w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256::<1>(c));
+        _mm_storel_epi64(out as *mut __m128i, _mm_packus_epi16(w, w));
+    }
+    #[inline(always)]
+    unsafe fn lloyd_codes(x: *const f32, rms: f32, thresholds: &[f32], out: *mut u8) {
+        let y = if rms == 0.0 {
+            _mm256_setzero_ps()
+        } else {
+            _mm256_div_ps(_mm256_loadu_ps(x), _mm256_set1_ps(rms))
+        };
+        let mut c = _mm256_setzero_si256();
+        for t in thresholds {
+            // All ones (-1) where `y > t`: subtracting it counts.
+            let m = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GT_OQ>(y, _mm256_set1_ps(*t)));
+            c = _mm256_sub_epi32(c, m);
+        }
         let w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256::<1>(c));
         _mm_storel_epi64(out as *mut __m128i, _mm_packus_epi16(w, w));
     }
