@@ -277,17 +277,32 @@ pub fn top_k_abs_small(row: &[f32], k: usize, out: &mut [usize; TOP_K_SMALL]) ->
     // channel. Same order, so the same channels: a larger magnitude first,
     // and among equal ones the lower channel (met first, kept ahead).
     let k = k.min(TOP_K_SMALL);
+    if k == 0 {
+        return 0;
+    }
     let mut best = [(0f32, 0usize); TOP_K_SMALL + 1];
     let mut len = 0;
-    for (i, x) in row.iter().enumerate() {
-        let a = x.abs();
-        if len == k && (len == 0 || a.total_cmp(&best[len - 1].0) != std::cmp::Ordering::Greater) {
-            continue;
+    for (c, chunk) in row.chunks(16).enumerate() {
+        // Once `k` are kept, a run of values none above the k-th best
+        // changes nothing: skip it whole. For magnitudes (sign bit clear,
+        // NaN included) `total_cmp` is the order of the bits as integers,
+        // so this is the test below, sixteen values at a time.
+        if len == k {
+            let most = chunk.iter().fold(0u32, |m, x| m.max(x.to_bits() & 0x7fff_ffff));
+            if most <= best[len - 1].0.to_bits() {
+                continue;
+            }
         }
-        let at = best[..len].partition_point(|b| b.0.total_cmp(&a) != std::cmp::Ordering::Less);
-        best.copy_within(at..len, at + 1);
-        best[at] = (a, i);
-        len = (len + 1).min(k);
+        for (i, x) in chunk.iter().enumerate() {
+            let a = x.abs();
+            if len == k && a.total_cmp(&best[len - 1].0) != std::cmp::Ordering::Greater {
+                continue;
+            }
+            let at = best[..len].partition_point(|b| b.0.total_cmp(&a) != std::cmp::Ordering::Less);
+            best.copy_within(at..len, at + 1);
+            best[at] = (a, 16 * c + i);
+            len = (len + 1).min(k);
+        }
     }
     for (o, b) in out.iter_mut().zip(&best[..len]) {
         *o = b.1;
