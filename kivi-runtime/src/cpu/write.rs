@@ -526,9 +526,11 @@ fn lloyd_group<L: Lanes>(q: &Quant, x: &[f32], codes: &mut [u8]) -> f32 {
         Norm::L2 => {
             // Codes counted, then `sum count_k * L_k^2`: 16 roundings at
             // most, within the same bound.
+            // One vectorised count per level: a histogram's increments of
+            // the same counter wait on each other.
             let mut count = [0u32; 16];
-            for c in &codes[..g] {
-                count[(*c & 15) as usize] += 1;
+            for (k, n) in count.iter_mut().enumerate().take(levels.len()) {
+                *n = codes[..g].iter().filter(|c| **c as usize == k).count() as u32;
             }
             let lsq = |k: usize| (levels[k] as f64).powi(2);
             let lc_fast: f64 = (0..levels.len()).map(|k| count[k] as f64 * lsq(k)).sum();
