@@ -742,7 +742,10 @@ impl PagedCache {
                     quant,
                     dtype: scheme.dtype,
                     isa: write::tensor_isa(isa, quant.as_ref(), d),
-                    pipeline: codecs[i].as_ref().filter(|_| pipeline[i]).map(|codec| write::Pipeline { codec, means }),
+                    pipeline: codecs[i]
+                        .as_ref()
+                        .filter(|_| pipeline[i])
+                        .map(|codec| write::Pipeline { codec, means }),
                 },
                 rows: write::Rows {
                     input: x[i],

@@ -318,7 +318,14 @@ fn token_row<L: Lanes>(
 /// in `cache.rs`) on a row in per-thread scratch. `false`: a parameter or
 /// an outlier's correction overflows (the reference path then says which).
 #[inline(always)]
-fn pipeline_rows<L: Lanes>(plan: &Plan, pipe: &Pipeline, q: &Quant, rows: &Rows, job: &mut Job, codes: &mut [u8]) -> bool {
+fn pipeline_rows<L: Lanes>(
+    plan: &Plan,
+    pipe: &Pipeline,
+    q: &Quant,
+    rows: &Rows,
+    job: &mut Job,
+    codes: &mut [u8],
+) -> bool {
     // Grown once per thread: zeroing row-sized stack arrays on every call
     // was most of an append's time.
     let mut sc = PIPE_SCRATCH.take();
