@@ -14,6 +14,12 @@
 //!   multiply by `1 / s` would not), then round-to-nearest-even, clamp, and
 //!   `c = 0` where `s == 0`.
 //!
+//! Token-axis tensors with a codec pipeline (centering, Hadamard rotation,
+//! sparse outliers, Lloyd–Max levels) run here too ([`Pipeline`]): each row
+//! goes through `quant.rs`'s own transform, then outlier selection and
+//! Lloyd–Max groups re-derived the same way; [`lloyd_group`] says why its
+//! reordered f64 sums still give the oracle's bits.
+//!
 //! Codes are made one byte each and packed into words afterwards
 //! ([`pack_bytes`]), so one packer serves every instruction set.
 //!
