@@ -617,11 +617,12 @@ impl PagedCache {
         })
     }
 
-    /// The vectorised writes, once the inputs are known to be good. Tensors
-    /// with a codec pipeline (centering, rotation, outliers, Lloyd–Max
-    /// levels) are quantized by the reference `quantize_range`; everything
-    /// else (uniform codes, `full` rows, windows, sinks) by `cpu/write.rs`,
-    /// over (block, KV head) pieces in parallel when there are many.
+    /// The vectorised writes, once the inputs are known to be good:
+    /// uniform codes, `full` rows, windows, sinks and token-axis codec
+    /// pipelines (centering, rotation, outliers, Lloyd–Max levels) by
+    /// `cpu/write.rs`, one job per block, blocks in parallel when there are
+    /// many; the pipelines `write::pipeline_fits` declines (channel axis,
+    /// more than 16 outliers a token) by the reference `quantize_range`.
     /// `Ok(false)`: declined with nothing visible changed.
     fn extend_fast(&mut self, isa: Isa, id: SeqId, x: [&[f32]; 2], old_tokens: usize) -> Result<bool> {
         let (h, d) = (self.shape.kv_heads, self.shape.head_dim);

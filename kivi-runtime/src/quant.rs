@@ -462,8 +462,7 @@ impl TensorCodec {
     }
 
     /// Uniform levels and no pipeline step (no centering, rotation or
-    /// outliers): the codec of the KIVI presets, which the vectorised
-    /// cache writes (`cpu/write.rs`) handle.
+    /// outliers): the codec of the KIVI presets.
     pub fn is_plain_uniform(&self) -> bool {
         self.quant.levels == Levels::Uniform && self.rotation.is_none() && self.outliers == 0 && self.center.is_none()
     }
