@@ -694,7 +694,8 @@ impl PagedCache {
                 new_means[i] = Some(center_means(scheme.dtype, sinks, seq, i, input, old_tokens, nc, h, d));
             }
         }
-        let mut writes = Vec::new();
+        // One slot a tensor, on the stack: an append allocates nothing.
+        let mut writes: [Option<TensorWrite>; 2] = [None, None];
         for t in [Tensor::Key, Tensor::Value] {
             let i = ti(t);
             let range = seq.quantized[i]..target[i];
@@ -734,7 +735,7 @@ impl PagedCache {
                 continue;
             }
             let quant = codecs[i].as_ref().map(|c| c.quant);
-            writes.push(TensorWrite {
+            writes[i] = Some(TensorWrite {
                 range,
                 plan: write::Plan {
                     tl: layout.tensor(t),
@@ -1140,15 +1141,20 @@ struct TensorWrite<'a> {
 /// one job per block (every head, both tensors); blocks in parallel when
 /// there are enough values to pay for it. `false`: a group's parameters
 /// overflow their dtype (nothing visible has changed).
-fn write_blocks(l: &BlockLayout, pool: &mut [u32], table: Blocks, writes: &[TensorWrite]) -> bool {
+fn write_blocks(l: &BlockLayout, pool: &mut [u32], table: Blocks, writes: &[Option<TensorWrite>]) -> bool {
     use rayon::prelude::*;
     let (bt, bw) = (l.block_tokens, l.block_words);
-    let Some(lo) = writes.iter().map(|w| w.range.start / bt).min() else {
+    let Some(lo) = writes.iter().flatten().map(|w| w.range.start / bt).min() else {
         return true;
     };
-    let hi = writes.iter().map(|w| w.range.end.div_ceil(bt)).max().unwrap_or(lo);
+    let hi = writes
+        .iter()
+        .flatten()
+        .map(|w| w.range.end.div_ceil(bt))
+        .max()
+        .unwrap_or(lo);
     let job = |block: &mut [u32], b: usize| {
-        writes.iter().all(|w| {
+        writes.iter().flatten().all(|w| {
             let first = w.range.start.max(b * bt);
             let end = w.range.end.min((b + 1) * bt);
             first >= end
@@ -1163,7 +1169,8 @@ fn write_blocks(l: &BlockLayout, pool: &mut [u32], table: Blocks, writes: &[Tens
                 )
         })
     };
-    let values: usize = writes.iter().map(|w| w.range.len()).sum::<usize>() * l.shape.kv_heads * l.shape.head_dim;
+    let values: usize =
+        writes.iter().flatten().map(|w| w.range.len()).sum::<usize>() * l.shape.kv_heads * l.shape.head_dim;
     if values < PARALLEL_VALUES || hi - lo < 2 {
         return (lo..hi).all(|b| {
             let start = table[b] as usize * bw;
