@@ -761,7 +761,6 @@ impl PagedCache {
             });
         }
         let ok = write_blocks(layout, pool, seq.blocks(), &writes);
-        drop(writes);
         if !ok {
             seq.table.truncate(old_len);
             return Ok(false);
