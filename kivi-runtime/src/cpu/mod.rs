@@ -56,6 +56,7 @@ mod dense;
 mod fused;
 mod kernel;
 mod probe;
+mod rope;
 mod simd;
 pub(crate) mod write;
 
@@ -75,8 +76,9 @@ pub use simd::Isa;
 /// build time. Tuning decisions for the CPU backend are keyed by it, so a
 /// changed kernel is measured again instead of trusted.
 pub const KERNEL_HASH: u64 = {
-    const PARTS: [&str; 7] = [
+    const PARTS: [&str; 8] = [
         include_str!("mod.rs"),
+        include_str!("rope.rs"),
         include_str!("dense.rs"),
         include_str!("codec.rs"),
         include_str!("kernel.rs"),

@@ -1,0 +1,191 @@
+//! Pre-RoPE keys (`rope: pre(...)`, KVQuant) on the CPU: the cache holds
+//! keys before rotary embedding and decode turns each cached key to its
+//! absolute position before scoring it.
+//!
+//! Two equivalent ways exist: rotate the dequantized key by `R(t)`, or
+//! rotate the query by the opposite angle, `q . R(t) k = (R(-t) q) . k`.
+//! Both cost one complex multiply per channel pair and token, but the key's
+//! rotation serves every query head of the GQA group while the query's must
+//! be done per head, so rotating the key is `group` times cheaper in
+//! rotations (measured: `cargo bench -p kivi-runtime --bench rope`,
+//! docs/performance.md "Pre-RoPE keys"). [`Strategy::Query`] is kept for
+//! that comparison and as a second implementation the tests hold to the
+//! oracle.
+//!
+//! Cosines and sines: per tile, the angle of its first token is computed in
+//! f64 and every later token's comes from the angle-addition formula with a
+//! per-plan table of `r * f_i` (`r` below the tile size), also in f64, so a
+//! tile costs `D/2` sine/cosine pairs rather than `n * D/2`; each result is
+//! rounded to f32 once, as [`kivi_spec::Rope::cos_sin`] does.
+
+use super::simd::{self, F32Rows, Isa};
+use crate::cache::SeqView;
+use kivi_spec::{Rope, Scheme, Tensor};
+
+/// Which side of the dot product turns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Strategy {
+    /// Rotate each key row once (the default: shared by the GQA group).
+    Key,
+    /// Rotate the query of every head by the opposite angle, per token.
+    Query,
+}
+
+impl Strategy {
+    /// `KIVI_CPU_ROPE=query` selects [`Strategy::Query`] (read per call, so
+    /// that one benchmark process can time both).
+    fn from_env() -> Strategy {
+        match std::env::var("KIVI_CPU_ROPE") {
+            Ok(v) if v == "query" => Strategy::Query,
+            _ => Strategy::Key,
+        }
+    }
+}
+
+/// Per-call RoPE state of a plan.
+pub(crate) struct RopeKeys {
+    rope: Rope,
+    d: usize,
+    inv_freq: Vec<f64>,
+    /// `(cos, sin)` of `r * f_i` for `r < tile`, `[r][i]`, f64.
+    step: Vec<(f64, f64)>,
+    tile: usize,
+    pub strategy: Strategy,
+}
+
+impl RopeKeys {
+    /// The state for `s` when it declares `rope: pre(...)`.
+    pub fn of(s: &Scheme, d: usize, tile: usize) -> Option<RopeKeys> {
+        let rope = s.rope?;
+        let half = d / 2;
+        let inv_freq: Vec<f64> = (0..half).map(|i| rope.inv_freq(i, d)).collect();
+        let tile = tile.max(1);
+        let mut step = Vec::with_capacity(tile * half);
+        for r in 0..tile {
+            for f in &inv_freq {
+                let (s, c) = (r as f64 * f).sin_cos();
+                step.push((c, s));
+            }
+        }
+        Some(RopeKeys {
+            rope,
+            d,
+            inv_freq,
+            step,
+            tile,
+            strategy: Strategy::from_env(),
+        })
+    }
+
+    /// `(cos, sin)` as f32 for positions `p0..p0 + n` (`n <= tile`), `[r][i]`.
+    fn table(&self, p0: usize, n: usize, cs: &mut Vec<(f32, f32)>) {
+        let half = self.d / 2;
+        cs.clear();
+        let base: Vec<(f64, f64)> = self
+            .inv_freq
+            .iter()
+            .map(|f| {
+                let (s, c) = (p0 as f64 * f).sin_cos();
+                (c, s)
+            })
+            .collect();
+        for r in 0..n {
+            if r >= self.tile {
+                // Not reached by the kernel (tiles are at most `tile`); exact.
+                cs.extend((0..half).map(|i| self.rope.cos_sin(p0 + r, i, self.d)));
+                continue;
+            }
+            for (i, &(cb, sb)) in base.iter().enumerate() {
+                let (cr, sr) = self.step[r * half + i];
+                cs.push(((cb * cr - sb * sr) as f32, (sb * cr + cb * sr) as f32));
+            }
+        }
+    }
+
+    /// `out[r * g + h] = q_h . R(p0 + r) k_{p0 + r}` for the `g` query heads
+    /// in `q` (`[g][D]`, already scaled) over tokens `p0..p0 + n` of KV
+    /// head `h` of `view`. `rows` and `cs` are scratch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn score(
+        &self,
+        isa: Isa,
+        view: &SeqView,
+        h: usize,
+        p0: usize,
+        n: usize,
+        q: &[f32],
+        g: usize,
+        out: &mut [f32],
+        rows: &mut Vec<f32>,
+        cs: &mut Vec<(f32, f32)>,
+    ) {
+        let d = self.d;
+        rows.resize(n * d, 0.0);
+        for r in 0..n {
+            view.row(Tensor::Key, p0 + r, h, &mut rows[r * d..(r + 1) * d]);
+        }
+        self.table(p0, n, cs);
+        match self.strategy {
+            Strategy::Key => {
+                for r in 0..n {
+                    self.turn(&mut rows[r * d..(r + 1) * d], &cs[r * d / 2..(r + 1) * d / 2], false);
+                }
+                let kr = F32Rows {
+                    data: rows,
+                    base: 0,
+                    stride: d,
+                };
+                simd::dot(isa, &kr, n, d, q, g, out, g);
+            }
+            Strategy::Query => {
+                let mut qt = vec![0f32; g * d];
+                for r in 0..n {
+                    qt.copy_from_slice(&q[..g * d]);
+                    for hh in 0..g {
+                        self.turn(&mut qt[hh * d..(hh + 1) * d], &cs[r * d / 2..(r + 1) * d / 2], true);
+                    }
+                    let kr = F32Rows {
+                        data: rows,
+                        base: r * d,
+                        stride: d,
+                    };
+                    simd::dot(isa, &kr, 1, d, &qt, g, &mut out[r * g..(r + 1) * g], g);
+                }
+            }
+        }
+    }
+
+    /// Rotates one row by the angles of `cs` (`D/2` pairs), or by their
+    /// opposites when `back`.
+    fn turn(&self, x: &mut [f32], cs: &[(f32, f32)], back: bool) {
+        let d = self.d;
+        for (i, &(c, s)) in cs.iter().enumerate() {
+            let s = if back { -s } else { s };
+            let (a, b) = self.rope.style.pair(i, d);
+            let (xa, xb) = (x[a], x[b]);
+            // Plain products: `mul_add` is a library call where the target
+            // has no FMA.
+            x[a] = xa * c - xb * s;
+            x[b] = xb * c + xa * s;
+        }
+    }
+
+    /// Rotates rows `[tokens][Hkv][D]` whose first token is at position
+    /// `first` in place (many-query attention's full-precision tails and
+    /// stored rows, read once per unit).
+    pub fn rotate_rows(&self, rows: &mut [f32], first: usize, hkv: usize) {
+        let d = self.d;
+        let per = hkv * d;
+        let mut cs = Vec::new();
+        for (c0, chunk) in rows.chunks_mut(self.tile * per).enumerate() {
+            let n = chunk.len() / per;
+            self.table(first + c0 * self.tile, n, &mut cs);
+            for r in 0..n {
+                for hh in 0..hkv {
+                    let x = &mut chunk[(r * hkv + hh) * d..][..d];
+                    self.turn(x, &cs[r * d / 2..(r + 1) * d / 2], false);
+                }
+            }
+        }
+    }
+}
