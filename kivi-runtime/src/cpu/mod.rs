@@ -70,6 +70,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 pub use probe::{compute_ceiling, ComputeCeiling};
+pub use rope::set_strategy as set_rope_strategy;
 pub use simd::Isa;
 
 /// A hash of the CPU kernels' source code (this module's files), fixed at

@@ -21,8 +21,10 @@
 use super::simd::{self, F32Rows, Isa};
 use crate::cache::SeqView;
 use kivi_spec::{Rope, Scheme, Tensor};
+use std::sync::atomic::{AtomicU8, Ordering};
 
-/// Which side of the dot product turns.
+/// Which side of the dot product turns (`KIVI_CPU_ROPE=query` or
+/// [`set_strategy`] picks the query).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Strategy {
     /// Rotate each key row once (the default: shared by the GQA group).
@@ -31,15 +33,39 @@ pub(crate) enum Strategy {
     Query,
 }
 
+/// The strategy in force: 0 unset (read `KIVI_CPU_ROPE` once), 1 key,
+/// 2 query.
+static STRATEGY: AtomicU8 = AtomicU8::new(0);
+
 impl Strategy {
-    /// `KIVI_CPU_ROPE=query` selects [`Strategy::Query`] (read per call, so
-    /// that one benchmark process can time both).
-    fn from_env() -> Strategy {
-        match std::env::var("KIVI_CPU_ROPE") {
-            Ok(v) if v == "query" => Strategy::Query,
-            _ => Strategy::Key,
+    /// [`Strategy::Key`] unless [`set_strategy`] or `KIVI_CPU_ROPE=query`
+    /// chose [`Strategy::Query`].
+    fn current() -> Strategy {
+        let mut v = STRATEGY.load(Ordering::Relaxed);
+        if v == 0 {
+            v = match std::env::var("KIVI_CPU_ROPE") {
+                Ok(x) if x == "query" => 2,
+                _ => 1,
+            };
+            let _ = STRATEGY.compare_exchange(0, v, Ordering::Relaxed, Ordering::Relaxed);
+            v = STRATEGY.load(Ordering::Relaxed);
+        }
+        if v == 2 {
+            Strategy::Query
+        } else {
+            Strategy::Key
         }
     }
+}
+
+/// Chooses how the CPU backend applies RoPE to pre-RoPE keys from now on:
+/// `true` rotates the query by the opposite angle per token and head,
+/// `false` (the default, measured cheaper) rotates each key row once. For
+/// benchmarks and tests that hold both to the oracle; the results agree to
+/// f32 rounding.
+#[doc(hidden)]
+pub fn set_strategy(rotate_query: bool) {
+    STRATEGY.store(if rotate_query { 2 } else { 1 }, Ordering::Relaxed);
 }
 
 /// Per-call RoPE state of a plan.
@@ -73,7 +99,7 @@ impl RopeKeys {
             inv_freq,
             step,
             tile,
-            strategy: Strategy::from_env(),
+            strategy: Strategy::current(),
         })
     }
 
