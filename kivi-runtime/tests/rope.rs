@@ -26,7 +26,11 @@ const BASES: [f64; 2] = [10_000.0, 1_000_000.0];
 const STYLES: [RopeStyle; 2] = [RopeStyle::Half, RopeStyle::Interleaved];
 
 fn layouts3() -> [(Heads, u32); 3] {
-    [(Heads::Mha(2), 32), (Heads::Gqa { q: 8, kv: 2 }, 64), (Heads::Mqa(4), 64)]
+    [
+        (Heads::Mha(2), 32),
+        (Heads::Gqa { q: 8, kv: 2 }, 64),
+        (Heads::Mqa(4), 64),
+    ]
 }
 
 fn with_rope(s: &Scheme, theta: f64, style: RopeStyle) -> Scheme {
@@ -113,7 +117,11 @@ fn exact_pre_rope_equals_post_rope_attention() {
                     let attn = AttnParams::of(&post, shape);
                     let what = format!("layout {li} theta {theta} {} T={t}", style.name());
                     let want = reference::attend(&post, &q, &model_rope(&k, hkv, d, theta, style), &v, attn).unwrap();
-                    check(&reference::attend(&pre, &q, &k, &v, attn).unwrap(), &want, &format!("oracle {what}"));
+                    check(
+                        &reference::attend(&pre, &q, &k, &v, attn).unwrap(),
+                        &want,
+                        &format!("oracle {what}"),
+                    );
                     let (c, id) = filled(&pre, &k, &v);
                     let cpu = CpuBackend::default().decode(&c, &[id], &q, attn).unwrap();
                     check(&cpu, &want, &format!("cpu {what}"));
@@ -178,7 +186,11 @@ fn cpu_matches_the_oracle_on_quantized_pre_rope_keys() {
                     let what = format!("{} theta {theta} {} {heads} T={t}", s.name, style.name());
                     let want = reference::attend(&s, &q, &k, &v, attn).unwrap();
                     let (c, id) = filled(&s, &k, &v);
-                    check(&ReferenceBackend.decode(&c, &[id], &q, attn).unwrap(), &want, &format!("paged {what}"));
+                    check(
+                        &ReferenceBackend.decode(&c, &[id], &q, attn).unwrap(),
+                        &want,
+                        &format!("paged {what}"),
+                    );
                     for (bi, b) in backends.iter().enumerate() {
                         assert!(b.kernel_path(&c).ends_with("+rope"), "{}", b.kernel_path(&c));
                         for rotate_query in [false, true] {
@@ -227,12 +239,17 @@ fn positions_come_from_the_cache_streamed_evicted_and_in_blocks() {
             let id = c.add_sequence();
             let row = hkv * d;
             for t in 1..=total {
-                c.append(id, &k[(t - 1) * row..t * row], &v[(t - 1) * row..t * row]).unwrap();
+                c.append(id, &k[(t - 1) * row..t * row], &v[(t - 1) * row..t * row])
+                    .unwrap();
                 if [1, 31, 33, 127, 200, 300].contains(&t) {
                     let q = rng.kv(1, hq, d, false);
                     let want = reference::attend(&s, &q, &k[..t * row], &v[..t * row], attn).unwrap();
                     let what = format!("{heads} {} T={t}", style.name());
-                    check(&CpuBackend::default().decode(&c, &[id], &q, attn).unwrap(), &want, &what);
+                    check(
+                        &CpuBackend::default().decode(&c, &[id], &q, attn).unwrap(),
+                        &want,
+                        &what,
+                    );
                     check(&ReferenceBackend.decode(&c, &[id], &q, attn).unwrap(), &want, &what);
                 }
             }
