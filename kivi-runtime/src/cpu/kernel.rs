@@ -17,7 +17,7 @@
 use super::codec::CodecRows;
 use super::dense;
 use super::fused::{self, Fast, Tile, ROWS};
-use super::rope::RopeKeys;
+use super::rope::{RopeKeys, RopeScratch};
 use super::simd::{self, Bf16Rows, ChanRows, CodeRows, F16Rows, F32Rows, Isa, TokRows};
 use super::Partial;
 use crate::cache::{Loc, PagedCache, RawRows, SeqView};
@@ -116,7 +116,7 @@ impl Plan {
                 kind_of(s.codec(t), t, isa)
             }
         };
-        let rope = RopeKeys::of(s, shape.head_dim, tile);
+        let rope = RopeKeys::of(s, shape.head_dim, tile).map(|r| r.with_key_layout(s, l.key));
         // Pre-RoPE keys are scored by `rope.rs` from the row reader (no key
         // folding, no fused path: the rotation mixes channels per token).
         let kinds = [
@@ -297,8 +297,8 @@ struct Scratch {
     /// domain, and the weight it holds, per head.
     acc_rot: Vec<f32>,
     psum: Vec<f32>,
-    /// Pre-RoPE keys: the tile's cosines and sines.
-    rope_cs: Vec<(f32, f32)>,
+    /// Pre-RoPE keys: decoded rows, cosines and sines, key group parameters.
+    rope: RopeScratch,
 }
 
 /// Runs `op` over rows `0..n`, applying the instruction set of the plan.
@@ -369,7 +369,7 @@ fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: us
     let i = ti(t);
     if let (Some(rk), Op::Score { q, out }) = (&plan.rope, &mut *op) {
         // Pre-RoPE keys: every piece (sinks, blocks, window) alike.
-        rk.score(plan.isa, view, h, p0, n, q, g, out, &mut sc.rows, &mut sc.rope_cs);
+        rk.score(plan.isa, view, h, p0, n, q, g, out, &mut sc.rope);
         return;
     }
     pieces(plan, view, t, p0, p0 + n, |p, len, loc| {
@@ -734,7 +734,7 @@ impl Scratch {
             qsum: Vec::new(),
             acc_rot: vec![0.0; g * d],
             psum: vec![0.0; g],
-            rope_cs: Vec::new(),
+            rope: RopeScratch::default(),
         }
     }
 }

@@ -19,8 +19,10 @@
 //! rounded to f32 once, as [`kivi_spec::Rope::cos_sin`] does.
 
 use super::simd::{self, F32Rows, Isa};
-use crate::cache::SeqView;
-use kivi_spec::{Rope, Scheme, Tensor};
+use crate::cache::{params_at, Loc, SeqView};
+use crate::quant::{dequantize, unpack_one, GroupParams};
+use kivi_spec::layout::TensorLayout;
+use kivi_spec::{Axis, Quant, Rope, Scheme, Tensor};
 use std::sync::atomic::{AtomicU8, Ordering};
 
 /// Which side of the dot product turns (`KIVI_CPU_ROPE=query` or
@@ -77,6 +79,20 @@ pub(crate) struct RopeKeys {
     step: Vec<(f64, f64)>,
     tile: usize,
     pub strategy: Strategy,
+    /// Channel-axis quantized keys: their quantizer and layout, so that a
+    /// block's rows are decoded with each group's parameters read once
+    /// (the row reader reads and widens them for every element).
+    chan: Option<(Quant, TensorLayout)>,
+}
+
+/// Scratch of one task: decoded rows, the tile's cosines and sines, and
+/// the parameters of the key group last read.
+#[derive(Default)]
+pub(crate) struct RopeScratch {
+    rows: Vec<f32>,
+    cs: Vec<(f32, f32)>,
+    params: Vec<GroupParams>,
+    group: Option<(u32, usize)>,
 }
 
 impl RopeKeys {
@@ -100,7 +116,45 @@ impl RopeKeys {
             step,
             tile,
             strategy: Strategy::current(),
+            chan: None,
         })
+    }
+
+    /// Decodes channel-axis quantized keys group-wise (see `chan`); the
+    /// values are those of the row reader, bit for bit (the same
+    /// `params_at` and `dequantize`).
+    pub fn with_key_layout(mut self, s: &Scheme, tl: TensorLayout) -> RopeKeys {
+        if let Some(q) = s.key.quant().filter(|q| q.axis == Axis::Channel) {
+            self.chan = Some((*q, tl));
+        }
+        self
+    }
+
+    /// Key row of token `p`, KV head `h`, into `out`.
+    fn key_row(
+        &self,
+        view: &SeqView,
+        p: usize,
+        h: usize,
+        out: &mut [f32],
+        sc_params: &mut Vec<GroupParams>,
+        sc_group: &mut Option<(u32, usize)>,
+    ) {
+        if let (Some((q, tl)), Loc::Block(b, off)) = (&self.chan, view.locate(Tensor::Key, p)) {
+            let part = view.block_part(b, h, Tensor::Key);
+            let key = (b, off / q.group as usize);
+            if *sc_group != Some(key) {
+                sc_params.clear();
+                sc_params.extend((0..self.d).map(|c| params_at(tl, part, q, off, c)));
+                *sc_group = Some(key);
+            }
+            let row = &part[off * tl.words_per_token..][..tl.words_per_token];
+            for (c, (o, gp)) in out.iter_mut().zip(sc_params.iter()).enumerate() {
+                *o = dequantize(unpack_one(row, q.bits, c), *gp, q);
+            }
+        } else {
+            view.row(Tensor::Key, p, h, out);
+        }
     }
 
     /// `(cos, sin)` as f32 for positions `p0..p0 + n` (`n <= tile`), `[r][i]`.
@@ -142,13 +196,18 @@ impl RopeKeys {
         q: &[f32],
         g: usize,
         out: &mut [f32],
-        rows: &mut Vec<f32>,
-        cs: &mut Vec<(f32, f32)>,
+        sc: &mut RopeScratch,
     ) {
         let d = self.d;
+        let RopeScratch {
+            rows,
+            cs,
+            params,
+            group,
+        } = sc;
         rows.resize(n * d, 0.0);
         for r in 0..n {
-            view.row(Tensor::Key, p0 + r, h, &mut rows[r * d..(r + 1) * d]);
+            self.key_row(view, p0 + r, h, &mut rows[r * d..(r + 1) * d], params, group);
         }
         self.table(p0, n, cs);
         match self.strategy {
