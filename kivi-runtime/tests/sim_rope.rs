@@ -85,3 +85,45 @@ fn block_kernel_refuses_pre_rope_keys_and_leaves_the_cache() {
     assert!(matches!(e, Err(Error::Unavailable { .. })), "{e:?}");
     assert_eq!((c.len(id).unwrap(), c.memory()), (40, before));
 }
+
+/// The rope decode sources compile with NVRTC for sm_80 and sm_90 (no GPU
+/// needed); skipped with a printed reason where NVRTC is missing, unless
+/// `KIVI_REQUIRE_NVRTC` is set.
+#[test]
+fn rope_decode_sources_compile_with_nvrtc() {
+    use kivi_runtime::cuda::{Arch, Compiler, NvrtcOptions};
+    let compiler = match Compiler::new() {
+        Ok(c) if !c.is_offline() => c,
+        other => {
+            let why = other.err().map_or("offline mode".to_string(), |e| e.to_string());
+            assert!(
+                std::env::var_os("KIVI_REQUIRE_NVRTC").is_none(),
+                "KIVI_REQUIRE_NVRTC is set but NVRTC is unavailable: {why}"
+            );
+            println!("SKIP rope_decode_sources_compile_with_nvrtc: {why}");
+            return;
+        }
+    };
+    let text = "k2 { key: quant(bits = 2, axis = channel, group = 32), value: quant(bits = 2, axis = token, group = 32), residual: 128 }";
+    for (s, arch) in [
+        (pre(text, 10_000.0, RopeStyle::Half, Heads::Mqa(4), 256), Arch::SM80),
+        (
+            pre(
+                text,
+                1_000_000.0,
+                RopeStyle::Interleaved,
+                Heads::Gqa { q: 32, kv: 8 },
+                128,
+            ),
+            Arch::SM90,
+        ),
+    ] {
+        let k = kivi_templates::Kernel::Decode;
+        let g = kivi_templates::generate(&s, k, &kivi_templates::default_variant(&s, k)).unwrap();
+        let c = compiler
+            .compile(&g.name, &g.source, &NvrtcOptions::for_arch(arch))
+            .unwrap_or_else(|e| panic!("{}: {e}", g.name));
+        assert!(c.artifact.ptx.contains(".entry kivi_decode("), "{}", g.name);
+        report(&format!("nvrtc rope: {} compiled", g.name));
+    }
+}
