@@ -31,6 +31,7 @@ const FIELDS: &[&str] = &[
     "softmax_scale",
     "sliding_window",
     "nonfinite",
+    "rope",
 ];
 
 /// Words of the grammar, for replacing identifiers with plausible wrong ones.
@@ -231,6 +232,22 @@ fn field_value(rng: &mut Rng, f: &str) -> String {
                 small(rng)
             }
         }
+        "rope" => choice(
+            rng,
+            &[
+                "pre(theta = 10000, style = half)",
+                "pre(style = interleaved, theta = 1_000_000, scaling = linear(8))",
+                "pre(theta = 500000.0, style = half, scaling = none)",
+                "post",
+            ],
+            &[
+                "pre(theta = 1, style = half)",
+                "pre(theta = 10000)",
+                "pre(theta = 10000, style = half, scaling = yarn)",
+                "pre(theta = 10000, style = half, scaling = linear(0))",
+                "sideways",
+            ],
+        ),
         _ => choice(rng, &["reject"], &["allow", "nan"]),
     }
 }

@@ -131,12 +131,14 @@ pub enum Logits {
 
 /// Per-layer tensors captured by [`Gemma3::forward`], row-major f32:
 /// `q` is `[T, Hq, D]` (after norm and RoPE, before scaling), `k` is
-/// `[T, Hkv, D]` (after norm and RoPE), `v` is `[T, Hkv, D]`.
+/// `[T, Hkv, D]` (after norm and RoPE), `v` is `[T, Hkv, D]`; `k_pre` is
+/// `k` before RoPE (after norm), what a `rope: pre(...)` cache stores.
 #[derive(Clone, Debug, Default)]
 pub struct Capture {
     pub q: Vec<f32>,
     pub k: Vec<f32>,
     pub v: Vec<f32>,
+    pub k_pre: Vec<f32>,
 }
 
 /// Output of [`Gemma3::forward`].
@@ -357,8 +359,9 @@ impl Gemma3 {
     /// Norm, projections, q/k norm and RoPE for `rows` tokens; `cos`/`sin`
     /// are the RoPE table rows of their positions, `[rows, D / 2]`. Returns
     /// `q [1, Hq, rows, D]` and `k`, `v` `[1, Hkv, rows, D]`: candle's
-    /// attention layout, the one [`KiviKvCache`] takes.
-    fn qkv(&self, l: &Layer, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    /// attention layout, the one [`KiviKvCache`] takes; last, `k` before
+    /// RoPE (for `rope: pre(...)` caches).
+    fn qkv(&self, l: &Layer, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
         let c = &self.cfg;
         let rows = x.dim(0)?;
         let h = norm(x, &l.attn_norm, c.eps)?;
@@ -375,8 +378,9 @@ impl Gemma3 {
         // a bit of them; candle's rope wants [batch, heads, seq, D] and
         // cos/sin [seq, D/2], which is the layout here.
         let q = candle_nn::rotary_emb::rope(&norm(&q, &l.q_norm, c.eps)?, cos, sin)?;
-        let k = candle_nn::rotary_emb::rope(&norm(&k, &l.k_norm, c.eps)?, cos, sin)?;
-        Ok((q, k, v))
+        let k_pre = norm(&k, &l.k_norm, c.eps)?;
+        let k = candle_nn::rotary_emb::rope(&k_pre, cos, sin)?;
+        Ok((q, k, v, k_pre))
     }
 
     /// Output projection, post-attention norm, residual, MLP block.
@@ -423,7 +427,7 @@ impl Gemma3 {
         let mut caps = Vec::new();
         for (i, l) in self.layers.iter().enumerate() {
             let (cos, sin) = (l.cos.narrow(0, 0, t)?, l.sin.narrow(0, 0, t)?);
-            let (q, k, v) = self.qkv(l, &x, &cos, &sin)?;
+            let (q, k, v, k_pre) = self.qkv(l, &x, &cos, &sin)?;
             if capture {
                 let rows =
                     |x: &Tensor| -> Result<Vec<f32>> { Ok(x.squeeze(0)?.transpose(0, 1)?.flatten_all()?.to_vec1()?) };
@@ -431,6 +435,7 @@ impl Gemma3 {
                     q: rows(&q)?,
                     k: rows(&k)?,
                     v: rows(&v)?,
+                    k_pre: rows(&k_pre)?,
                 });
             }
             // [Hkv, group * T, D] x [Hkv, D, T]: one matmul per KV head
@@ -476,17 +481,57 @@ impl Gemma3 {
     /// `max_tokens` tokens: `schemes` holds one scheme for every layer or
     /// one per layer; each layer gets the model's sliding window and
     /// attention scale.
+    ///
+    /// A scheme with `rope: pre(...)` stores keys before RoPE. Gemma 3 has
+    /// two RoPE bases (10 000 on local layers, 1 000 000 on global ones), so
+    /// like the window, the base is the layer's own: each layer's scheme
+    /// takes its layer's base in place of the declared `theta` (what
+    /// `kivi::model!` would spell with `sliding:` and `global:` schemes).
+    /// The pair convention must be `half` (Gemma rotates halves) and the
+    /// scaling `none`; anything else is refused.
     pub fn new_cache(&self, schemes: &[Scheme], max_tokens: usize) -> Result<KiviKvCache> {
         let shape = self.model_shape();
-        let mut cache = match schemes {
-            [one] => KiviKvCache::new(one, shape, max_tokens)?,
-            many => KiviKvCache::per_layer(many, shape, max_tokens)?,
+        let layers = self.cfg.layers;
+        let per: Vec<Scheme> = match schemes {
+            [one] => vec![one.clone(); layers],
+            many => many.to_vec(),
+        };
+        let per = per
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut s)| -> Result<Scheme> {
+                if let Some(r) = s.rope.as_mut() {
+                    if r.style != kivi_spec::RopeStyle::Half || r.scaling != 1.0 {
+                        return Err(Error::Config(format!(
+                            "scheme `{}`: Gemma 3 rotates halves without scaling; use rope: pre(theta = B, style = half)",
+                            s.name
+                        )));
+                    }
+                    r.theta = self.rope_base(i) as f64;
+                }
+                Ok(s)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut cache = if per.len() == layers && per.iter().all(|s| *s == per[0]) {
+            KiviKvCache::new(&per[0], shape, max_tokens)?
+        } else {
+            KiviKvCache::per_layer(&per, shape, max_tokens)?
         };
         for i in 0..self.cfg.layers {
             cache.set_window(i, self.cfg.window(i))?;
         }
         cache.set_softmax_scale(self.cfg.softmax_scale)?;
         Ok(cache)
+    }
+
+    /// The RoPE base of layer `layer`: global layers use the file's
+    /// `gemma3.rope.freq_base`, local ones 10 000.
+    pub fn rope_base(&self, layer: usize) -> f32 {
+        if self.cfg.global_layers.contains(&layer) {
+            self.cfg.rope_global
+        } else {
+            self.cfg.rope_local
+        }
     }
 
     /// Stores the K/V a [`Gemma3::forward`] captured into `cache` (for
@@ -508,7 +553,13 @@ impl Gemma3 {
                     .transpose(0, 1)?
                     .unsqueeze(0)?)
             };
-            cache.extend(l, &tensor(&cap.k)?, &tensor(&cap.v)?)?;
+            // A pre-RoPE layer stores the keys from before RoPE.
+            let k = if cache.scheme(l)?.rope.is_some() {
+                &cap.k_pre
+            } else {
+                &cap.k
+            };
+            cache.extend(l, &tensor(k)?, &tensor(&cap.v)?)?;
         }
         Ok(())
     }
@@ -587,12 +638,15 @@ impl Gemma3 {
         let mut x = self.embed(tokens)?;
         for (i, l) in self.layers.iter().enumerate() {
             let (cos, sin) = (l.cos.index_select(&pos, 0)?, l.sin.index_select(&pos, 0)?);
-            let (q, k, v) = self.qkv(l, &x, &cos, &sin)?;
+            let (q, k, v, k_pre) = self.qkv(l, &x, &cos, &sin)?;
             let mut outs = Vec::with_capacity(seqs.len());
             let mut at = 0;
             for (n, cache) in seqs.iter_mut() {
                 let part = |t: &Tensor| t.narrow(2, at, *n);
-                outs.push(cache.attend(i, &part(&q)?, &part(&k)?, &part(&v)?)?);
+                // The query is always after RoPE; a pre-RoPE layer gets its
+                // keys from before RoPE and turns them in the kernel.
+                let k = if cache.scheme(i)?.rope.is_some() { &k_pre } else { &k };
+                outs.push(cache.attend(i, &part(&q)?, &part(k)?, &part(&v)?)?);
                 at += *n;
             }
             let o = if outs.len() == 1 {

@@ -198,7 +198,11 @@ pub fn cache_view(s: &Scheme, t: Tensor, x: &[f32]) -> Result<Vec<f32>> {
 /// dtype first) over cache views `k`, `v` (`[T, Hkv, D]`). Returns `[Hq, D]`.
 ///
 /// `score_t = (q . k_t) * scale` over the last `W` tokens (all when no
-/// window), `p = softmax(score)`, `out = sum_t p_t v_t`. Accumulates in f64
+/// window), `p = softmax(score)`, `out = sum_t p_t v_t`. With
+/// `rope: pre(...)` the cache holds pre-RoPE keys and `k_t` is the stored
+/// key rotated to position `t` ([`kivi_spec::Rope::rotate`]): a token's
+/// position is its index in the sequence, sinks, window and evicted tokens
+/// included. Accumulates in f64
 /// so that the oracle's own rounding is far below any tolerance.
 pub fn decode_attention(s: &Scheme, q: &[f32], k: &[f32], v: &[f32], params: AttnParams) -> Result<Vec<f32>> {
     let shape = shape_of(s)?;
@@ -227,8 +231,13 @@ pub fn decode_attention(s: &Scheme, q: &[f32], k: &[f32], v: &[f32], params: Att
         let qh = &q[head * d..(head + 1) * d];
         let scores: Vec<f64> = (start..tokens)
             .map(|t| {
-                let kt = &k[(t * hkv + kvh) * d..][..d];
-                let dot: f64 = qh.iter().zip(kt).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let mut kt = k[(t * hkv + kvh) * d..][..d].to_vec();
+                if let Some(r) = &s.rope {
+                    // Pre-RoPE keys: the stored key turned to its position,
+                    // which is its absolute index in the sequence.
+                    r.rotate(&mut kt, t);
+                }
+                let dot: f64 = qh.iter().zip(&kt).map(|(a, b)| *a as f64 * *b as f64).sum();
                 dot * params.softmax_scale as f64
             })
             .collect();

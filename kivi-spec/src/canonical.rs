@@ -12,7 +12,7 @@
 //! field order, spacing, or how the same head layout was spelled.
 //!
 //! The codec pipeline (`levels`/`norm` of a quant, `rotation`, `outliers`,
-//! `center`) is printed only where it differs from KIVI's plain uniform codes,
+//! `center`) and `rope: pre(...)` are printed only where it differs from KIVI's plain uniform codes,
 //! so that every scheme written before it existed keeps its text and its
 //! hash (tuning decisions are keyed by the hash); when present, every one of
 //! their arguments is spelled out and hashed.
@@ -107,7 +107,30 @@ pub fn canonical_body(s: &Scheme) -> String {
             c.apply.text()
         );
     }
+    if let Some(r) = &s.rope {
+        let scaling = if r.scaling == 1.0 {
+            "none".to_string()
+        } else {
+            format!("linear({})", float_text(r.scaling))
+        };
+        let _ = writeln!(
+            o,
+            "    rope: pre(theta = {}, style = {}, scaling = {scaling}),",
+            float_text(r.theta),
+            r.style.name()
+        );
+    }
     o
+}
+
+/// The shortest text that parses back to the same f64, always with a `.`
+/// or an exponent (`10000.0`, `1000000.0`, `1e20`).
+fn float_text(x: f64) -> String {
+    let mut t = format!("{x:?}");
+    if !t.contains(['.', 'e']) {
+        t.push_str(".0");
+    }
+    t
 }
 
 /// The full canonical text, `NAME { ... }`, parseable by [`crate::parse_scheme`].

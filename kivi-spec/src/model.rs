@@ -259,6 +259,108 @@ pub struct Center {
     pub apply: Apply,
 }
 
+/// Which channels RoPE rotates together (`style = half | interleaved`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RopeStyle {
+    /// NeoX / Llama / Gemma (`rotate_half`): channel `i` pairs with
+    /// `i + D/2`, both at frequency `i`.
+    Half,
+    /// GPT-J: channels `2i` and `2i + 1` pair, at frequency `i`.
+    Interleaved,
+}
+
+impl RopeStyle {
+    pub fn name(self) -> &'static str {
+        match self {
+            RopeStyle::Half => "half",
+            RopeStyle::Interleaved => "interleaved",
+        }
+    }
+
+    /// The two channels of pair `i` (`0 <= i < D/2`) of a `d`-channel head.
+    ///
+    /// ```
+    /// use kivi_spec::RopeStyle;
+    /// assert_eq!(RopeStyle::Half.pair(3, 8), (3, 7));
+    /// assert_eq!(RopeStyle::Interleaved.pair(3, 8), (6, 7));
+    /// ```
+    pub fn pair(self, i: usize, d: usize) -> (usize, usize) {
+        match self {
+            RopeStyle::Half => (i, i + d / 2),
+            RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+        }
+    }
+}
+
+/// Pre-RoPE keys (`rope: pre(theta = B, style = half|interleaved [, scaling = linear(F)])`,
+/// KVQuant): the cache stores keys *before* rotary embedding, so that
+/// channel-axis quantization sees the channels' own statistics, and decode
+/// rotates each cached key by the angle of its absolute position. The
+/// query a caller passes is the model's query after RoPE, as with any cache.
+///
+/// Pair `i` of the token at position `p` turns by
+/// `(p / F) * B^(-2i/D)` radians ([`Rope::angle`]): computed in f64, its
+/// cosine and sine rounded to f32 once.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rope {
+    /// The base `B` (`rope_theta`): 10000 for Gemma 3's local layers,
+    /// 1000000 for its global ones.
+    pub theta: f64,
+    pub style: RopeStyle,
+    /// Linear position interpolation: positions are divided by this factor
+    /// (1 = none).
+    pub scaling: f64,
+}
+
+impl Rope {
+    /// The inverse frequency of pair `i` of a `d`-channel head, with the
+    /// linear scaling folded in: `B^(-2i/d) / F`.
+    pub fn inv_freq(&self, i: usize, d: usize) -> f64 {
+        self.theta.powf(-2.0 * i as f64 / d as f64) / self.scaling
+    }
+
+    /// The angle pair `i` of the token at position `pos` turns by.
+    ///
+    /// ```
+    /// let r = kivi_spec::Rope { theta: 10000.0, style: kivi_spec::RopeStyle::Half, scaling: 1.0 };
+    /// assert_eq!(r.angle(7, 0, 64), 7.0);
+    /// assert!((r.angle(1, 16, 64) - 0.01).abs() < 1e-12); // 10000^(-1/2)
+    /// ```
+    pub fn angle(&self, pos: usize, i: usize, d: usize) -> f64 {
+        pos as f64 * self.inv_freq(i, d)
+    }
+
+    /// `(cos, sin)` of [`Self::angle`], rounded to f32: the numbers every
+    /// backend rotates with.
+    pub fn cos_sin(&self, pos: usize, i: usize, d: usize) -> (f32, f32) {
+        let a = self.angle(pos, i, d);
+        (a.cos() as f32, a.sin() as f32)
+    }
+
+    /// Rotates `row` (one head, `D` channels) in place to position `pos`:
+    /// `(x_a, x_b) <- (x_a c - x_b s, x_b c + x_a s)` for every pair, with
+    /// `c, s` from [`Self::cos_sin`] and the two products summed in f64
+    /// before one rounding (the oracle's definition; kernels agree to f32
+    /// rounding).
+    ///
+    /// ```
+    /// let r = kivi_spec::Rope { theta: 10000.0, style: kivi_spec::RopeStyle::Interleaved, scaling: 1.0 };
+    /// let mut x = [1.0f32, 0.0, 1.0, 0.0];
+    /// r.rotate(&mut x, 0); // position 0 turns nothing
+    /// assert_eq!(x, [1.0, 0.0, 1.0, 0.0]);
+    /// ```
+    pub fn rotate(&self, row: &mut [f32], pos: usize) {
+        let d = row.len();
+        for i in 0..d / 2 {
+            let (a, b) = self.style.pair(i, d);
+            let (c, s) = self.cos_sin(pos, i, d);
+            let (xa, xb, c, s) = (row[a] as f64, row[b] as f64, c as f64, s as f64);
+            row[a] = (xa * c - xb * s) as f32;
+            row[b] = (xb * c + xa * s) as f32;
+        }
+    }
+}
+
 /// Query/KV head arrangement.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Heads {
@@ -377,6 +479,9 @@ pub struct Scheme {
     pub outliers: Option<Outliers>,
     /// Per-channel centering, if any.
     pub center: Option<Center>,
+    /// Pre-RoPE keys with RoPE applied in the kernel, if any (`None`: keys
+    /// are stored as given, after the model's RoPE).
+    pub rope: Option<Rope>,
 }
 
 /// Query heads, KV heads and head dimension of a bound scheme.

@@ -12,6 +12,8 @@
 //!           | rotation: hadamard(block = INT, apply = tensors [, signs = INT|none])
 //!           | outliers: sparse(per_token = INT, apply = tensors)
 //!           | center: channel_mean(tokens = INT, apply = tensors)
+//!           | rope: post | pre(theta = NUMBER, style = half|interleaved
+//!                              [, scaling = none|linear(NUMBER)])
 //! codec    := full | quant(bits = INT, axis = channel|token, group = INT
 //!                          [, scale = f16|f32] [, levels = uniform|lloyd_max] [, norm = rms|l2])
 //! tensors  := [key] | [value] | [key, value]
@@ -25,9 +27,13 @@
 //!
 //! A tensor's codec is a small pipeline: center (subtract per-channel
 //! means), rotate, take out the sparse outliers, quantize the rest with
-//! `quant(...)`. Names reserved for what comes next (`rope`, `codebook`,
+//! `quant(...)`. Names reserved for what comes next (`codebook`,
 //! `low_rank`, `vq`, `levels = nuq`, learned rotations, ...) are
 //! recognised and rejected with "not supported yet" rather than ignored.
+//!
+//! `rope: pre(...)` (KVQuant) declares that the keys given to the cache are
+//! taken *before* RoPE; decode rotates each cached key to its absolute
+//! position (see [`Rope`]).
 
 use crate::model::*;
 use crate::validate::{validate, Field};
@@ -52,8 +58,6 @@ pub struct SchemeList(pub Vec<SchemeDecl>);
 
 /// Top-level fields planned but not implemented, with what they will mean.
 const FUTURE_FIELDS: &[(&str, &str)] = &[
-    ("rope", "pre-RoPE keys with RoPE applied in the kernel"),
-    ("pre_rope", "pre-RoPE keys with RoPE applied in the kernel"),
     ("codebook", "calibrated non-uniform codebooks"),
     ("low_rank", "low-rank keys"),
     ("vq", "vector quantization"),
@@ -71,7 +75,7 @@ const MISPLACED_QUANT_ARGS: &[(&str, &str)] = &[
     ("center", "center: channel_mean(tokens = N, apply = [key])"),
 ];
 
-const FIELDS: &str = "key, value, residual, sinks, flush, heads, head_dim, dtype, softmax_scale, sliding_window, nonfinite, rotation, outliers, center";
+const FIELDS: &str = "key, value, residual, sinks, flush, heads, head_dim, dtype, softmax_scale, sliding_window, nonfinite, rotation, outliers, center, rope";
 
 fn err<T>(span: Span, msg: impl std::fmt::Display) -> syn::Result<T> {
     Err(syn::Error::new(span, msg))
@@ -432,6 +436,105 @@ fn parse_center(input: ParseStream, spans: &mut HashMap<Field, Span>) -> syn::Re
     })
 }
 
+/// A positive number as f64 (`10000`, `1_000_000`, `1e6`, `8.0`).
+fn parse_f64(input: ParseStream, what: &str) -> syn::Result<(f64, Span)> {
+    let lit: syn::Lit = input
+        .parse()
+        .map_err(|e| syn::Error::new(e.span(), format!("expected a number for {what}")))?;
+    let v = match &lit {
+        syn::Lit::Int(i) => {
+            no_suffix(i.span(), i.to_string(), i.suffix(), i.base10_digits())?;
+            i.base10_parse::<f64>()?
+        }
+        syn::Lit::Float(f) => {
+            no_suffix(f.span(), f.to_string(), f.suffix(), f.base10_digits())?;
+            f.base10_parse::<f64>()?
+        }
+        _ => return err(lit.span(), format!("expected a number for {what}")),
+    };
+    Ok((v, lit.span()))
+}
+
+/// `post` (the default: keys are stored as given) or
+/// `pre(theta = B, style = half|interleaved [, scaling = none|linear(F)])`.
+fn parse_rope(input: ParseStream, spans: &mut HashMap<Field, Span>) -> syn::Result<Option<Rope>> {
+    let kind: Ident = input.parse().map_err(|e| {
+        syn::Error::new(
+            e.span(),
+            "expected `post` or pre(theta = B, style = half|interleaved [, scaling = linear(F)])",
+        )
+    })?;
+    spans.insert(Field::Rope, kind.span());
+    match kind.to_string().as_str() {
+        "post" => return Ok(None),
+        "pre" => {}
+        k => {
+            return err(
+                kind.span(),
+                format!("unknown rope `{k}`; expected `post` or pre(theta = B, style = half|interleaved)"),
+            )
+        }
+    }
+    let (mut theta, mut style, mut scaling) = (None, None, None);
+    let close = parse_args(input, "rope", "theta, style or scaling", |name, c| {
+        match name.to_string().as_str() {
+            "theta" | "base" => {
+                let (v, sp) = parse_f64(c, "theta")?;
+                spans.insert(Field::RopeTheta, sp);
+                theta = Some(v);
+            }
+            "style" => {
+                let (v, sp) = parse_choice(c, "rope style", &["half", "interleaved"])?;
+                spans.insert(Field::RopeStyle, sp);
+                style = Some(if v == "half" {
+                    RopeStyle::Half
+                } else {
+                    RopeStyle::Interleaved
+                });
+            }
+            "scaling" => {
+                let id: Ident = c
+                    .parse()
+                    .map_err(|e| syn::Error::new(e.span(), "expected scaling: none or linear(F)"))?;
+                spans.insert(Field::RopeScaling, id.span());
+                match id.to_string().as_str() {
+                    "none" => scaling = Some(1.0),
+                    "linear" => {
+                        let inner;
+                        parenthesized!(inner in c);
+                        let (v, sp) = parse_f64(&inner, "the linear scaling factor")?;
+                        spans.insert(Field::RopeScaling, sp);
+                        if !inner.is_empty() {
+                            return err(inner.span(), "linear(...) takes one factor, e.g. linear(8)");
+                        }
+                        scaling = Some(v);
+                    }
+                    k @ ("yarn" | "dynamic" | "ntk" | "llama3" | "longrope" | "su") => {
+                        return err(
+                            id.span(),
+                            format!("rope scaling `{k}` is not supported yet; use none or linear(F)"),
+                        )
+                    }
+                    k => {
+                        return err(
+                            id.span(),
+                            format!("unknown rope scaling `{k}`; expected none or linear(F)"),
+                        )
+                    }
+                }
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    })?;
+    let missing = |what: &str| syn::Error::new(close, format!("pre(...) is missing `{what}`"));
+    Ok(Some(Rope {
+        theta: theta.ok_or_else(|| missing("theta"))?,
+        style: style.ok_or_else(|| missing("style (half or interleaved)"))?,
+        scaling: scaling.unwrap_or(1.0),
+    }))
+}
+
 fn parse_named_u32(
     content: ParseStream,
     expect: &str,
@@ -591,6 +694,7 @@ impl Parse for SchemeDecl {
         let mut sliding_window = None;
         let mut nonfinite = NonFinite::Reject;
         let (mut rotation, mut outliers, mut center) = (None, None, None);
+        let mut rope = None;
         while !body.is_empty() {
             let field: Ident = body.parse()?;
             let name = field.to_string();
@@ -667,6 +771,13 @@ impl Parse for SchemeDecl {
                 "rotation" => rotation = Some(parse_rotation(&body, &mut spans)?),
                 "outliers" => outliers = Some(parse_outliers(&body, &mut spans)?),
                 "center" => center = Some(parse_center(&body, &mut spans)?),
+                "rope" => rope = parse_rope(&body, &mut spans)?,
+                "pre_rope" | "rotary" => {
+                    return err(
+                        field.span(),
+                        format!("`{name}` is not a field; write `rope: pre(theta = B, style = half)`"),
+                    )
+                }
                 "hadamard" => {
                     return err(
                         field.span(),
@@ -715,6 +826,7 @@ impl Parse for SchemeDecl {
             rotation,
             outliers,
             center,
+            rope,
         };
         if let Err(e) = validate(&scheme) {
             let span = span_for(&spans, e.field).unwrap_or_else(|| ident.span());
@@ -739,6 +851,7 @@ pub fn span_for(spans: &HashMap<Field, Span>, field: Field) -> Option<Span> {
         Field::RotationBlock | Field::RotationApply => Some(Field::Rotation),
         Field::OutliersPerToken | Field::OutliersApply => Some(Field::Outliers),
         Field::CenterTokens | Field::CenterApply => Some(Field::Center),
+        Field::RopeTheta | Field::RopeStyle | Field::RopeScaling => Some(Field::Rope),
         Field::QHeads | Field::KvHeads | Field::MlaLatent | Field::MlaRopeDim | Field::MlaRope => Some(Field::Heads),
         Field::MlaRopeBits | Field::MlaRopeGroup => Some(Field::MlaRope),
         _ => None,

@@ -87,6 +87,14 @@ pub fn scheme_expr(s: &Scheme) -> TokenStream {
         let (n, a) = (c.tokens, apply(&c.apply));
         quote!(::kivi::spec::Center { tokens: #n, apply: #a })
     }));
+    let rope = opt(s.rope.map(|r| {
+        let (theta, scaling) = (r.theta, r.scaling);
+        let style = match r.style {
+            RopeStyle::Half => quote!(::kivi::spec::RopeStyle::Half),
+            RopeStyle::Interleaved => quote!(::kivi::spec::RopeStyle::Interleaved),
+        };
+        quote!(::kivi::spec::Rope { theta: #theta, style: #style, scaling: #scaling })
+    }));
     quote!(::kivi::spec::Scheme {
         name: ::std::string::String::from(#name),
         key: #key,
@@ -103,5 +111,6 @@ pub fn scheme_expr(s: &Scheme) -> TokenStream {
         rotation: #rotation,
         outliers: #outliers,
         center: #center,
+        rope: #rope,
     })
 }

@@ -30,6 +30,11 @@ pub enum Field {
     Center,
     CenterTokens,
     CenterApply,
+    /// The `rope` field (its kind), its `theta`, `style` and `scaling`.
+    Rope,
+    RopeTheta,
+    RopeStyle,
+    RopeScaling,
     Residual,
     Sinks,
     Flush,
@@ -308,6 +313,9 @@ fn validate_pipeline(s: &Scheme) -> Result<(), Invalid> {
             ));
         }
     }
+    if let Some(r) = &s.rope {
+        validate_rope(s, r)?;
+    }
     if let Some(c) = &s.center {
         needs_quant(&c.apply, Field::CenterApply, "center")?;
         if c.tokens == 0 || c.tokens > s.sinks + s.residual {
@@ -318,6 +326,58 @@ fn validate_pipeline(s: &Scheme) -> Result<(), Invalid> {
                     c.tokens,
                     s.sinks + s.residual
                 ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `rope: pre(...)`: a usable base and factor, pairs that fit the head, and
+/// no key transform that the kernels would have to undo per token.
+fn validate_rope(s: &Scheme, r: &Rope) -> Result<(), Invalid> {
+    if !(r.theta.is_finite() && r.theta > 1.0 && r.theta <= 1e12) {
+        return Err(Invalid::new(
+            Field::RopeTheta,
+            format!(
+                "rope theta = {} must be a number above 1 and at most 1e12 (e.g. 10000 or 1000000)",
+                r.theta
+            ),
+        ));
+    }
+    if !(r.scaling.is_finite() && r.scaling > 0.0 && r.scaling <= 1e6) {
+        return Err(Invalid::new(
+            Field::RopeScaling,
+            format!(
+                "rope scaling factor = {} must be above 0 and at most 1000000",
+                r.scaling
+            ),
+        ));
+    }
+    if let Some(d) = s.head_dim {
+        if d % 2 != 0 {
+            return Err(Invalid::new(
+                Field::HeadDim,
+                format!("head_dim {d} is odd; rope: pre(...) rotates pairs of channels"),
+            ));
+        }
+    }
+    // A key rotation, centering or outliers live in the codes' domain,
+    // which RoPE (a per-token rotation of the original domain) does not
+    // commute with; the kernels would have to leave the codes' domain per
+    // token.
+    for (on, field, what) in [
+        (
+            s.rotation_of(Tensor::Key).is_some(),
+            Field::RotationApply,
+            "a key rotation",
+        ),
+        (s.center_of(Tensor::Key).is_some(), Field::CenterApply, "key centering"),
+        (s.outliers_of(Tensor::Key) > 0, Field::OutliersApply, "key outliers"),
+    ] {
+        if on {
+            return Err(Invalid::new(
+                field,
+                format!("{what} with rope: pre(...) is not supported yet; apply it to values only or drop `rope`"),
             ));
         }
     }

@@ -100,7 +100,11 @@ fn runtime_errors_carry_line_and_column() {
             (1, 33),
             "unknown axis `diagonal`",
         ),
-        ("A { key: full, value: full,\n rope: yes }", (2, 2), "not supported yet"),
+        (
+            "A { key: full, value: full,\n low_rank: yes }",
+            (2, 2),
+            "not supported yet",
+        ),
         (
             "A { key: full, value: quant(bits = 2, axis = token, group = 48), head_dim: 128 }",
             (1, 61),

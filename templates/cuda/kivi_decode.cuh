@@ -264,6 +264,62 @@ __device__ __forceinline__ void teams_to_warp(const float (&acc)[H][CH], float* 
   }
 }
 
+// Pre-RoPE keys (`rope: pre(...)`): the cache holds keys before RoPE and
+// each must be turned to its position p (its index in the sequence). A lane
+// owns fixed channels of a key row but a RoPE pair spans two channels that
+// other lanes may own, so the query turns instead, by the opposite angle:
+// q . R(p) k = (R(-p) q) . k. For a pair (a, b) at angle t,
+// (R(-p) q)_a = q_a cos t + q_b sin t and (R(-p) q)_b = q_b cos t - q_a sin t,
+// so a lane keeps its channels' query `qr` and its partners' query, signed,
+// `qp`, and per row forms qr * cos + qp * sin. Angles: p times the pair's
+// inverse frequency (host-computed f64 table, the oracle's), cos and sin in
+// f64 rounded to f32 once, as the oracle does.
+template <class C> __device__ __forceinline__ int rope_pair(int d) {
+  return C::ROPE_HALF ? d % (C::D / 2) : d >> 1;
+}
+template <class C> __device__ __forceinline__ int rope_partner(int d) {
+  return C::ROPE_HALF ? (d < C::D / 2 ? d + C::D / 2 : d - C::D / 2) : d ^ 1;
+}
+template <class C> __device__ __forceinline__ float rope_sign(int d) {
+  return (C::ROPE_HALF ? d < C::D / 2 : (d & 1) == 0) ? 1.0f : -1.0f;
+}
+
+// This lane's slice of every head's query turned to -pos, and its per-slot
+// sums (for keys that fold a word's scale and zero point).
+template <class C, int H>
+__device__ __forceinline__ void rope_query(int pos, int tl, const float (&qr)[H][Lanes<C, typename C::K>::CH],
+                                           const float (&qp)[H][Lanes<C, typename C::K>::CH],
+                                           float (&qt)[H][Lanes<C, typename C::K>::CH],
+                                           float (&qts)[H][Lanes<C, typename C::K>::SLOTS]) {
+  typedef typename C::K K;
+  typedef Lanes<C, K> L;
+#pragma unroll
+  for (int k = 0; k < K::STEPS; ++k) {
+#pragma unroll
+    for (int j = 0; j < C::WIDTH; ++j) {
+      const int slot = k * C::WIDTH + j;
+#pragma unroll
+      for (int h = 0; h < H; ++h) qts[h][slot] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < K::CPW; ++i) {
+        const int d = (L::word(k, tl) + j) * K::CPW + i;
+        const int c = slot * K::CPW + i;
+        float co = 1.0f, sn = 0.0f;
+        if (d < C::D) {
+          const double a = (double)pos * C::rope_freq(rope_pair<C>(d));
+          co = (float)cos(a);
+          sn = (float)sin(a);
+        }
+#pragma unroll
+        for (int h = 0; h < H; ++h) {
+          qt[h][c] = fmaf(qp[h][c], sn, qr[h][c] * co);
+          qts[h][slot] += qt[h][c];
+        }
+      }
+    }
+  }
+}
+
 // The codec pipeline's decode steps, defined in kivi_codec_decode.cuh
 // (pasted only into sources whose scheme has a pipeline; the calls below
 // sit in `if constexpr` branches that other schemes never instantiate).
@@ -334,6 +390,7 @@ __device__ __forceinline__ void decode_kernel(
   if constexpr (KQ) codec_query<C, H>(q, means_k, qscale, &s_q[0][0][0], qm, b, hq0, hk, tid);
   float qr[H][LK::CH];
   float qsum[H][LK::SLOTS];
+  float qp[H][C::ROPE ? LK::CH : 1];  // pre-RoPE keys: partners' query, signed
 #pragma unroll
   for (int h = 0; h < H; ++h) {
     const typename C::act_t* qh = q + ((u64)b * C::HQ + hq0 + h) * C::D;
@@ -356,6 +413,10 @@ __device__ __forceinline__ void decode_kernel(
           }
           qr[h][slot * K::CPW + i] = x;
           qsum[h][slot] += x;
+          if constexpr (C::ROPE) {
+            qp[h][slot * K::CPW + i] =
+                d < C::D ? rope_sign<C>(d) * Act<C::ACT>::load(qh[rope_partner<C>(d)]) * qscale : 0.0f;
+          }
         }
       }
     }
@@ -388,7 +449,14 @@ __device__ __forceinline__ void decode_kernel(
       for (int h = 0; h < H; ++h) s[h] = 0.0f;
       if (i < n) {
         const RowRef<C> r = locate<C, K>(t0 + i, qk, pool, table, b, hk, sinks_k, ring_k);
-        key_dot<C, H>(r, kl, qr, qsum, &s_q[0][0][0], s);
+        if constexpr (C::ROPE) {
+          float qt[H][LK::CH];
+          float qts[H][LK::SLOTS];
+          rope_query<C, H>(t0 + i, kl, qr, qp, qt, qts);
+          key_dot<C, H>(r, kl, qt, qts, &s_q[0][0][0], s);
+        } else {
+          key_dot<C, H>(r, kl, qr, qsum, &s_q[0][0][0], s);
+        }
         if constexpr (KQ) {
           // once per quantized row (one lane of the team): q . m and the
           // outliers' corrections against the query in the codes' domain

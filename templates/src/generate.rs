@@ -5,7 +5,7 @@
 use crate::variant::cpw;
 use crate::{EntryLaunch, Generated, Kernel, LaunchInfo, Param, ParamTy, Variant, TEMPLATES};
 use kivi_spec::layout::{default_block_tokens, window_capacity, BlockLayout, TensorLayout};
-use kivi_spec::{Axis, Codec, Dtype, Flush, Heads, Levels, Norm, Scheme, Tensor};
+use kivi_spec::{Axis, Codec, Dtype, Flush, Heads, Levels, Norm, RopeStyle, Scheme, Tensor};
 use std::fmt::Write;
 
 /// How a team of lanes covers one row of `wpt` words with `width`-word
@@ -98,6 +98,14 @@ pub(crate) fn scheme_tag(s: &Scheme, block_tokens: Option<usize>) -> String {
     }
     if s.dtype != Dtype::F16 {
         let _ = write!(t, "-{}", s.dtype.name());
+    }
+    if let Some(r) = &s.rope {
+        // `-ropeh10000`, `-ropei1000000x8` (interleaved, linear scaling 8).
+        let style = if r.style == RopeStyle::Half { "h" } else { "i" };
+        let _ = write!(t, "-rope{style}{}", r.theta);
+        if r.scaling != 1.0 {
+            let _ = write!(t, "x{}", r.scaling);
+        }
     }
     if let (Some(h), Some(d)) = (s.heads, s.head_dim) {
         let heads = match h.normalized() {
@@ -538,6 +546,43 @@ pub(crate) fn act_types(d: Dtype) -> (&'static str, &'static str) {
     }
 }
 
+/// Pre-RoPE keys: the inverse frequency of every channel pair as a
+/// constant-memory f64 table, from the values `kivi_spec::Rope::inv_freq`
+/// gives the oracle (linear scaling folded in).
+fn rope_table(o: &mut String, s: &Scheme, d: usize) {
+    if let Some(r) = &s.rope {
+        let vals: Vec<String> = (0..d / 2).map(|i| format!("{:?}", r.inv_freq(i, d))).collect();
+        let _ = writeln!(
+            o,
+            "static __constant__ double kivi_rope_freq[{}] = {{{}}};",
+            d / 2,
+            vals.join(", ")
+        );
+    }
+}
+
+/// The `Cfg` lines of `rope: pre(...)` (decode turns the query per row).
+fn rope_cfg(o: &mut String, s: &Scheme) {
+    let (on, half) = match &s.rope {
+        Some(r) => (true, r.style == RopeStyle::Half),
+        None => (false, true),
+    };
+    let _ = writeln!(
+        o,
+        "  static constexpr bool ROPE = {on};   // pre-RoPE keys, turned in decode"
+    );
+    let _ = writeln!(
+        o,
+        "  static constexpr bool ROPE_HALF = {half};   // pairs (i, i + D/2), else (2i, 2i + 1)"
+    );
+    if on {
+        let _ = writeln!(
+            o,
+            "  __device__ __forceinline__ static double rope_freq(int i) {{ return kivi_rope_freq[i]; }}"
+        );
+    }
+}
+
 /// Opens the generated `struct Cfg` with what every kernel's configuration
 /// shares: activation type, head layout, windows, block geometry. The
 /// caller adds its launch shape and closes the struct.
@@ -605,7 +650,15 @@ pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant)
     tensor_cfg(&mut o, "KeyCfg", Tensor::Key, s, l, v, kernel);
     tensor_cfg(&mut o, "ValueCfg", Tensor::Value, s, l, v, kernel);
     let cthreads = combine_threads(d);
+    // Only decode reads the RoPE lines (prefill/append store keys as
+    // given), so their sources stay as they were.
+    if kernel == Kernel::Decode {
+        rope_table(&mut o, s, d);
+    }
     cfg_prelude(&mut o, s, l);
+    if kernel == Kernel::Decode {
+        rope_cfg(&mut o, s);
+    }
     let _ = writeln!(o, "  // variant {}", v.name());
     let _ = writeln!(o, "  static constexpr int THREADS = {};", v.threads);
     let _ = writeln!(o, "  static constexpr int TILE = {};", v.tile_tokens);

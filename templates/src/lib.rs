@@ -478,6 +478,14 @@ pub const BLOCK_TEMPLATE: &str = include_str!("../cuda/kivi_block.cuh");
 /// assert!(kivi_templates::generate_block(&r, Default::default()).is_ok()); // rotated, centered
 /// ```
 pub fn generate_block(scheme: &Scheme, opts: GenOptions) -> Result<Generated, GenError> {
+    if scheme.rope.is_some() {
+        // The block kernel decodes stored rows once per tile for many
+        // queries at different positions; turning them is not written yet.
+        return Err(GenError::Unsupported {
+            what: "pre-RoPE keys (rope: pre) in the many-query block kernel".into(),
+            field: kivi_spec::Field::Rope,
+        });
+    }
     let layout = layout_of(scheme, opts)?;
     block::generate_block(scheme, &layout)
 }

@@ -26,6 +26,7 @@
 //! and of the tail. The partial softmaxes merge by log-sum-exp.
 
 use super::kernel::{self, Plan};
+use super::rope::RopeKeys;
 use super::simd::{self, F32Rows, Isa};
 use super::{auto_splits, CpuBackend, Partial};
 use crate::backend::{check_blocks, check_window, undo, NewTokens};
@@ -218,6 +219,7 @@ impl CpuBackend {
             group,
             hkv,
             d,
+            rope: RopeKeys::of(&scheme, d, tile),
         };
         let partials: Vec<Partial> = tasks
             .par_iter()
@@ -295,6 +297,11 @@ fn append_keeping_tail(cache: &mut PagedCache, scheme: &Scheme, blk: &NewTokens)
             *r = round_to_dtype(x, scheme.dtype);
         }
     }
+    // Pre-RoPE keys: the tail is only ever scored, so it is turned to its
+    // positions once here.
+    if let Some(rk) = RopeKeys::of(scheme, d, 64) {
+        rk.rotate_rows(&mut tails[0].rows, tails[0].first, hkv);
+    }
     Ok((past, tails))
 }
 
@@ -306,6 +313,9 @@ struct Ctx<'a> {
     group: usize,
     hkv: usize,
     d: usize,
+    /// Pre-RoPE keys: stored key rows are turned to their positions as
+    /// they are read (the tails were turned when they were made).
+    rope: Option<RopeKeys>,
 }
 
 /// The unit's queries over their tokens outside the common range: per
@@ -341,6 +351,9 @@ fn rest(cx: &Ctx, view: &SeqView, job: &Job, u: &Unit) -> Partial {
             rows.resize((top - ra) * d, 0.0);
             for p in ra..top {
                 view.row(t, p, u.h, &mut rows[(p - ra) * d..][..d]);
+            }
+            if let (Some(rk), Tensor::Key) = (&cx.rope, t) {
+                rk.rotate_rows(rows, ra, 1);
             }
         }
         for i in u.i0..u.i1 {

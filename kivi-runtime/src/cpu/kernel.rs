@@ -17,6 +17,7 @@
 use super::codec::CodecRows;
 use super::dense;
 use super::fused::{self, Fast, Tile, ROWS};
+use super::rope::{RopeKeys, RopeScratch};
 use super::simd::{self, Bf16Rows, ChanRows, CodeRows, F16Rows, F32Rows, Isa, TokRows};
 use super::Partial;
 use crate::cache::{Loc, PagedCache, RawRows, SeqView};
@@ -68,6 +69,9 @@ pub(crate) struct Plan {
     /// Per tensor, the fused codec decoding (`codec.rs`) where a codec
     /// tensor has its shape (token-axis codes of 1 to 4 bits).
     codec: [Option<CodecRows>; 2],
+    /// Pre-RoPE keys (`rope.rs`): every key row is read with the cache's
+    /// row reader and turned to its position before scoring.
+    pub(crate) rope: Option<RopeKeys>,
 }
 
 fn kind_of(codec: &Codec, t: Tensor, isa: Isa) -> Kind {
@@ -113,7 +117,17 @@ impl Plan {
                 kind_of(s.codec(t), t, isa)
             }
         };
-        let kinds = [kind(Tensor::Key), kind(Tensor::Value)];
+        let rope = RopeKeys::of(s, shape.head_dim, tile).map(|r| r.with_key_layout(s, l.key));
+        // Pre-RoPE keys are scored by `rope.rs` from the row reader (no key
+        // folding, no fused path: the rotation mixes channels per token).
+        let kinds = [
+            if rope.is_some() {
+                Kind::Generic
+            } else {
+                kind(Tensor::Key)
+            },
+            kind(Tensor::Value),
+        ];
         let scale = [
             s.key.quant().map_or(ScaleDtype::F16, |q| q.scale),
             s.value.quant().map_or(ScaleDtype::F16, |q| q.scale),
@@ -166,7 +180,7 @@ impl Plan {
             scale,
             fast,
             dense: kinds == [Kind::Full; 2] && isa != Isa::Scalar && !super::env_no_dense(),
-            codec_rows: s.has_pipeline(Tensor::Key) || s.has_pipeline(Tensor::Value),
+            codec_rows: (s.has_pipeline(Tensor::Key) && rope.is_none()) || s.has_pipeline(Tensor::Value),
             codec: [Tensor::Key, Tensor::Value].map(|t| {
                 if kinds[ti(t)] == Kind::Codec {
                     CodecRows::of(s, t, *l.tensor(t), shape.head_dim, isa)
@@ -174,6 +188,7 @@ impl Plan {
                     None
                 }
             }),
+            rope,
         }
     }
 }
@@ -183,7 +198,13 @@ impl Plan {
     /// codec pipeline (rotation, Lloyd–Max, outliers, centering) sends a
     /// tensor through the generic row reader, else the ISA's name.
     pub fn path_name(&self) -> &'static str {
-        if let Some(f) = self.fast {
+        if self.rope.is_some() {
+            match self.isa {
+                Isa::Avx512 => "avx512+rope",
+                Isa::Avx2 => "avx2+rope",
+                Isa::Scalar => "scalar+rope",
+            }
+        } else if let Some(f) = self.fast {
             match f.isa {
                 Isa::Avx512 => "avx512-fused",
                 _ => "avx2-fused",
@@ -280,6 +301,8 @@ struct Scratch {
     /// domain, and the weight it holds, per head.
     acc_rot: Vec<f32>,
     psum: Vec<f32>,
+    /// Pre-RoPE keys: decoded rows, cosines and sines, key group parameters.
+    rope: RopeScratch,
 }
 
 /// Runs `op` over rows `0..n`, applying the instruction set of the plan.
@@ -348,6 +371,11 @@ fn pieces(plan: &Plan, view: &SeqView, t: Tensor, p0: usize, p1: usize, mut f: i
 fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: usize, op: &mut Op, sc: &mut Scratch) {
     let (d, g) = (plan.d, plan.group);
     let i = ti(t);
+    if let (Some(rk), Op::Score { q, out }) = (&plan.rope, &mut *op) {
+        // Pre-RoPE keys: every piece (sinks, blocks, window) alike.
+        rk.score(plan.isa, view, h, p0, n, q, g, out, &mut sc.rope);
+        return;
+    }
     pieces(plan, view, t, p0, p0 + n, |p, len, loc| {
         // The slice of the op's output or input for this piece.
         let at = (p - p0) * g;
@@ -710,6 +738,7 @@ impl Scratch {
             qsum: Vec::new(),
             acc_rot: vec![0.0; g * d],
             psum: vec![0.0; g],
+            rope: RopeScratch::default(),
         }
     }
 }

@@ -61,6 +61,7 @@ mod fused;
 mod kernel;
 pub mod mla;
 mod probe;
+mod rope;
 mod simd;
 mod width;
 pub(crate) mod write;
@@ -75,15 +76,17 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 pub use probe::{compute_ceiling, ComputeCeiling};
+pub use rope::set_strategy as set_rope_strategy;
 pub use simd::Isa;
 
 /// A hash of the CPU kernels' source code (this module's files), fixed at
 /// build time. Tuning decisions for the CPU backend are keyed by it, so a
 /// changed kernel is measured again instead of trusted.
 pub const KERNEL_HASH: u64 = {
-    const PARTS: [&str; 8] = [
+    const PARTS: [&str; 9] = [
         include_str!("mod.rs"),
         include_str!("width.rs"),
+        include_str!("rope.rs"),
         include_str!("dense.rs"),
         include_str!("codec.rs"),
         include_str!("kernel.rs"),

@@ -1,0 +1,78 @@
+//! Pre-RoPE keys on the CPU: what turning each cached key costs, and which
+//! side should turn (`cargo bench -p kivi-runtime --bench rope -- [context] [reps]`).
+//!
+//! For each layout (Gemma 3's MQA 4:1 d256, Llama's GQA 32:8 d128) it times,
+//! interleaved rep by rep on one cache's data: kivi2 as the model hands
+//! keys over (post-RoPE, the fused path), kivi2 with `rope: pre` rotating
+//! each dequantized key row (the default), and the same rotating the query
+//! of every head by the opposite angle per token. Prints medians and the
+//! ratios side by side.
+
+use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, PagedCache};
+use kivi_spec::{presets, Heads, Rope, RopeStyle};
+use std::time::Instant;
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
+    let context: usize = args.first().and_then(|s| s.parse().ok()).unwrap_or(4096);
+    let reps: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(20);
+    for (name, heads, d) in [
+        ("mqa4 d256", Heads::Mqa(4), 256u32),
+        ("gqa32:8 d128", Heads::Gqa { q: 32, kv: 8 }, 128),
+    ] {
+        let post = presets::kivi2().with_shape(heads, d).unwrap();
+        let mut pre = post.clone();
+        pre.rope = Some(Rope {
+            theta: 10_000.0,
+            style: RopeStyle::Half,
+            scaling: 1.0,
+        });
+        let shape = post.shape().unwrap();
+        let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+        let mut rng = kivi_runtime::rand::Rng::new(7);
+        let k: Vec<f32> = (0..context * hkv * d)
+            .map(|i| (i % d % 5) as f32 * 0.5 - 1.0 + rng.f32())
+            .collect();
+        let v: Vec<f32> = (0..context * hkv * d).map(|_| rng.f32()).collect();
+        let q: Vec<f32> = (0..hq * d).map(|_| rng.f32()).collect();
+        let fill = |s: &kivi_spec::Scheme| {
+            let mut c = PagedCache::new(s.clone(), CacheConfig::for_tokens(context + 64)).unwrap();
+            let id = c.add_sequence();
+            c.extend(id, &k, &v).unwrap();
+            (c, id)
+        };
+        let (cpost, ipost) = fill(&post);
+        let (cpre, ipre) = fill(&pre);
+        let cpu = CpuBackend::default();
+        let attn = AttnParams::of(&post, shape);
+        let mut t = [Vec::new(), Vec::new(), Vec::new()];
+        for _ in 0..reps {
+            for (j, times) in t.iter_mut().enumerate() {
+                let (c, id) = if j == 0 { (&cpost, ipost) } else { (&cpre, ipre) };
+                kivi_runtime::cpu::set_rope_strategy(j == 2);
+                let t0 = Instant::now();
+                std::hint::black_box(cpu.decode(c, &[id], &q, attn).unwrap());
+                times.push(t0.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        kivi_runtime::cpu::set_rope_strategy(false);
+        let med: Vec<f64> = t
+            .iter_mut()
+            .map(|x| {
+                x.sort_by(f64::total_cmp);
+                x[x.len() / 2]
+            })
+            .collect();
+        println!(
+            "{name} context {context}: kivi2 post-RoPE ({}) {:.3} ms | pre-RoPE, key turned ({}) {:.3} ms = {:.2}x | pre-RoPE, query turned {:.3} ms = {:.2}x (query/key {:.2}x); medians of {reps}",
+            cpu.kernel_path(&cpost),
+            med[0],
+            cpu.kernel_path(&cpre),
+            med[1],
+            med[1] / med[0],
+            med[2],
+            med[2] / med[0],
+            med[2] / med[1]
+        );
+    }
+}

@@ -1,0 +1,278 @@
+//! Pre-RoPE keys (`rope: pre(...)`): the cache stores keys before rotary
+//! embedding and decode turns each to its absolute position.
+//!
+//! - The math check that could fail: with exact keys, pre-RoPE attention
+//!   equals post-RoPE attention over keys rotated outside the cache by an
+//!   independent RoPE (written here from the two conventions' formulas), and
+//!   the wrong pair convention does not.
+//! - CPU (both strategies: rotate the key, rotate the query) against the
+//!   oracle on quantized pre-RoPE keys: both RoPE bases of Gemma 3 (local
+//!   10000, global 1000000), both pair conventions, lengths 1, 31, 33, 127,
+//!   1000, MHA / GQA / MQA, sinks, residual windows, sliding windows.
+//! - Positions come from the cache: a streamed cache with an eviction
+//!   window, and many-query blocks, agree with the oracle.
+//!
+//! Tolerance: max |got - want| <= 1e-5 * max |want| (as cpu_vs_reference).
+
+mod common;
+use common::*;
+use kivi_runtime::reference::{self, AttnParams};
+use kivi_runtime::*;
+use kivi_spec::*;
+
+const LENS: [usize; 5] = [1, 31, 33, 127, 1000];
+/// Gemma 3's RoPE bases: local (sliding) layers and global layers.
+const BASES: [f64; 2] = [10_000.0, 1_000_000.0];
+const STYLES: [RopeStyle; 2] = [RopeStyle::Half, RopeStyle::Interleaved];
+
+fn layouts3() -> [(Heads, u32); 3] {
+    [
+        (Heads::Mha(2), 32),
+        (Heads::Gqa { q: 8, kv: 2 }, 64),
+        (Heads::Mqa(4), 64),
+    ]
+}
+
+fn with_rope(s: &Scheme, theta: f64, style: RopeStyle) -> Scheme {
+    let mut s = s.clone();
+    s.rope = Some(Rope {
+        theta,
+        style,
+        scaling: 1.0,
+    });
+    validate(&s).unwrap();
+    s
+}
+
+/// RoPE as a model applies it, written independently of `kivi_spec::Rope`:
+/// Llama's `rotate_half` (`x * cos + rotate_half(x) * sin`, where
+/// `rotate_half(x) = [-x2, x1]`) or GPT-J's interleaved pairs, with
+/// `inv_freq_i = 1 / theta^(2i/D)`. `k` is `[T, H, D]`.
+fn model_rope(k: &[f32], h: usize, d: usize, theta: f64, style: RopeStyle) -> Vec<f32> {
+    let mut out = k.to_vec();
+    for (row_i, row) in out.chunks_mut(d).enumerate() {
+        let t = row_i / h;
+        let x = k[row_i * d..(row_i + 1) * d].to_vec();
+        match style {
+            RopeStyle::Half => {
+                let half = d / 2;
+                for c in 0..d {
+                    let i = c % half;
+                    let ang = t as f64 / theta.powf((2 * i) as f64 / d as f64);
+                    let rot = if c < half { -x[c + half] } else { x[c - half] };
+                    row[c] = (x[c] as f64 * ang.cos() + rot as f64 * ang.sin()) as f32;
+                }
+            }
+            RopeStyle::Interleaved => {
+                for i in 0..d / 2 {
+                    let ang = t as f64 / theta.powf((2 * i) as f64 / d as f64);
+                    let (a, b) = (x[2 * i] as f64, x[2 * i + 1] as f64);
+                    row[2 * i] = (a * ang.cos() - b * ang.sin()) as f32;
+                    row[2 * i + 1] = (b * ang.cos() + a * ang.sin()) as f32;
+                }
+            }
+        }
+    }
+    out
+}
+
+fn check(got: &[f32], want: &[f32], what: &str) {
+    let err = rel_err(got, want);
+    assert!(err <= 1e-5, "{what}: rel err {err:e}");
+}
+
+fn filled(s: &Scheme, k: &[f32], v: &[f32]) -> (PagedCache, SeqId) {
+    let mut c = PagedCache::new(s.clone(), CacheConfig::for_tokens(k.len() + 64)).unwrap();
+    let id = c.add_sequence();
+    c.extend(id, k, v).unwrap();
+    (c, id)
+}
+
+/// With `full` f32 keys nothing is lost, so storing keys before RoPE and
+/// turning them in the kernel must give post-RoPE attention over the same
+/// keys; the other pair convention must not.
+#[test]
+fn exact_pre_rope_equals_post_rope_attention() {
+    let mut rng = Rng::new(13);
+    let exact = Scheme {
+        name: "exact".into(),
+        key: Codec::Full,
+        value: Codec::Full,
+        dtype: Dtype::F32,
+        ..presets::f16()
+    };
+    let mut wrong_differs = 0;
+    for (li, (heads, d)) in layouts3().into_iter().enumerate() {
+        let post = exact.with_shape(heads, d).unwrap();
+        let shape = post.shape().unwrap();
+        let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+        for theta in BASES {
+            for style in STYLES {
+                let pre = with_rope(&post, theta, style);
+                let other = with_rope(&post, theta, STYLES[(style == RopeStyle::Half) as usize]);
+                for &t in &LENS {
+                    let k = rng.kv(t, hkv, d, true);
+                    let v = rng.kv(t, hkv, d, false);
+                    let q: Vec<f32> = rng.kv(1, hq, d, false).iter().map(|x| x * 2.0).collect();
+                    let attn = AttnParams::of(&post, shape);
+                    let what = format!("layout {li} theta {theta} {} T={t}", style.name());
+                    let want = reference::attend(&post, &q, &model_rope(&k, hkv, d, theta, style), &v, attn).unwrap();
+                    check(
+                        &reference::attend(&pre, &q, &k, &v, attn).unwrap(),
+                        &want,
+                        &format!("oracle {what}"),
+                    );
+                    let (c, id) = filled(&pre, &k, &v);
+                    let cpu = CpuBackend::default().decode(&c, &[id], &q, attn).unwrap();
+                    check(&cpu, &want, &format!("cpu {what}"));
+                    let wrong = reference::attend(&other, &q, &k, &v, attn).unwrap();
+                    if t > 1 && rel_err(&wrong, &want) > 1e-3 {
+                        wrong_differs += 1;
+                    }
+                }
+            }
+        }
+    }
+    // Every case with more than one token tells the conventions apart.
+    assert_eq!(wrong_differs, 3 * 2 * 2 * 4, "the pair convention must matter");
+}
+
+/// Quantized pre-RoPE keys: the CPU backend (both strategies, AVX and
+/// scalar, one split and several) equals the oracle's decode over the same
+/// cache, and the paged cache equals the oracle's one-shot view.
+#[test]
+fn cpu_matches_the_oracle_on_quantized_pre_rope_keys() {
+    let mut rng = Rng::new(0x13_01);
+    let kivi2 = Scheme {
+        residual: 32,
+        sinks: 4,
+        ..presets::kivi2()
+    };
+    let kivi4_window = Scheme {
+        name: "kivi4_window".into(),
+        sliding_window: Some(100),
+        ..presets::kivi4()
+    };
+    let lloyd = parse_scheme(
+        "lloyd { key: quant(bits = 3, axis = channel, group = 16, levels = lloyd_max), value: quant(bits = 2, axis = token, group = 32), residual: 7 }",
+    )
+    .unwrap();
+    let int8 = presets::int8();
+    let bases = [kivi2, kivi4_window, lloyd, int8];
+    let backends = [
+        CpuBackend::default(),
+        CpuBackend::new(CpuParams {
+            splits: 3,
+            tile_tokens: 16,
+            scalar: true,
+            ..CpuParams::default()
+        })
+        .unwrap(),
+    ];
+    let mut case = 0usize;
+    for theta in BASES {
+        for style in STYLES {
+            for (heads, d) in layouts3() {
+                for &t in &LENS {
+                    case += 1;
+                    let base = &bases[case % bases.len()];
+                    let s = with_rope(&base.with_shape(heads, d).unwrap(), theta, style);
+                    let shape = s.shape().unwrap();
+                    let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+                    let k = rng.kv(t, hkv, d, true);
+                    let v = rng.kv(t, hkv, d, false);
+                    let q = rng.kv(1, hq, d, false);
+                    let attn = AttnParams::of(&s, shape);
+                    let what = format!("{} theta {theta} {} {heads} T={t}", s.name, style.name());
+                    let want = reference::attend(&s, &q, &k, &v, attn).unwrap();
+                    let (c, id) = filled(&s, &k, &v);
+                    check(
+                        &ReferenceBackend.decode(&c, &[id], &q, attn).unwrap(),
+                        &want,
+                        &format!("paged {what}"),
+                    );
+                    for (bi, b) in backends.iter().enumerate() {
+                        assert!(b.kernel_path(&c).ends_with("+rope"), "{}", b.kernel_path(&c));
+                        for rotate_query in [false, true] {
+                            kivi_runtime::cpu::set_rope_strategy(rotate_query);
+                            let got = b.decode(&c, &[id], &q, attn).unwrap();
+                            check(&got, &want, &format!("cpu {bi} query={rotate_query} {what}"));
+                        }
+                        kivi_runtime::cpu::set_rope_strategy(false);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A streamed cache with an eviction window (positions past the freed
+/// blocks stay absolute), and many-query blocks after a prefix.
+#[test]
+fn positions_come_from_the_cache_streamed_evicted_and_in_blocks() {
+    let mut rng = Rng::new(0x13_02);
+    let base = Scheme {
+        name: "win".into(),
+        sinks: 3,
+        residual: 16,
+        sliding_window: Some(48),
+        ..presets::kivi2()
+    };
+    for (theta, style) in [(10_000.0, RopeStyle::Half), (1_000_000.0, RopeStyle::Interleaved)] {
+        for (heads, d) in layouts3() {
+            let s = with_rope(&base.with_shape(heads, d).unwrap(), theta, style);
+            let shape = s.shape().unwrap();
+            let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+            let attn = AttnParams::of(&s, shape);
+            let total = 300;
+            let k = rng.kv(total, hkv, d, true);
+            let v = rng.kv(total, hkv, d, false);
+            let mut c = PagedCache::new(
+                s.clone(),
+                CacheConfig {
+                    block_tokens: Some(32),
+                    ..CacheConfig::for_tokens(total + 64)
+                },
+            )
+            .unwrap();
+            c.set_eviction_window(Some(64)).unwrap();
+            let id = c.add_sequence();
+            let row = hkv * d;
+            for t in 1..=total {
+                c.append(id, &k[(t - 1) * row..t * row], &v[(t - 1) * row..t * row])
+                    .unwrap();
+                if [1, 31, 33, 127, 200, 300].contains(&t) {
+                    let q = rng.kv(1, hq, d, false);
+                    let want = reference::attend(&s, &q, &k[..t * row], &v[..t * row], attn).unwrap();
+                    let what = format!("{heads} {} T={t}", style.name());
+                    check(
+                        &CpuBackend::default().decode(&c, &[id], &q, attn).unwrap(),
+                        &want,
+                        &what,
+                    );
+                    check(&ReferenceBackend.decode(&c, &[id], &q, attn).unwrap(), &want, &what);
+                }
+            }
+            assert!(c.evicted_tokens(id).unwrap() > 0, "the window evicted blocks");
+            // Many-query blocks: prefix 0 and 127, blocks of 33 and 1.
+            for (past, n) in [(0usize, 33usize), (127, 33), (127, 1)] {
+                let q = rng.kv(n, hq, d, false);
+                let want =
+                    reference::block_attention(&s, past, &q, &k[..(past + n) * row], &v[..(past + n) * row], attn)
+                        .unwrap();
+                let backends: [&dyn Backend; 2] = [&ReferenceBackend, &CpuBackend::default()];
+                for b in backends {
+                    let (mut c, id) = filled(&s, &k[..past * row], &v[..past * row]);
+                    let blk = NewTokens {
+                        seq: id,
+                        q: &q,
+                        k: &k[past * row..(past + n) * row],
+                        v: &v[past * row..(past + n) * row],
+                    };
+                    let got = b.attend_block(&mut c, &[blk], attn).unwrap();
+                    check(&got, &want, &format!("{} block {past}+{n} {heads}", b.name()));
+                }
+            }
+        }
+    }
+}
