@@ -12,6 +12,7 @@
 //!           | rotation: hadamard(block = INT, apply = tensors [, signs = INT|none])
 //!           | outliers: sparse(per_token = INT, apply = tensors)
 //!           | center: channel_mean(tokens = INT, apply = tensors)
+//!           | query: int8(group = INT)
 //! codec    := full | quant(bits = INT, axis = channel|token, group = INT
 //!                          [, scale = f16|f32] [, levels = uniform|lloyd_max] [, norm = rms|l2])
 //! tensors  := [key] | [value] | [key, value]
@@ -68,7 +69,7 @@ const MISPLACED_QUANT_ARGS: &[(&str, &str)] = &[
     ("center", "center: channel_mean(tokens = N, apply = [key])"),
 ];
 
-const FIELDS: &str = "key, value, residual, sinks, flush, heads, head_dim, dtype, softmax_scale, sliding_window, nonfinite, rotation, outliers, center";
+const FIELDS: &str = "key, value, residual, sinks, flush, heads, head_dim, dtype, softmax_scale, sliding_window, nonfinite, rotation, outliers, center, query";
 
 fn err<T>(span: Span, msg: impl std::fmt::Display) -> syn::Result<T> {
     Err(syn::Error::new(span, msg))
@@ -429,6 +430,42 @@ fn parse_center(input: ParseStream, spans: &mut HashMap<Field, Span>) -> syn::Re
     })
 }
 
+/// `int8(group = G)`: the integer-domain decode of [`QueryQuant`].
+fn parse_query(input: ParseStream, spans: &mut HashMap<Field, Span>) -> syn::Result<QueryQuant> {
+    let kind: Ident = input
+        .parse()
+        .map_err(|e| syn::Error::new(e.span(), "expected a query quantization: int8(group = G)"))?;
+    spans.insert(Field::Query, kind.span());
+    match kind.to_string().as_str() {
+        "int8" => {}
+        k @ ("int4" | "fp8" | "int16" | "f16" | "bf16") => {
+            return err(
+                kind.span(),
+                format!("`{k}` query quantization is not supported yet; use int8(group = G)"),
+            )
+        }
+        k => {
+            return err(
+                kind.span(),
+                format!("unknown query quantization `{k}`; expected int8(group = G)"),
+            )
+        }
+    }
+    let mut group = None;
+    let close = parse_args(input, "int8", "group", |name, c| {
+        if name != "group" {
+            return Ok(false);
+        }
+        let (v, sp) = parse_u32(c, "group")?;
+        spans.insert(Field::QueryGroup, sp);
+        group = Some(v);
+        Ok(true)
+    })?;
+    Ok(QueryQuant {
+        group: group.ok_or_else(|| syn::Error::new(close, "int8(...) is missing `group`"))?,
+    })
+}
+
 fn parse_named_u32(
     content: ParseStream,
     expect: &str,
@@ -535,6 +572,7 @@ impl Parse for SchemeDecl {
         let mut sliding_window = None;
         let mut nonfinite = NonFinite::Reject;
         let (mut rotation, mut outliers, mut center) = (None, None, None);
+        let mut query = None;
         while !body.is_empty() {
             let field: Ident = body.parse()?;
             let name = field.to_string();
@@ -605,6 +643,7 @@ impl Parse for SchemeDecl {
                 "rotation" => rotation = Some(parse_rotation(&body, &mut spans)?),
                 "outliers" => outliers = Some(parse_outliers(&body, &mut spans)?),
                 "center" => center = Some(parse_center(&body, &mut spans)?),
+                "query" => query = Some(parse_query(&body, &mut spans)?),
                 "hadamard" => {
                     return err(
                         field.span(),
@@ -640,6 +679,7 @@ impl Parse for SchemeDecl {
             rotation,
             outliers,
             center,
+            query,
         };
         if let Err(e) = validate(&scheme) {
             let span = span_for(&spans, e.field).unwrap_or_else(|| ident.span());
@@ -665,6 +705,7 @@ pub fn span_for(spans: &HashMap<Field, Span>, field: Field) -> Option<Span> {
         Field::OutliersPerToken | Field::OutliersApply => Some(Field::Outliers),
         Field::CenterTokens | Field::CenterApply => Some(Field::Center),
         Field::QHeads | Field::KvHeads => Some(Field::Heads),
+        Field::QueryGroup => Some(Field::Query),
         _ => None,
     };
     spans

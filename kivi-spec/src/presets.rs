@@ -24,6 +24,7 @@ fn base(name: &str, key: Codec, value: Codec, residual: u32) -> Scheme {
         rotation: None,
         outliers: None,
         center: None,
+        query: None,
     }
 }
 

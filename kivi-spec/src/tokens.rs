@@ -81,6 +81,10 @@ pub fn scheme_expr(s: &Scheme) -> TokenStream {
         let (n, a) = (c.tokens, apply(&c.apply));
         quote!(::kivi::spec::Center { tokens: #n, apply: #a })
     }));
+    let query = opt(s.query.map(|q| {
+        let g = q.group;
+        quote!(::kivi::spec::QueryQuant { group: #g })
+    }));
     quote!(::kivi::spec::Scheme {
         name: ::std::string::String::from(#name),
         key: #key,
@@ -97,5 +101,6 @@ pub fn scheme_expr(s: &Scheme) -> TokenStream {
         rotation: #rotation,
         outliers: #outliers,
         center: #center,
+        query: #query,
     })
 }
