@@ -184,8 +184,19 @@ impl Backend for ReferenceBackend {
         check_window(cache, seqs.iter().copied(), attn)?;
         let mut out = Vec::with_capacity(q.len());
         for (b, &s) in seqs.iter().enumerate() {
-            let k = cache.dequantize(s, Tensor::Key)?;
             let v = cache.dequantize(s, Tensor::Value)?;
+            if cache.scheme().query.is_some() {
+                let keys = reference::KeyCodes::from_cache(cache, s)?;
+                out.extend(reference::decode_attention_int8(
+                    cache.scheme(),
+                    &q[b * per..(b + 1) * per],
+                    &keys,
+                    &v,
+                    attn,
+                )?);
+                continue;
+            }
+            let k = cache.dequantize(s, Tensor::Key)?;
             out.extend(reference::decode_attention(
                 cache.scheme(),
                 &q[b * per..(b + 1) * per],
@@ -203,6 +214,7 @@ impl Backend for ReferenceBackend {
     /// views after every append the stored ones; then
     /// [`reference::block_attention_views`].
     fn attend_block(&self, cache: &mut PagedCache, blocks: &[NewTokens], attn: AttnParams) -> Result<Vec<f32>> {
+        decode_only(cache)?;
         let ns = check_blocks(cache, blocks)?;
         check_window(cache, blocks.iter().map(|b| b.seq), attn)?;
         let mut checkpoints = Vec::with_capacity(blocks.len());
@@ -278,5 +290,17 @@ fn append_keeping_rows(cache: &mut PagedCache, blk: &NewTokens) -> Result<(usize
 pub(crate) fn undo(cache: &mut PagedCache, checkpoints: Vec<crate::cache::Checkpoint>) {
     for cp in checkpoints.into_iter().rev() {
         cache.restore(cp);
+    }
+}
+
+/// Refuses many-query attention for a scheme with an integer-domain query
+/// (`query: int8(...)`), which is defined for decode only so far.
+pub fn decode_only(cache: &PagedCache) -> Result<()> {
+    match cache.scheme().query {
+        Some(_) => Err(Error::Config(format!(
+            "scheme `{}` declares `query: int8(...)`, which applies to decode only; many-query attention (attend_block) needs a scheme without it",
+            cache.scheme().name
+        ))),
+        None => Ok(()),
     }
 }

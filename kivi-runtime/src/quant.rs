@@ -650,3 +650,34 @@ mod tests {
         assert_eq!(decode(0, flat), 1.5);
     }
 }
+
+/// The integer-domain query of `query: int8(group = G)` (see
+/// [`kivi_spec::QueryQuant`]): per block of `group` consecutive values of
+/// `w` (the folded query `q_d s_d`), `a = max |w| / 127` and
+/// `qi = clamp(round_ties_even(w / a), -127, 127)`, or all zeros where
+/// `a == 0`. Writes `codes` (`w.len()`) and `scales` (`w.len() / group`).
+///
+/// Every kernel computes exactly these f32 operations (a maximum, one
+/// division by 127, one division per value, ties to even), so the codes
+/// and scales are bit-identical everywhere and the integer sums exact.
+///
+/// ```
+/// let mut c = [0i8; 4];
+/// let mut a = [0f32; 1];
+/// kivi_runtime::quant::quantize_query(&[1.0, -0.5, 0.25, 0.0], 4, &mut c, &mut a);
+/// assert_eq!(c, [127, -64, 32, 0]); // -63.5 and 31.75 round to -64 and 32
+/// assert_eq!(a[0], 1.0 / 127.0);
+/// ```
+pub fn quantize_query(w: &[f32], group: usize, codes: &mut [i8], scales: &mut [f32]) {
+    for ((wb, cb), a) in w.chunks(group).zip(codes.chunks_mut(group)).zip(scales.iter_mut()) {
+        let m = wb.iter().fold(0f32, |m, x| m.max(x.abs()));
+        *a = m / 127.0;
+        for (c, x) in cb.iter_mut().zip(wb) {
+            *c = if *a == 0.0 {
+                0
+            } else {
+                (x / *a).round_ties_even().clamp(-127.0, 127.0) as i8
+            };
+        }
+    }
+}

@@ -220,6 +220,49 @@ pub(crate) fn tile(fast: Fast, st: &mut State, t: &Tile, m: &mut [f32], l: &mut 
     }
 }
 
+/// As [`tile`], with the scores (`[g][n]`) written by `scores` instead of
+/// the f32 key loops: the integer-domain query of `int8.rs`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn tile_scored(
+    fast: Fast,
+    st: &mut State,
+    t: &Tile,
+    m: &mut [f32],
+    l: &mut [f32],
+    acc: &mut [f32],
+    scores: impl FnOnce(&mut [f32]),
+) {
+    let (g, d) = (st.g, st.d);
+    assert!(t.n.is_multiple_of(ROWS) && t.off.is_multiple_of(ROWS) && d.is_multiple_of(16) && g.is_multiple_of(4));
+    assert!((t.off + t.n) * t.vlayout.words_per_token <= t.vlayout.codes_words());
+    assert!(t.vpart.len() >= t.vlayout.words);
+    assert!(m.len() >= g && l.len() >= g && acc.len() >= g * d && st.p.len() >= g * t.n);
+    assert!(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq"));
+    scores(&mut st.p[..g * t.n]);
+    // SAFETY: as in `tile`.
+    unsafe {
+        avx512::softmax(st, t.n, m, l, acc);
+        match fast.vbits {
+            2 => avx512::values::<2>(fast, st, t, acc),
+            4 => avx512::values::<4>(fast, st, t, acc),
+            _ => avx512::values::<8>(fast, st, t, acc),
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) fn tile_scored(
+    _: Fast,
+    _: &mut State,
+    _: &Tile,
+    _: &mut [f32],
+    _: &mut [f32],
+    _: &mut [f32],
+    _: impl FnOnce(&mut [f32]),
+) {
+    unreachable!("the fast path is only planned on x86-64 with AVX-512")
+}
+
 #[cfg(not(target_arch = "x86_64"))]
 pub(crate) fn tile(_: Fast, _: &mut State, _: &Tile, _: &mut [f32], _: &mut [f32], _: &mut [f32]) {
     unreachable!("the fast path is only planned on x86-64 with AVX-512")

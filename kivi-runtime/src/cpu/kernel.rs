@@ -17,6 +17,7 @@
 use super::codec::CodecRows;
 use super::dense;
 use super::fused::{self, Fast, Tile, ROWS};
+use super::int8::{Int8Isa, Int8Keys};
 use super::simd::{self, Bf16Rows, ChanRows, CodeRows, F16Rows, F32Rows, Isa, TokRows};
 use super::Partial;
 use crate::cache::{Loc, PagedCache, RawRows, SeqView};
@@ -67,6 +68,9 @@ pub(crate) struct Plan {
     /// Per tensor, the fused codec decoding (`codec.rs`) where a codec
     /// tensor has its shape (token-axis codes of 1 to 4 bits).
     codec: [Option<CodecRows>; 2],
+    /// `query: int8(group = G)`: the integer loops, the key bits and `G`
+    /// (`int8.rs`); key scores of block-resident tokens come from there.
+    int8: Option<(Int8Isa, u32, usize)>,
 }
 
 fn kind_of(codec: &Codec, t: Tensor, isa: Isa) -> Kind {
@@ -151,7 +155,17 @@ impl Plan {
             }
             _ => None,
         };
+        let int8 = match (s.query, kinds[0]) {
+            (
+                Some(qq),
+                Kind::ChanFold {
+                    bits: bits @ (2 | 4), ..
+                },
+            ) => Some((Int8Isa::select(isa), bits, qq.group as usize)),
+            _ => None,
+        };
         Plan {
+            int8,
             isa,
             tile,
             sinks: s.sinks as usize,
@@ -182,6 +196,16 @@ impl Plan {
     /// codec pipeline (rotation, Lloyd–Max, outliers, centering) sends a
     /// tensor through the generic row reader, else the ISA's name.
     pub fn path_name(&self) -> &'static str {
+        if let Some((i8isa, ..)) = self.int8 {
+            return match (self.fast.is_some(), self.isa, i8isa) {
+                (true, _, Int8Isa::Vnni512) => "avx512-fused+vnni-int8",
+                (true, ..) => "avx512-fused+maddubs-int8",
+                (false, Isa::Avx512, Int8Isa::Vnni512) => "avx512+vnni-int8",
+                (false, Isa::Avx512, _) => "avx512+maddubs-int8",
+                (false, Isa::Avx2, _) => "avx2+maddubs-int8",
+                (false, ..) => "scalar+int8",
+            };
+        }
         if self.fast.is_some() {
             "avx512-fused"
         } else if self.dense {
@@ -276,6 +300,8 @@ struct Scratch {
     /// domain, and the weight it holds, per head.
     acc_rot: Vec<f32>,
     psum: Vec<f32>,
+    /// The integer-domain query (`query: int8(...)`), where the plan has one.
+    int8: Option<Int8Keys>,
 }
 
 /// Runs `op` over rows `0..n`, applying the instruction set of the plan.
@@ -441,6 +467,14 @@ fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: us
                                 apply(plan, &r, len, &mut sub)
                             }
                         }
+                    }
+                    Kind::ChanFold { group, .. } if sc.int8.is_some() => {
+                        let k8 = sc.int8.as_mut().expect("checked");
+                        k8.fold(part, tl, plan.scale[i], (b, off / group), off);
+                        let Op::Score { out, .. } = &mut sub else {
+                            unreachable!("an int8 query scores keys")
+                        };
+                        k8.scores(part, base, wpt, len, out, g, 1);
                     }
                     Kind::ChanFold { bits, group } => {
                         let key = (b, off / group);
@@ -706,6 +740,7 @@ impl Scratch {
             qsum: Vec::new(),
             acc_rot: vec![0.0; g * d],
             psum: vec![0.0; g],
+            int8: None,
         }
     }
 }
@@ -720,6 +755,7 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
     let tile = plan.tile.max(1);
     let mut scores = vec![0f32; tile * g];
     let mut sc = Scratch::new(plan);
+    sc.int8 = plan.int8.map(|(isa, bits, qg)| Int8Keys::new(isa, bits, g, d, qg, q));
     if plan.kinds[0] == Kind::Codec {
         // The query, rotated once per split like the keys were; the key
         // means' contribution `q . m` once per head.
@@ -749,6 +785,11 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
         let n = end.min(z) - t0;
         if let (Some(f), Some(st)) = (plan.fast, fs.as_mut()) {
             if let Some(t) = fast_tile(plan, view, h, t0, n) {
+                if let (Some(k8), fused::Keys::Channel { group }) = (sc.int8.as_mut(), f.keys) {
+                    fused::tile_scored(f, st, &t, &mut m, &mut l, &mut acc, |p| int8_tile(k8, &t, group, p));
+                    t0 += n;
+                    continue;
+                }
                 fused::tile(f, st, &t, &mut m, &mut l, &mut acc);
                 t0 += n;
                 continue;
@@ -871,4 +912,20 @@ fn fast_tile<'v>(plan: &Plan, view: &SeqView<'v>, h: usize, t0: usize, n: usize)
         klayout: plan.layouts[0],
         vlayout: plan.layouts[1],
     })
+}
+
+/// The scores `[g][n]` of a fused tile from the integer-domain query: one
+/// run per key group the tile touches (tiles and groups are multiples of
+/// sixteen rows, so the vector loops cover every row).
+fn int8_tile(k8: &mut Int8Keys, t: &Tile, group: usize, p: &mut [f32]) {
+    let wpt = t.klayout.words_per_token;
+    let mut r = 0;
+    while r < t.n {
+        let off = t.off + r;
+        let len = (group - off % group).min(t.n - r);
+        // Fused tiles take f16 parameters only (`Plan::for_heads`).
+        k8.fold(t.kpart, &t.klayout, ScaleDtype::F16, (t.block, off / group), off);
+        k8.scores(t.kpart, off * wpt, wpt, len, &mut p[r..], 1, t.n);
+        r += len;
+    }
 }

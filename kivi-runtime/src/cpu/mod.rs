@@ -54,6 +54,7 @@ mod block;
 mod codec;
 mod dense;
 mod fused;
+mod int8;
 mod kernel;
 mod probe;
 mod simd;
@@ -75,8 +76,9 @@ pub use simd::Isa;
 /// build time. Tuning decisions for the CPU backend are keyed by it, so a
 /// changed kernel is measured again instead of trusted.
 pub const KERNEL_HASH: u64 = {
-    const PARTS: [&str; 7] = [
+    const PARTS: [&str; 8] = [
         include_str!("mod.rs"),
+        include_str!("int8.rs"),
         include_str!("dense.rs"),
         include_str!("codec.rs"),
         include_str!("kernel.rs"),
@@ -379,6 +381,7 @@ impl Backend for CpuBackend {
     /// Many-query attention: see `block.rs` for how the work is cut.
     fn attend_block(&self, cache: &mut PagedCache, blocks: &[NewTokens], attn: AttnParams) -> Result<Vec<f32>> {
         check_params(&self.params)?;
+        crate::backend::decode_only(cache)?;
         let out = if self.params.threads > 0 {
             pool(self.params.threads)?.install(|| self.run_block(cache, blocks, attn))
         } else {
