@@ -206,28 +206,70 @@ fn small_next_to_the_key_codes_and_not_zero() {
     );
 }
 
-/// Many-query attention is defined without the field: both backends say so.
+/// Many-query attention (chunked prefill, what `kivi eval` runs) by its
+/// streaming definition: both backends against the oracle's
+/// `block_attention_streaming`, two sequences, blocks that cross a key
+/// group, a sliding window.
 #[test]
-fn attend_block_is_refused() {
-    let s = schemes()[0].with_shape(Heads::Mha(2), 32).unwrap();
-    let mut cache = PagedCache::new(s, CacheConfig::for_tokens(64)).unwrap();
-    let id = cache.add_sequence();
-    let x = vec![0.5f32; 2 * 32];
-    let blk = [NewTokens {
-        seq: id,
-        q: &x,
-        k: &x,
-        v: &x,
-    }];
-    let attn = AttnParams {
-        softmax_scale: 0.1,
-        window: None,
-    };
-    for e in [
-        ReferenceBackend.attend_block(&mut cache, &blk, attn).unwrap_err(),
-        CpuBackend::default().attend_block(&mut cache, &blk, attn).unwrap_err(),
-    ] {
-        assert!(e.to_string().contains("decode only"), "{e}");
+fn attend_block_is_streaming_decode() {
+    let s = schemes()[2].with_shape(Heads::Gqa { q: 8, kv: 2 }, 64).unwrap();
+    let (hq, hkv, d) = (8, 2, 64);
+    let attn = AttnParams::of(&s, s.shape().unwrap());
+    let mut rng = Rng::new(5);
+    let lens = [(70usize, 37usize), (0, 33)];
+    let mut want = Vec::new();
+    let mut inputs = Vec::new();
+    for &(past, n) in &lens {
+        let k = tensor(&mut rng, past + n, hkv, d, true);
+        let v = tensor(&mut rng, past + n, hkv, d, false);
+        let q: Vec<f32> = (0..n * hq * d).map(|_| 2.0 * rng.f32() - 1.0).collect();
+        want.extend(reference::block_attention_streaming(&s, past, &q, &k, &v, attn).unwrap());
+        inputs.push((past, q, k, v));
     }
-    assert_eq!(cache.len(id).unwrap(), 0);
+    let backends: [&dyn Backend; 3] = [
+        &ReferenceBackend,
+        &CpuBackend::default(),
+        &CpuBackend::new(CpuParams {
+            scalar: true,
+            ..CpuParams::default()
+        })
+        .unwrap(),
+    ];
+    for b in backends {
+        let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(512)).unwrap();
+        let mut blocks = Vec::new();
+        for (past, q, k, v) in &inputs {
+            let id = cache.add_sequence();
+            let row = hkv * d;
+            cache.extend(id, &k[..past * row], &v[..past * row]).unwrap();
+            blocks.push((id, q, &k[past * row..], &v[past * row..]));
+        }
+        let nt: Vec<NewTokens> = blocks
+            .iter()
+            .map(|(seq, q, k, v)| NewTokens { seq: *seq, q, k, v })
+            .collect();
+        let got = b.attend_block(&mut cache, &nt, attn).unwrap();
+        let (err, scale) = max_err(&want, &got);
+        assert!(err <= 1e-5 * scale, "{}: {err:e} of {scale:e}", b.name());
+        // A bad block leaves every sequence as it was.
+        let lens_before: Vec<usize> = blocks.iter().map(|b| cache.len(b.0).unwrap()).collect();
+        let bad_q = vec![f32::NAN; hq * d];
+        let bad = [
+            NewTokens {
+                seq: blocks[0].0,
+                q: &blocks[0].1[..hq * d],
+                k: &blocks[0].2[..hkv * d],
+                v: &blocks[0].3[..hkv * d],
+            },
+            NewTokens {
+                seq: blocks[1].0,
+                q: &bad_q,
+                k: &blocks[1].2[..hkv * d],
+                v: &blocks[1].3[..hkv * d],
+            },
+        ];
+        assert!(b.attend_block(&mut cache, &bad, attn).is_err());
+        let lens_after: Vec<usize> = blocks.iter().map(|b| cache.len(b.0).unwrap()).collect();
+        assert_eq!(lens_before, lens_after, "{}", b.name());
+    }
 }

@@ -84,6 +84,8 @@ fn avx2_available() -> bool {
 /// query, its block scales and zero-point constants.
 pub(crate) struct Int8Keys {
     isa: Int8Isa,
+    /// The float ISA (F16C widening of the parameters).
+    fisa: Isa,
     bits: u32,
     /// Query heads, head_dim, channels per query block.
     g: usize,
@@ -110,11 +112,12 @@ pub(crate) struct Int8Keys {
 impl Int8Keys {
     /// The state for `g` heads of the scaled query `qs` (`[g][d]`), keys of
     /// `bits` (2 or 4) bits and query blocks of `qgroup` channels.
-    pub fn new(isa: Int8Isa, bits: u32, g: usize, d: usize, qgroup: usize, qs: &[f32]) -> Int8Keys {
+    pub fn new(isa: Int8Isa, fisa: Isa, bits: u32, g: usize, d: usize, qgroup: usize, qs: &[f32]) -> Int8Keys {
         let per = (32 / bits) as usize;
         let wpt = d / per;
         Int8Keys {
             isa,
+            fisa,
             bits,
             g,
             d,
@@ -141,8 +144,8 @@ impl Int8Keys {
         let (d, per) = (self.d, (32 / self.bits) as usize);
         let slots = per / 4;
         let i0 = tl.param_index(off, 0);
-        read(&part[tl.scales_offset..], scale, i0, &mut self.s);
-        read(&part[tl.zeros_offset..], scale, i0, &mut self.z);
+        read(self.fisa, &part[tl.scales_offset..], scale, i0, &mut self.s);
+        read(self.fisa, &part[tl.zeros_offset..], scale, i0, &mut self.z);
         let nb = d / self.qgroup;
         for h in 0..self.g {
             let qh = &self.qs[h * d..(h + 1) * d];
@@ -150,22 +153,28 @@ impl Int8Keys {
                 *w = q * s;
             }
             let a = &mut self.a[h * nb..(h + 1) * nb];
+            let qd = &mut self.qd[h * d / 4..(h + 1) * d / 4];
             match self.isa {
-                // SAFETY: `select` checked AVX2; the group is a multiple of 16.
+                // SAFETY: `select` checked AVX2; the group is a multiple of 16
+                // (validated), so are D and the slices.
                 #[cfg(target_arch = "x86_64")]
-                Int8Isa::Vnni512 | Int8Isa::Avx2 => unsafe { x86::quantize(&self.w, self.qgroup, &mut self.qi, a) },
-                _ => quantize_query(&self.w, self.qgroup, &mut self.qi, a),
-            }
-            // In f64, rounded once: a sequential f32 sum of D products
-            // with offsets of both signs (KIVI keys' zero points) loses
-            // up to 1e-5 of the output on spiky keys, more than the rest
-            // of the score's arithmetic; once per group, it costs nothing.
-            self.cst[h] = qh.iter().zip(&self.z).map(|(q, z)| *q as f64 * *z as f64).sum::<f64>() as f32;
-            for wd in 0..d / per {
-                for k in 0..slots {
-                    let b = |j: usize| self.qi[wd * per + j * slots + k] as u8 as u32;
-                    let v = b(0) | (b(1) << 8) | (b(2) << 16) | (b(3) << 24);
-                    self.qd[(h * (d / per) + wd) * slots + k] = v as i32;
+                Int8Isa::Vnni512 | Int8Isa::Avx2 => unsafe {
+                    x86::quantize_slots(&self.w, self.qgroup, self.bits, qd, a);
+                    self.cst[h] = x86::dot_f64(qh, &self.z);
+                },
+                _ => {
+                    quantize_query(&self.w, self.qgroup, &mut self.qi, a);
+                    for wd in 0..d / per {
+                        for k in 0..slots {
+                            let b = |j: usize| self.qi[wd * per + j * slots + k] as u8 as u32;
+                            let v = b(0) | (b(1) << 8) | (b(2) << 16) | (b(3) << 24);
+                            qd[wd * slots + k] = v as i32;
+                        }
+                    }
+                    // In f64, rounded once: a sequential f32 sum of D
+                    // products with offsets of both signs (KIVI keys' zero
+                    // points) loses up to 1e-5 of the output on spiky keys.
+                    self.cst[h] = qh.iter().zip(&self.z).map(|(q, z)| *q as f64 * *z as f64).sum::<f64>() as f32;
                 }
             }
         }
@@ -187,20 +196,28 @@ impl Int8Keys {
         #[cfg(target_arch = "x86_64")]
         for r0 in (0..full).step_by(step) {
             let rows = words[base + r0 * wpt..].as_ptr() as *const i32;
-            for h0 in (0..self.g).step_by(8) {
-                let nh = (self.g - h0).min(8);
+            // Four heads a pass (GQA groups of a multiple of four take
+            // only these), then one at a time.
+            let mut h0 = 0;
+            while h0 < self.g {
+                let nh = if self.g - h0 >= 4 { 4 } else { 1 };
                 let o = &mut out[r0 * rs + h0 * hs..];
                 // SAFETY: the asserts bound rows `r0..r0 + step` of `words`
                 // and every output index; `select` checked the features.
                 unsafe {
-                    match (self.isa, self.bits) {
-                        (Int8Isa::Vnni512, 2) => x86::vnni::<2>(self, rows, wpt, h0, nh, o, rs, hs),
-                        (Int8Isa::Vnni512, _) => x86::vnni::<4>(self, rows, wpt, h0, nh, o, rs, hs),
-                        (Int8Isa::Avx2, 2) => x86::avx2::<2>(self, rows, wpt, h0, nh, o, rs, hs),
-                        (Int8Isa::Avx2, _) => x86::avx2::<4>(self, rows, wpt, h0, nh, o, rs, hs),
-                        (Int8Isa::Portable, _) => unreachable!("one row at a time"),
+                    match (self.isa, self.bits, nh) {
+                        (Int8Isa::Vnni512, 2, 4) => x86::vnni::<2, 4>(self, rows, wpt, h0, o, rs, hs),
+                        (Int8Isa::Vnni512, 2, _) => x86::vnni::<2, 1>(self, rows, wpt, h0, o, rs, hs),
+                        (Int8Isa::Vnni512, _, 4) => x86::vnni::<4, 4>(self, rows, wpt, h0, o, rs, hs),
+                        (Int8Isa::Vnni512, _, _) => x86::vnni::<4, 1>(self, rows, wpt, h0, o, rs, hs),
+                        (Int8Isa::Avx2, 2, 4) => x86::avx2::<2, 4>(self, rows, wpt, h0, o, rs, hs),
+                        (Int8Isa::Avx2, 2, _) => x86::avx2::<2, 1>(self, rows, wpt, h0, o, rs, hs),
+                        (Int8Isa::Avx2, _, 4) => x86::avx2::<4, 4>(self, rows, wpt, h0, o, rs, hs),
+                        (Int8Isa::Avx2, _, _) => x86::avx2::<4, 1>(self, rows, wpt, h0, o, rs, hs),
+                        (Int8Isa::Portable, ..) => unreachable!("one row at a time"),
                     }
                 }
+                h0 += nh;
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -239,33 +256,52 @@ impl Int8Keys {
     }
 }
 
-/// Parameters `i0..i0 + out.len()` of a scale or zero section, as f32.
-fn read(section: &[u32], dtype: ScaleDtype, i0: usize, out: &mut [f32]) {
-    for (k, o) in out.iter_mut().enumerate() {
-        let i = i0 + k;
-        *o = match dtype {
-            ScaleDtype::F16 => half::f16::from_bits((section[i / 2] >> (16 * (i % 2))) as u16).to_f32(),
-            ScaleDtype::F32 => f32::from_bits(section[i]),
-        };
+/// Parameters `i0..i0 + out.len()` of a scale or zero section, as f32
+/// (F16C where the float ISA has it: once per key group, but a software
+/// f16 conversion per channel cost more than the group's dot products).
+fn read(isa: Isa, section: &[u32], dtype: ScaleDtype, i0: usize, out: &mut [f32]) {
+    match dtype {
+        ScaleDtype::F16 => {
+            // SAFETY: u16 has weaker alignment than u32 and the length
+            // doubles; element `i` is half `i % 2` of word `i / 2` on the
+            // little-endian targets this path runs on (the plan keeps
+            // big-endian ones off it).
+            let halves = unsafe { std::slice::from_raw_parts(section.as_ptr() as *const u16, section.len() * 2) };
+            super::simd::f16_to_f32(isa, &halves[i0..i0 + out.len()], out);
+        }
+        ScaleDtype::F32 => {
+            for (o, w) in out.iter_mut().zip(&section[i0..]) {
+                *o = f32::from_bits(*w);
+            }
+        }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 mod x86 {
     use super::Int8Keys;
     use std::arch::x86_64::*;
 
+    /// Byte shuffles from channel order to slot order within sixteen
+    /// channels: byte `4k + j` of a word's run is the code the slot-`k`
+    /// shift leaves in byte `j`, channel `j * slots + k` of the word.
+    const SLOTS2: [i8; 16] = [0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15];
+    const SLOTS4: [i8; 16] = [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15];
+
     /// [`crate::quant::quantize_query`] eight values at a time, with the
     /// same f32 operations (a maximum, a division by 127, one IEEE division
-    /// per value, rounding to nearest even), so bit-identical to it: the
+    /// per value, rounding to nearest even), so bit-identical to it, the
+    /// codes written straight in slot order (`qd`, four per dword). The
     /// scalar version calls `roundevenf`, a library call per value on
-    /// baseline x86-64, once per channel, head and key group.
+    /// baseline x86-64, and this runs once per channel, head and key group.
     #[target_feature(enable = "avx2")]
-    pub unsafe fn quantize(w: &[f32], group: usize, codes: &mut [i8], scales: &mut [f32]) {
-        assert!(group.is_multiple_of(8) && w.len() == codes.len() && w.len() == scales.len() * group);
+    pub unsafe fn quantize_slots(w: &[f32], group: usize, bits: u32, qd: &mut [i32], scales: &mut [f32]) {
+        assert!(group.is_multiple_of(16) && w.len() == 4 * qd.len() && w.len() == scales.len() * group);
         let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
         let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+        let shuf = _mm_loadu_si128(if bits == 2 { SLOTS2.as_ptr() } else { SLOTS4.as_ptr() } as *const __m128i);
+        let out = qd.as_mut_ptr() as *mut __m128i;
         for (b, a) in scales.iter_mut().enumerate() {
             let wb = w.as_ptr().add(b * group);
             let mut m = _mm256_setzero_ps();
@@ -275,33 +311,55 @@ mod x86 {
             let mut t = [0f32; 8];
             _mm256_storeu_ps(t.as_mut_ptr(), m);
             *a = t.iter().fold(0f32, |m, x| m.max(*x)) / 127.0;
-            let cb = &mut codes[b * group..(b + 1) * group];
-            if *a == 0.0 {
-                cb.fill(0);
-                continue;
-            }
             let av = _mm256_set1_ps(*a);
-            let mut ti = [0i32; 8];
-            for c in (0..group).step_by(8) {
+            let code = |c: usize| {
                 let x = _mm256_div_ps(_mm256_loadu_ps(wb.add(c)), av);
                 let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
-                let r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
-                _mm256_storeu_si256(ti.as_mut_ptr() as *mut __m256i, _mm256_cvtps_epi32(r));
-                for (o, x) in cb[c..c + 8].iter_mut().zip(ti) {
-                    *o = x as i8;
-                }
+                _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
+            };
+            for c in (0..group).step_by(16) {
+                let bytes = if *a == 0.0 {
+                    _mm_setzero_si128()
+                } else {
+                    let (x0, x1) = (code(c), code(c + 8));
+                    let p0 = _mm_packs_epi32(_mm256_castsi256_si128(x0), _mm256_extracti128_si256::<1>(x0));
+                    let p1 = _mm_packs_epi32(_mm256_castsi256_si128(x1), _mm256_extracti128_si256::<1>(x1));
+                    _mm_shuffle_epi8(_mm_packs_epi16(p0, p1), shuf)
+                };
+                _mm_storeu_si128(out.add((b * group + c) / 16), bytes);
             }
         }
     }
 
-    /// Sixteen rows, heads `h0..h0 + nh` (at most 8): see the module docs.
+    /// `sum q_i z_i` in f64 (four lanes), rounded once.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_f64(q: &[f32], z: &[f32]) -> f32 {
+        let n = q.len().min(z.len());
+        let mut acc = _mm256_setzero_pd();
+        let mut i = 0;
+        while i + 4 <= n {
+            let a = _mm256_cvtps_pd(_mm_loadu_ps(q.as_ptr().add(i)));
+            let b = _mm256_cvtps_pd(_mm_loadu_ps(z.as_ptr().add(i)));
+            acc = _mm256_fmadd_pd(a, b, acc);
+            i += 4;
+        }
+        let mut t = [0f64; 4];
+        _mm256_storeu_pd(t.as_mut_ptr(), acc);
+        let mut sum = t.iter().sum::<f64>();
+        for j in i..n {
+            sum += q[j] as f64 * z[j] as f64;
+        }
+        sum as f32
+    }
+
+    /// Sixteen rows, heads `h0..h0 + NH`: see the module docs. `NH` is a
+    /// constant so that the sums stay in registers.
     #[target_feature(enable = "avx512f,avx512vnni")]
-    pub unsafe fn vnni<const BITS: u32>(
+    pub unsafe fn vnni<const BITS: u32, const NH: usize>(
         k: &Int8Keys,
         rows: *const i32,
         wpt: usize,
         h0: usize,
-        nh: usize,
         out: &mut [f32],
         rs: usize,
         hs: usize,
@@ -314,10 +372,12 @@ mod x86 {
             _mm512_set1_epi32(wpt as i32),
         );
         let mask = _mm512_set1_epi32(if BITS == 2 { 0x0303_0303 } else { 0x0f0f_0f0f });
-        // Two sets of sums (even and odd slots) keep eight to sixteen
-        // independent `vpdpbusd` chains in flight.
-        let mut ia = [[_mm512_setzero_si512(); 8]; 2];
-        let mut sa = [_mm512_setzero_ps(); 8];
+        let qd = k.qd.as_ptr().add(h0 * wpt * slots);
+        let qa = k.a.as_ptr().add(h0 * nb);
+        // Two sets of sums (even and odd slots): more independent
+        // `vpdpbusd` chains in flight.
+        let mut ia = [[_mm512_setzero_si512(); NH]; 2];
+        let mut sa = [_mm512_setzero_ps(); NH];
         for w in 0..wpt {
             let z = _mm512_i32gather_epi32::<4>(_mm512_add_epi32(idx, _mm512_set1_epi32(w as i32)), rows);
             for s in 0..slots {
@@ -325,14 +385,14 @@ mod x86 {
                     _mm512_srlv_epi32(z, _mm512_set1_epi32((BITS as usize * s) as i32)),
                     mask,
                 );
-                for h in 0..nh {
-                    let q = _mm512_set1_epi32(*k.qd.get_unchecked(((h0 + h) * wpt + w) * slots + s));
+                for h in 0..NH {
+                    let q = _mm512_set1_epi32(*qd.add((h * wpt + w) * slots + s));
                     ia[s % 2][h] = _mm512_dpbusd_epi32(ia[s % 2][h], v, q);
                 }
             }
             if (w + 1).is_multiple_of(wpg) {
-                for h in 0..nh {
-                    let a = _mm512_set1_ps(*k.a.get_unchecked((h0 + h) * nb + w / wpg));
+                for h in 0..NH {
+                    let a = _mm512_set1_ps(*qa.add(h * nb + w / wpg));
                     let sum = _mm512_add_epi32(ia[0][h], ia[1][h]);
                     sa[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), a, sa[h]);
                     ia[0][h] = _mm512_setzero_si512();
@@ -341,7 +401,7 @@ mod x86 {
             }
         }
         let mut tmp = [0f32; 16];
-        for h in 0..nh {
+        for h in 0..NH {
             _mm512_storeu_ps(tmp.as_mut_ptr(), _mm512_add_ps(sa[h], _mm512_set1_ps(k.cst[h0 + h])));
             for (r, x) in tmp.iter().enumerate() {
                 *out.get_unchecked_mut(r * rs + h * hs) = *x;
@@ -349,14 +409,13 @@ mod x86 {
         }
     }
 
-    /// Eight rows, heads `h0..h0 + nh` (at most 8), `vpmaddubsw` + `vpmaddwd`.
+    /// Eight rows, heads `h0..h0 + NH`, `vpmaddubsw` + `vpmaddwd`.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn avx2<const BITS: u32>(
+    pub unsafe fn avx2<const BITS: u32, const NH: usize>(
         k: &Int8Keys,
         rows: *const i32,
         wpt: usize,
         h0: usize,
-        nh: usize,
         out: &mut [f32],
         rs: usize,
         hs: usize,
@@ -367,8 +426,10 @@ mod x86 {
         let idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(wpt as i32));
         let mask = _mm256_set1_epi32(if BITS == 2 { 0x0303_0303 } else { 0x0f0f_0f0f });
         let ones = _mm256_set1_epi16(1);
-        let mut ia = [_mm256_setzero_si256(); 8];
-        let mut sa = [_mm256_setzero_ps(); 8];
+        let qd = k.qd.as_ptr().add(h0 * wpt * slots);
+        let qa = k.a.as_ptr().add(h0 * nb);
+        let mut ia = [_mm256_setzero_si256(); NH];
+        let mut sa = [_mm256_setzero_ps(); NH];
         for w in 0..wpt {
             let z = _mm256_i32gather_epi32::<4>(rows, _mm256_add_epi32(idx, _mm256_set1_epi32(w as i32)));
             for s in 0..slots {
@@ -376,8 +437,8 @@ mod x86 {
                     _mm256_srlv_epi32(z, _mm256_set1_epi32((BITS as usize * s) as i32)),
                     mask,
                 );
-                for h in 0..nh {
-                    let q = _mm256_set1_epi32(*k.qd.get_unchecked(((h0 + h) * wpt + w) * slots + s));
+                for h in 0..NH {
+                    let q = _mm256_set1_epi32(*qd.add((h * wpt + w) * slots + s));
                     // Pairs of u8 x i8 into i16 (|2 * 15 * 127| fits), then
                     // pairs of i16 into the i32 sums.
                     let p = _mm256_madd_epi16(_mm256_maddubs_epi16(v, q), ones);
@@ -385,15 +446,15 @@ mod x86 {
                 }
             }
             if (w + 1).is_multiple_of(wpg) {
-                for h in 0..nh {
-                    let a = _mm256_set1_ps(*k.a.get_unchecked((h0 + h) * nb + w / wpg));
+                for h in 0..NH {
+                    let a = _mm256_set1_ps(*qa.add(h * nb + w / wpg));
                     sa[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[h]), a, sa[h]);
                     ia[h] = _mm256_setzero_si256();
                 }
             }
         }
         let mut tmp = [0f32; 8];
-        for h in 0..nh {
+        for h in 0..NH {
             _mm256_storeu_ps(tmp.as_mut_ptr(), _mm256_add_ps(sa[h], _mm256_set1_ps(k.cst[h0 + h])));
             for (r, x) in tmp.iter().enumerate() {
                 *out.get_unchecked_mut(r * rs + h * hs) = *x;

@@ -755,7 +755,9 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
     let tile = plan.tile.max(1);
     let mut scores = vec![0f32; tile * g];
     let mut sc = Scratch::new(plan);
-    sc.int8 = plan.int8.map(|(isa, bits, qg)| Int8Keys::new(isa, bits, g, d, qg, q));
+    sc.int8 = plan
+        .int8
+        .map(|(isa, bits, qg)| Int8Keys::new(isa, plan.isa, bits, g, d, qg, q));
     if plan.kinds[0] == Kind::Codec {
         // The query, rotated once per split like the keys were; the key
         // means' contribution `q . m` once per head.

@@ -381,7 +381,9 @@ impl Backend for CpuBackend {
     /// Many-query attention: see `block.rs` for how the work is cut.
     fn attend_block(&self, cache: &mut PagedCache, blocks: &[NewTokens], attn: AttnParams) -> Result<Vec<f32>> {
         check_params(&self.params)?;
-        crate::backend::decode_only(cache)?;
+        if let Some(r) = crate::backend::int8_blocks(self, cache, blocks, attn) {
+            return r;
+        }
         let out = if self.params.threads > 0 {
             pool(self.params.threads)?.install(|| self.run_block(cache, blocks, attn))
         } else {
