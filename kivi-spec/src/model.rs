@@ -268,8 +268,9 @@ pub struct Center {
 /// `q . k^_t = sum_d (q_d s_d) c_td + sum_d q_d z_d`, so the quantized
 /// vector is the folded query `w_d = q_d s_d` (`q` rounded to the activation
 /// dtype and times the softmax scale, in f32), once per head and key group:
-/// per block of `group` consecutive channels, `a = max |w| / 127` and
-/// `qi_d = clamp(round_ties_even(w_d / a), -127, 127)` (0 where `a == 0`),
+/// per block of `group` consecutive channels, with `m = max |w|`,
+/// `a = m / 127` and `qi_d = clamp(round_ties_even(w_d * (127 / m)), -127,
+/// 127)` (0 where `m == 0`),
 /// and the score is `sum_blocks a * (sum_d qi_d c_td) + sum_d q_d z_d`. The
 /// integer sums are exact, so every backend agrees to rounding order.
 ///

@@ -27,8 +27,8 @@
 // Integer-domain query (`query: int8(group = QG)`, K::QGROUP > 0): before a
 // tile's scores, the block quantizes the query folded with each key group's
 // scales that the tile touches, exactly as the oracle does
-// (kivi_runtime::quant::quantize_query: per QG channels a = max|w| / 127,
-// rint(w / a)), into shared memory in the byte order a word's codes unpack
+// (kivi_runtime::quant::quantize_query: per QG channels m = max|w|,
+// a = m / 127, rint(w * (127 / m))), into shared memory in the byte order a word's codes unpack
 // to; a coded key word then costs one __dp4a per four codes per head and
 // one FMA by the block's scale, and the zero points one add per row.
 
@@ -433,13 +433,14 @@ __device__ __forceinline__ void decode_kernel(
           m = fmaxf(m, fabsf(w));
         }
         const float qa = __fdiv_rn(m, 127.0f);
+        const float inv = __fdiv_rn(127.0f, m);
         s_qa[gi][h][qb] = qa * 1.4426950408889634f;
         signed char* qd = reinterpret_cast<signed char*>(&s_qd[gi][h][0]);
         for (int c = 0; c < QG; ++c) {
           const int d = qb * QG + c;
           const float w = __fmul_rn(__fmul_rn(Act<C::ACT>::load(qh[d]), sm_scale),
                                     load_param<K>(r.part + K::SCALES, param_index<C, K>(r.off, d)));
-          const int v = qa == 0.0f ? 0 : (int)fminf(fmaxf(rintf(__fdiv_rn(w, qa)), -127.0f), 127.0f);
+          const int v = m == 0.0f ? 0 : (int)fminf(fmaxf(rintf(__fmul_rn(w, inv)), -127.0f), 127.0f);
           const int i = d % K::CPW;  // code i of its word: byte i / SL after shifting by slot i % SL
           qd[((d / K::CPW) * SL + i % SL) * 4 + i / SL] = (signed char)v;
         }

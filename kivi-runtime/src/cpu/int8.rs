@@ -72,7 +72,7 @@ fn vnni_available() -> bool {
 
 #[cfg(target_arch = "x86_64")]
 fn avx2_available() -> bool {
-    is_x86_feature_detected!("avx2")
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -149,20 +149,19 @@ impl Int8Keys {
         let nb = d / self.qgroup;
         for h in 0..self.g {
             let qh = &self.qs[h * d..(h + 1) * d];
-            for ((w, q), s) in self.w.iter_mut().zip(qh).zip(&self.s) {
-                *w = q * s;
-            }
             let a = &mut self.a[h * nb..(h + 1) * nb];
             let qd = &mut self.qd[h * d / 4..(h + 1) * d / 4];
             match self.isa {
-                // SAFETY: `select` checked AVX2; the group is a multiple of 16
-                // (validated), so are D and the slices.
+                // SAFETY: `select` checked AVX2 and FMA; the group is a
+                // multiple of 16 (validated), so is D.
                 #[cfg(target_arch = "x86_64")]
                 Int8Isa::Vnni512 | Int8Isa::Avx2 => unsafe {
-                    x86::quantize_slots(&self.w, self.qgroup, self.bits, qd, a);
-                    self.cst[h] = x86::dot_f64(qh, &self.z);
+                    self.cst[h] = x86::fold_head(qh, &self.s, &self.z, self.qgroup, self.bits, qd, a);
                 },
                 _ => {
+                    for ((w, q), s) in self.w.iter_mut().zip(qh).zip(&self.s) {
+                        *w = q * s;
+                    }
                     quantize_query(&self.w, self.qgroup, &mut self.qi, a);
                     for wd in 0..d / per {
                         for k in 0..slots {
@@ -289,36 +288,54 @@ mod x86 {
     const SLOTS2: [i8; 16] = [0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15];
     const SLOTS4: [i8; 16] = [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15];
 
-    /// [`crate::quant::quantize_query`] eight values at a time, with the
-    /// same f32 operations (a maximum, a division by 127, one IEEE division
-    /// per value, rounding to nearest even), so bit-identical to it, the
-    /// codes written straight in slot order (`qd`, four per dword). The
-    /// scalar version calls `roundevenf`, a library call per value on
-    /// baseline x86-64, and this runs once per channel, head and key group.
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn quantize_slots(w: &[f32], group: usize, bits: u32, qd: &mut [i32], scales: &mut [f32]) {
-        assert!(group.is_multiple_of(16) && w.len() == 4 * qd.len() && w.len() == scales.len() * group);
+    /// [`crate::quant::quantize_query`] of the folded query `w = q * s`,
+    /// eight values at a time, with the same f32 operations (products, a
+    /// maximum, `m / 127` and `127 / m`, rounding to nearest even), so
+    /// bit-identical to it, the codes written straight in slot order (`qd`,
+    /// four per dword); and `sum q z` in sixteen lanes (returned). Once per
+    /// head and key group: its cost is spread over the group's rows.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn fold_head(
+        q: &[f32],
+        s: &[f32],
+        z: &[f32],
+        group: usize,
+        bits: u32,
+        qd: &mut [i32],
+        scales: &mut [f32],
+    ) -> f32 {
+        let d = q.len();
+        assert!(group.is_multiple_of(16) && s.len() == d && z.len() == d);
+        assert!(d == 4 * qd.len() && d == scales.len() * group);
         let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
         let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
         let shuf = _mm_loadu_si128(if bits == 2 { SLOTS2.as_ptr() } else { SLOTS4.as_ptr() } as *const __m128i);
         let out = qd.as_mut_ptr() as *mut __m128i;
+        let (qp, sp, zp) = (q.as_ptr(), s.as_ptr(), z.as_ptr());
+        let w = |c: usize| _mm256_mul_ps(_mm256_loadu_ps(qp.add(c)), _mm256_loadu_ps(sp.add(c)));
+        let mut cz = [_mm256_setzero_ps(); 2];
+        for c in (0..d).step_by(16) {
+            cz[0] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(c)), _mm256_loadu_ps(zp.add(c)), cz[0]);
+            cz[1] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(c + 8)), _mm256_loadu_ps(zp.add(c + 8)), cz[1]);
+        }
         for (b, a) in scales.iter_mut().enumerate() {
-            let wb = w.as_ptr().add(b * group);
-            let mut m = _mm256_setzero_ps();
-            for c in (0..group).step_by(8) {
-                m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(wb.add(c)), abs));
+            let c0 = b * group;
+            let mut mv = _mm256_setzero_ps();
+            for c in (c0..c0 + group).step_by(8) {
+                mv = _mm256_max_ps(mv, _mm256_and_ps(w(c), abs));
             }
-            let mut t = [0f32; 8];
-            _mm256_storeu_ps(t.as_mut_ptr(), m);
-            *a = t.iter().fold(0f32, |m, x| m.max(*x)) / 127.0;
-            let av = _mm256_set1_ps(*a);
+            // Exact reduction of eight maxima.
+            let m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps::<1>(mv));
+            let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let m = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2)));
+            *a = m / 127.0;
+            let inv = _mm256_set1_ps(127.0 / m);
             let code = |c: usize| {
-                let x = _mm256_div_ps(_mm256_loadu_ps(wb.add(c)), av);
-                let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
+                let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(w(c), inv));
                 _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
             };
-            for c in (0..group).step_by(16) {
-                let bytes = if *a == 0.0 {
+            for c in (c0..c0 + group).step_by(16) {
+                let bytes = if m == 0.0 {
                     _mm_setzero_si128()
                 } else {
                     let (x0, x1) = (code(c), code(c + 8));
@@ -326,30 +343,15 @@ mod x86 {
                     let p1 = _mm_packs_epi32(_mm256_castsi256_si128(x1), _mm256_extracti128_si256::<1>(x1));
                     _mm_shuffle_epi8(_mm_packs_epi16(p0, p1), shuf)
                 };
-                _mm_storeu_si128(out.add((b * group + c) / 16), bytes);
+                _mm_storeu_si128(out.add(c / 16), bytes);
             }
         }
-    }
-
-    /// `sum q_i z_i` in f64 (four lanes), rounded once.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_f64(q: &[f32], z: &[f32]) -> f32 {
-        let n = q.len().min(z.len());
-        let mut acc = _mm256_setzero_pd();
-        let mut i = 0;
-        while i + 4 <= n {
-            let a = _mm256_cvtps_pd(_mm_loadu_ps(q.as_ptr().add(i)));
-            let b = _mm256_cvtps_pd(_mm_loadu_ps(z.as_ptr().add(i)));
-            acc = _mm256_fmadd_pd(a, b, acc);
-            i += 4;
-        }
-        let mut t = [0f64; 4];
-        _mm256_storeu_pd(t.as_mut_ptr(), acc);
-        let mut sum = t.iter().sum::<f64>();
-        for j in i..n {
-            sum += q[j] as f64 * z[j] as f64;
-        }
-        sum as f32
+        // Sixteen partial sums, then a tree: a sequential f32 sum of the D
+        // products (zero points of both signs) lost up to 1e-5 of the output.
+        let s8 = _mm256_add_ps(cz[0], cz[1]);
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)))
     }
 
     /// Sixteen rows, heads `h0..h0 + NH`: see the module docs. `NH` is a
