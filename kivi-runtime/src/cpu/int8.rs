@@ -308,7 +308,6 @@ mod x86 {
         assert!(group.is_multiple_of(16) && s.len() == d && z.len() == d);
         assert!(d == 4 * qd.len() && d == scales.len() * group);
         let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
-        let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
         let shuf = _mm_loadu_si128(if bits == 2 { SLOTS2.as_ptr() } else { SLOTS4.as_ptr() } as *const __m128i);
         let out = qd.as_mut_ptr() as *mut __m128i;
         let (qp, sp, zp) = (q.as_ptr(), s.as_ptr(), z.as_ptr());
@@ -330,10 +329,10 @@ mod x86 {
             let m = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2)));
             *a = m / 127.0;
             let inv = _mm256_set1_ps(127.0 / m);
-            let code = |c: usize| {
-                let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(w(c), inv));
-                _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
-            };
+            // `cvtps2dq` rounds by MXCSR, to nearest even (Rust never
+            // changes it), and |w * inv| <= 127 (1 + 2^-23) rounds to at
+            // most 127: the oracle's round and clamp in one instruction.
+            let code = |c: usize| _mm256_cvtps_epi32(_mm256_mul_ps(w(c), inv));
             for c in (c0..c0 + group).step_by(16) {
                 let bytes = if m == 0.0 {
                     _mm_setzero_si128()
@@ -380,8 +379,16 @@ mod x86 {
         // `vpdpbusd` chains in flight.
         let mut ia = [[_mm512_setzero_si512(); NH]; 2];
         let mut sa = [_mm512_setzero_ps(); NH];
+        // The gathers of up to eight words issued together, ahead of their
+        // use: one at a time, each stalled the dot products on its loads.
+        let mut zs = [_mm512_setzero_si512(); 8];
         for w in 0..wpt {
-            let z = _mm512_i32gather_epi32::<4>(_mm512_add_epi32(idx, _mm512_set1_epi32(w as i32)), rows);
+            if w % 8 == 0 {
+                for (j, z) in zs.iter_mut().enumerate().take((wpt - w).min(8)) {
+                    *z = _mm512_i32gather_epi32::<4>(_mm512_add_epi32(idx, _mm512_set1_epi32((w + j) as i32)), rows);
+                }
+            }
+            let z = zs[w % 8];
             for s in 0..slots {
                 let v = _mm512_and_si512(
                     _mm512_srlv_epi32(z, _mm512_set1_epi32((BITS as usize * s) as i32)),
@@ -432,8 +439,14 @@ mod x86 {
         let qa = k.a.as_ptr().add(h0 * nb);
         let mut ia = [_mm256_setzero_si256(); NH];
         let mut sa = [_mm256_setzero_ps(); NH];
+        let mut zs = [_mm256_setzero_si256(); 8];
         for w in 0..wpt {
-            let z = _mm256_i32gather_epi32::<4>(rows, _mm256_add_epi32(idx, _mm256_set1_epi32(w as i32)));
+            if w % 8 == 0 {
+                for (j, z) in zs.iter_mut().enumerate().take((wpt - w).min(8)) {
+                    *z = _mm256_i32gather_epi32::<4>(rows, _mm256_add_epi32(idx, _mm256_set1_epi32((w + j) as i32)));
+                }
+            }
+            let z = zs[w % 8];
             for s in 0..slots {
                 let v = _mm256_and_si256(
                     _mm256_srlv_epi32(z, _mm256_set1_epi32((BITS as usize * s) as i32)),
