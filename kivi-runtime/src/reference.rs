@@ -330,9 +330,9 @@ impl KeyCodes {
                             dtype: q.scale.name(),
                         });
                     }
-                    for i in 0..g {
+                    for (i, &c) in codes.iter().enumerate() {
                         let j = at(t0 + i, head, ch);
-                        (kc.codes[j], kc.scale[j], kc.zero[j]) = (codes[i] as u8, p.scale, p.zero);
+                        (kc.codes[j], kc.scale[j], kc.zero[j]) = (c as u8, p.scale, p.zero);
                         kc.rows[j] = 0.0;
                     }
                 }

@@ -183,6 +183,7 @@ impl Int8Keys {
     /// Scores of `n` rows of codes (`words[base + r * wpt..]`, `wpt` words
     /// a row) for every head, into `out[r * rs + h * hs]`. [`Self::fold`]
     /// must have made the rows' key group current.
+    #[allow(clippy::too_many_arguments)] // rows, then where each score goes: all needed
     pub fn scores(&self, words: &[u32], base: usize, wpt: usize, n: usize, out: &mut [f32], rs: usize, hs: usize) {
         assert!(base + n * wpt <= words.len() && wpt * (32 / self.bits as usize) == self.d);
         assert!(n == 0 || (n - 1) * rs + (self.g - 1) * hs < out.len());
