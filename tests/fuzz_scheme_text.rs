@@ -183,10 +183,18 @@ fn heads(rng: &mut Rng) -> String {
     if odd(rng) {
         return pick(rng, &["gqa(kv = 8, q = 32)", "mla(1)", "gqa(32, 8)", "mqa(4)", "mha()"]).to_string();
     }
-    match rng.u8(..3) {
+    match rng.u8(..4) {
         0 => format!("mha({})", n(rng)),
         1 => format!("gqa(q = {}, kv = {})", n(rng), n(rng)),
-        _ => format!("mqa(q = {})", n(rng)),
+        2 => format!("mqa(q = {})", n(rng)),
+        _ => {
+            let rope = if rng.bool() {
+                format!(", rope = {}", codec(rng))
+            } else {
+                String::new()
+            };
+            format!("mla(q = {}, latent = {}, rope_dim = {}{rope})", n(rng), n(rng), n(rng))
+        }
     }
 }
 
@@ -493,6 +501,18 @@ fn accepted(s: &Scheme) -> Result<(), String> {
         .filter_map(|(h, d)| s.with_shape(h, d).ok())
         .collect()
     };
+    // An mla scheme: its own layout, bytes and decode kernel.
+    if let Some(m) = s.mla() {
+        let (per, _) = spec::mla_bytes_per_token(s).ok_or("mla scheme without mla bytes")?;
+        ensure!(per > 0, "zero mla bytes per token");
+        let l = spec::MlaLayout::new(s, m, spec::mla::mla_block_tokens(s, m));
+        ensure!(l.block_words > 0, "empty mla block layout");
+        if let Some(v) = kivi::templates::mla_variants(s).first() {
+            if let Err(e) = kivi::templates::generate_mla_decode(s, v) {
+                check_message(&e.to_string())?;
+            }
+        }
+    }
     for b in &bound {
         let shape = b.shape().ok_or("with_shape left the scheme unbound")?;
         let bt = layout::default_block_tokens(b);

@@ -103,7 +103,7 @@ fn runtime_parser_agrees_with_every_compile_fail_case() {
 #[test]
 fn future_fields_are_not_supported_yet() {
     let body = "key: quant(bits = 2, axis = channel, group = 32), value: full,";
-    for field in ["rope", "pre_rope", "codebook", "mla", "latent", "low_rank", "vq"] {
+    for field in ["rope", "pre_rope", "codebook", "low_rank", "vq"] {
         let text = format!("S {{ {body} {field}: x }}");
         let e = kivi::parse_scheme(&text).unwrap_err();
         assert!(e.message.contains("not supported yet"), "{field}: {}", e.message);
@@ -115,8 +115,17 @@ fn future_fields_are_not_supported_yet() {
         let e = kivi::parse_scheme(&text).unwrap_err();
         assert!(e.message.contains("not supported yet"), "{arg}: {}", e.message);
     }
-    let e = kivi::parse_scheme("S { key: full, value: full, heads: mla(q = 8) }").unwrap_err();
-    assert!(e.message.contains("not supported yet"), "{}", e.message);
+    // MLA is a head layout (`heads: mla(...)`), not a field.
+    for field in ["mla", "latent"] {
+        let e = kivi::parse_scheme(&format!("S {{ {body} {field}: x }}")).unwrap_err();
+        assert!(
+            e.message.contains("heads: mla(q = N, latent = L, rope_dim = R)"),
+            "{}",
+            e.message
+        );
+    }
+    let e = kivi::parse_scheme("S { key: full, heads: mla(q = 8) }").unwrap_err();
+    assert!(e.message.contains("mla(...) is missing `latent`"), "{}", e.message);
     // Calibrated codebooks and learned rotations come next (issue 12).
     let q = "quant(bits = 2, axis = token, group = 32";
     for (text, what) in [

@@ -47,7 +47,7 @@ pub fn scheme(input: TokenStream) -> TokenStream {
                 pub const HASH: u64 = #hash;
                 /// CUDA source of the default variant of every kernel, as
                 /// `(name, source)`, generated at compile time (empty when
-                /// the scheme declares no heads or head_dim).
+                /// the scheme declares no heads or head_dim, or mla heads).
                 pub const KERNELS: &'static [(&'static str, &'static str)] = &[#((#kernel_names, #kernel_sources)),*];
                 /// The validated scheme model.
                 pub fn spec() -> ::kivi::spec::Scheme {

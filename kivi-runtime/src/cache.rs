@@ -286,6 +286,9 @@ impl PagedCache {
     /// A cache for a scheme with a bound shape ([`Scheme::with_shape`]).
     pub fn new(scheme: Scheme, config: CacheConfig) -> Result<Self> {
         kivi_spec::validate(&scheme)?;
+        if scheme.mla().is_some() {
+            return Err(Error::Config(crate::mla::NOT_PAGED.into()));
+        }
         let shape = scheme.shape().ok_or_else(|| Error::Unbound(scheme.name.clone()))?;
         let block_tokens = config
             .block_tokens
@@ -617,11 +620,12 @@ impl PagedCache {
         })
     }
 
-    /// The vectorised writes, once the inputs are known to be good. Tensors
-    /// with a codec pipeline (centering, rotation, outliers, Lloyd–Max
-    /// levels) are quantized by the reference `quantize_range`; everything
-    /// else (uniform codes, `full` rows, windows, sinks) by `cpu/write.rs`,
-    /// over (block, KV head) pieces in parallel when there are many.
+    /// The vectorised writes, once the inputs are known to be good:
+    /// uniform codes, `full` rows, windows, sinks and token-axis codec
+    /// pipelines (centering, rotation, outliers, Lloyd–Max levels) by
+    /// `cpu/write.rs`, one job per block, blocks in parallel when there are
+    /// many; the pipelines `write::pipeline_fits` declines (channel axis,
+    /// more than 16 outliers a token) by the reference `quantize_range`.
     /// `Ok(false)`: declined with nothing visible changed.
     fn extend_fast(&mut self, isa: Isa, id: SeqId, x: [&[f32]; 2], old_tokens: usize) -> Result<bool> {
         let (h, d) = (self.shape.kv_heads, self.shape.head_dim);
@@ -632,15 +636,27 @@ impl PagedCache {
             regions(&self.scheme, Tensor::Value, new_tokens).quantized,
         ];
         let pipeline = [0, 1].map(|i| self.codecs[i].as_ref().is_some_and(|c| !c.is_plain_uniform()));
-        // Pipeline tensors take `quant.rs`'s path, which reads rounded rows.
+        // Token-axis pipelines run in `cpu/write.rs` too; the others take
+        // `quant.rs`'s path, which reads rounded rows.
+        let in_writes = [0, 1].map(|i| self.codecs[i].as_ref().is_some_and(|c| write::pipeline_fits(c, d)));
         let mut rounded: [Option<Vec<f32>>; 2] = [None, None];
         for t in [Tensor::Key, Tensor::Value] {
-            if pipeline[ti(t)] {
+            let i = ti(t);
+            // The centering means, once per sequence, read rounded rows too:
+            // only the tokens before `nc` are rounded for them.
+            let need = match self.scheme.center_of(t) {
+                Some(nc) if self.seqs.get(&id).is_some_and(|s| s.means[i].is_none()) && new_tokens >= nc => {
+                    (nc - old_tokens.min(nc)) * h * d
+                }
+                _ => 0,
+            };
+            let len = if pipeline[i] && !in_writes[i] { x[i].len() } else { need };
+            if len > 0 {
                 // Validated above; were it to fail, the reference path reports it.
-                let Ok(r) = round_inputs(&self.scheme, t.name(), x[ti(t)], h, d) else {
+                let Ok(r) = round_inputs(&self.scheme, t.name(), &x[i][..len], h, d) else {
                     return Ok(false);
                 };
-                rounded[ti(t)] = Some(r);
+                rounded[i] = Some(r);
             }
         }
         let bt = self.layout.block_tokens;
@@ -675,18 +691,22 @@ impl PagedCache {
             let i = ti(t);
             let Some(nc) = scheme.center_of(t) else { continue };
             if seq.means[i].is_none() && new_tokens >= nc {
-                let input = rounded[i].as_deref().expect("centered tensors are pipeline tensors");
+                // Rounded above: the tokens from `old_tokens` up to `nc` (none left
+                // when `old_tokens >= nc`).
+                let input = rounded[i].as_deref().unwrap_or(&[]);
                 new_means[i] = Some(center_means(scheme.dtype, sinks, seq, i, input, old_tokens, nc, h, d));
             }
         }
-        let mut writes = Vec::new();
+        // One slot a tensor, on the stack: an append allocates nothing.
+        let mut writes: [Option<TensorWrite>; 2] = [None, None];
         for t in [Tensor::Key, Tensor::Value] {
             let i = ti(t);
             let range = seq.quantized[i]..target[i];
             if range.is_empty() {
                 continue;
             }
-            if let Some(input) = rounded[i].as_deref() {
+            let means = new_means[i].as_deref().or(seq.means[i].as_deref());
+            if let (false, Some(input)) = (in_writes[i], rounded[i].as_deref()) {
                 let seq_ref: &Sequence = seq;
                 let src = |j: usize, hh: usize, out: &mut [f32]| {
                     let p = sinks + j;
@@ -699,7 +719,6 @@ impl PagedCache {
                         }
                     }
                 };
-                let means = new_means[i].as_deref().or(seq.means[i].as_deref());
                 let r = quantize_blocks(
                     scheme,
                     layout,
@@ -719,7 +738,7 @@ impl PagedCache {
                 continue;
             }
             let quant = codecs[i].as_ref().map(|c| c.quant);
-            writes.push(TensorWrite {
+            writes[i] = Some(TensorWrite {
                 range,
                 plan: write::Plan {
                     tl: layout.tensor(t),
@@ -728,6 +747,10 @@ impl PagedCache {
                     quant,
                     dtype: scheme.dtype,
                     isa: write::tensor_isa(isa, quant.as_ref(), d),
+                    pipeline: codecs[i]
+                        .as_ref()
+                        .filter(|_| pipeline[i])
+                        .map(|codec| write::Pipeline { codec, means }),
                 },
                 rows: write::Rows {
                     input: x[i],
@@ -741,7 +764,6 @@ impl PagedCache {
             });
         }
         let ok = write_blocks(layout, pool, seq.blocks(), &writes);
-        drop(writes);
         if !ok {
             seq.table.truncate(old_len);
             return Ok(false);
@@ -1121,15 +1143,20 @@ struct TensorWrite<'a> {
 /// one job per block (every head, both tensors); blocks in parallel when
 /// there are enough values to pay for it. `false`: a group's parameters
 /// overflow their dtype (nothing visible has changed).
-fn write_blocks(l: &BlockLayout, pool: &mut [u32], table: Blocks, writes: &[TensorWrite]) -> bool {
+fn write_blocks(l: &BlockLayout, pool: &mut [u32], table: Blocks, writes: &[Option<TensorWrite>]) -> bool {
     use rayon::prelude::*;
     let (bt, bw) = (l.block_tokens, l.block_words);
-    let Some(lo) = writes.iter().map(|w| w.range.start / bt).min() else {
+    let Some(lo) = writes.iter().flatten().map(|w| w.range.start / bt).min() else {
         return true;
     };
-    let hi = writes.iter().map(|w| w.range.end.div_ceil(bt)).max().unwrap_or(lo);
+    let hi = writes
+        .iter()
+        .flatten()
+        .map(|w| w.range.end.div_ceil(bt))
+        .max()
+        .unwrap_or(lo);
     let job = |block: &mut [u32], b: usize| {
-        writes.iter().all(|w| {
+        writes.iter().flatten().all(|w| {
             let first = w.range.start.max(b * bt);
             let end = w.range.end.min((b + 1) * bt);
             first >= end
@@ -1144,7 +1171,8 @@ fn write_blocks(l: &BlockLayout, pool: &mut [u32], table: Blocks, writes: &[Tens
                 )
         })
     };
-    let values: usize = writes.iter().map(|w| w.range.len()).sum::<usize>() * l.shape.kv_heads * l.shape.head_dim;
+    let values: usize =
+        writes.iter().flatten().map(|w| w.range.len()).sum::<usize>() * l.shape.kv_heads * l.shape.head_dim;
     if values < PARALLEL_VALUES || hi - lo < 2 {
         return (lo..hi).all(|b| {
             let start = table[b] as usize * bw;

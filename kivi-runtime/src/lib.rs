@@ -10,6 +10,7 @@
 //!   new queries: chunked prefill, speculative verification).
 //! - [`device`] — the device layer: the GPU path's host code, run on a GPU
 //!   ([`cuda`]) or on the simulated device ([`sim`]) alike.
+//! - [`mla`] — multi-head latent attention caches: oracle, paged cache, CPU decode.
 //! - [`rand`] — the one seeded generator for test and benchmark inputs.
 
 pub mod backend;
@@ -18,6 +19,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod device;
 mod error;
+pub mod mla;
 pub mod quant;
 pub mod rand;
 pub mod reference;

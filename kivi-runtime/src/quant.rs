@@ -194,7 +194,40 @@ fn fwht_body(x: &mut [f32], block: usize) {
         for (b, v) in buf.iter_mut().zip(chunk.iter()) {
             *b = *v as f64;
         }
+        // The first three stages (h = 1, 2, 4) on eight values at a time,
+        // in registers: the loop below leaves them scalar. The same
+        // butterflies, `x + y` and `x - y` of the same pairs.
         let mut h = 1;
+        if block >= 8 {
+            for c in buf.chunks_exact_mut(8) {
+                let a = [c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]];
+                let b = [
+                    a[0] + a[1],
+                    a[0] - a[1],
+                    a[2] + a[3],
+                    a[2] - a[3],
+                    a[4] + a[5],
+                    a[4] - a[5],
+                    a[6] + a[7],
+                    a[6] - a[7],
+                ];
+                let e = [
+                    b[0] + b[2],
+                    b[1] + b[3],
+                    b[0] - b[2],
+                    b[1] - b[3],
+                    b[4] + b[6],
+                    b[5] + b[7],
+                    b[4] - b[6],
+                    b[5] - b[7],
+                ];
+                for i in 0..4 {
+                    c[i] = e[i] + e[i + 4];
+                    c[i + 4] = e[i] - e[i + 4];
+                }
+            }
+            h = 8;
+        }
         while h < block {
             for i in (0..block).step_by(2 * h) {
                 let (lo, hi) = buf[i..i + 2 * h].split_at_mut(h);
@@ -253,34 +286,62 @@ pub fn channel_mean<'a>(rows: impl IntoIterator<Item = &'a [f32]>, d: usize, dty
 /// Channels of the `k` entries of largest magnitude in `row`, ascending.
 /// Ties go to the lower channel.
 pub fn top_k_abs(row: &[f32], k: usize) -> Vec<usize> {
-    // A few outliers per token (the presets keep 2 or 4): one pass that
-    // keeps the best `k` so far, best first, instead of sorting every
-    // channel. Same order, so the same channels: a larger magnitude first,
-    // and among equal ones the lower channel (met first, kept ahead).
-    if k <= 16 {
-        let mut best: Vec<(f32, usize)> = Vec::with_capacity(k + 1);
-        for (i, x) in row.iter().enumerate() {
-            let a = x.abs();
-            if best.len() == k
-                && best
-                    .last()
-                    .is_none_or(|w| a.total_cmp(&w.0) != std::cmp::Ordering::Greater)
-            {
-                continue;
-            }
-            let at = best.partition_point(|b| b.0.total_cmp(&a) != std::cmp::Ordering::Less);
-            best.insert(at, (a, i));
-            best.truncate(k);
-        }
-        let mut idx: Vec<usize> = best.into_iter().map(|b| b.1).collect();
-        idx.sort_unstable();
-        return idx;
+    if k <= TOP_K_SMALL {
+        let mut idx = [0usize; TOP_K_SMALL];
+        let n = top_k_abs_small(row, k, &mut idx);
+        return idx[..n].to_vec();
     }
     let mut idx: Vec<usize> = (0..row.len()).collect();
     idx.sort_by(|&a, &b| row[b].abs().total_cmp(&row[a].abs()).then(a.cmp(&b)));
     idx.truncate(k);
     idx.sort_unstable();
     idx
+}
+
+/// The largest `k` that [`top_k_abs_small`] takes.
+pub const TOP_K_SMALL: usize = 16;
+
+/// [`top_k_abs`] for `k <= TOP_K_SMALL` without allocating (the cache
+/// writes call it once per token): the channels, ascending, go into
+/// `out[..n]`, `n = min(k, row.len())` returned.
+pub fn top_k_abs_small(row: &[f32], k: usize, out: &mut [usize; TOP_K_SMALL]) -> usize {
+    // A few outliers per token (the presets keep 2 or 4): one pass that
+    // keeps the best `k` so far, best first, instead of sorting every
+    // channel. Same order, so the same channels: a larger magnitude first,
+    // and among equal ones the lower channel (met first, kept ahead).
+    let k = k.min(TOP_K_SMALL);
+    if k == 0 {
+        return 0;
+    }
+    let mut best = [(0f32, 0usize); TOP_K_SMALL + 1];
+    let mut len = 0;
+    for (c, chunk) in row.chunks(16).enumerate() {
+        // Once `k` are kept, a run of values none above the k-th best
+        // changes nothing: skip it whole. For magnitudes (sign bit clear,
+        // NaN included) `total_cmp` is the order of the bits as integers,
+        // so this is the test below, sixteen values at a time.
+        if len == k {
+            let most = chunk.iter().fold(0u32, |m, x| m.max(x.to_bits() & 0x7fff_ffff));
+            if most <= best[len - 1].0.to_bits() {
+                continue;
+            }
+        }
+        for (i, x) in chunk.iter().enumerate() {
+            let a = x.abs();
+            if len == k && a.total_cmp(&best[len - 1].0) != std::cmp::Ordering::Greater {
+                continue;
+            }
+            let at = best[..len].partition_point(|b| b.0.total_cmp(&a) != std::cmp::Ordering::Less);
+            best.copy_within(at..len, at + 1);
+            best[at] = (a, 16 * c + i);
+            len = (len + 1).min(k);
+        }
+    }
+    for (o, b) in out.iter_mut().zip(&best[..len]) {
+        *o = b.1;
+    }
+    out[..len].sort_unstable();
+    len
 }
 
 /// Lloyd–Max code of `y` (a value already divided by its group's norm): the
@@ -401,8 +462,7 @@ impl TensorCodec {
     }
 
     /// Uniform levels and no pipeline step (no centering, rotation or
-    /// outliers): the codec of the KIVI presets, which the vectorised
-    /// cache writes (`cpu/write.rs`) handle.
+    /// outliers): the codec of the KIVI presets.
     pub fn is_plain_uniform(&self) -> bool {
         self.quant.levels == Levels::Uniform && self.rotation.is_none() && self.outliers == 0 && self.center.is_none()
     }
@@ -440,6 +500,23 @@ impl TensorCodec {
         let idx = top_k_abs(row, self.outliers);
         let vals = idx.iter().map(|&i| std::mem::replace(&mut row[i], 0.0)).collect();
         (idx, vals)
+    }
+
+    /// [`Self::take_outliers`] without allocating, for at most
+    /// [`TOP_K_SMALL`] outliers a token: channels into `idx[..n]`, original
+    /// values into `vals[..n]`; `n` returned.
+    pub fn take_outliers_small(
+        &self,
+        row: &mut [f32],
+        idx: &mut [usize; TOP_K_SMALL],
+        vals: &mut [f32; TOP_K_SMALL],
+    ) -> usize {
+        debug_assert!(self.outliers <= TOP_K_SMALL);
+        let n = top_k_abs_small(row, self.outliers, idx);
+        for (v, &i) in vals.iter_mut().zip(&idx[..n]) {
+            *v = std::mem::replace(&mut row[i], 0.0);
+        }
+        n
     }
 
     /// The stored correction of an outlier: `x - x^` in the activation
@@ -597,10 +674,32 @@ mod tests {
         assert_eq!(dequantize(c[0], pz, &q2), 0.0);
     }
 
+    /// The butterflies stage by stage, as the transform is defined.
+    fn fwht_plain(x: &mut [f32], block: usize) {
+        let norm = 1.0 / (block as f64).sqrt();
+        for chunk in x.chunks_mut(block) {
+            let mut buf: Vec<f64> = chunk.iter().map(|v| *v as f64).collect();
+            let mut h = 1;
+            while h < block {
+                for i in (0..block).step_by(2 * h) {
+                    for j in i..i + h {
+                        let (x, y) = (buf[j], buf[j + h]);
+                        buf[j] = x + y;
+                        buf[j + h] = x - y;
+                    }
+                }
+                h *= 2;
+            }
+            for (v, b) in chunk.iter_mut().zip(&buf) {
+                *v = (*b * norm) as f32;
+            }
+        }
+    }
+
     #[test]
     fn hadamard_bits_do_not_depend_on_the_instruction_set() {
         let mut seed = 0x77u32;
-        for block in [2usize, 8, 64, 256, 512, 1024] {
+        for block in [2usize, 4, 8, 16, 64, 256, 512, 1024] {
             let x: Vec<f32> = (0..2 * block)
                 .map(|_| {
                     seed ^= seed << 13;
@@ -609,12 +708,17 @@ mod tests {
                     f32::from_bits(0x3000_0000 + seed % 0x1800_0000) * if seed & 1 == 0 { 1.0 } else { -1.0 }
                 })
                 .collect();
-            let (mut a, mut b) = (x.clone(), x.clone());
+            let (mut a, mut b, mut c) = (x.clone(), x.clone(), x.clone());
             fwht(&mut a, block);
             fwht_body(&mut b, block);
+            fwht_plain(&mut c, block);
             assert!(
                 a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()),
                 "block {block}"
+            );
+            assert!(
+                a.iter().zip(&c).all(|(p, q)| p.to_bits() == q.to_bits()),
+                "block {block}: the radix-8 stages"
             );
         }
     }

@@ -29,6 +29,10 @@ impl AttnParams {
 
 /// The bound shape of a scheme, or a clear error.
 pub fn shape_of(s: &Scheme) -> Result<Shape> {
+    // An mla scheme is two tensors of other widths: its oracle is `mla::reference`.
+    if s.mla().is_some() {
+        return Err(Error::Config(crate::mla::NOT_PAGED.into()));
+    }
     s.shape().ok_or_else(|| Error::Unbound(s.name.clone()))
 }
 

@@ -343,15 +343,20 @@ fn bad_parameters_and_inputs_are_errors() {
     assert!(public_field.decode(&cache, &[id], &[0.0; 64], attn).is_err());
 }
 
-/// The AVX-512 fused path (channel-axis 2/4-bit or token-axis 2/4/8-bit
-/// keys, token-axis values): code widths, key and value groups, head dims that take the
-/// gather (d64 at 2 bits) and the transpose (the rest) layouts, GQA groups
-/// of 4 and 8 heads, MQA, tiles that are and are not multiples of 16, split
-/// starts off the tile grid, sinks. Each case must take the fused path where
-/// the CPU has AVX-512 (asserted), and agree with the reference anyway.
+/// The fused path on both widths, AVX-512 and AVX2 (channel-axis 2/4-bit or
+/// token-axis 2/4/8-bit keys, token-axis values): code widths, key and value
+/// groups, head dims that take the gather (d64 at 2 bits) and the transpose
+/// (the rest) layouts, GQA groups of 4 and 8 heads, MQA, tiles that are and
+/// are not multiples of 16, split starts off the tile grid, sinks. Each case
+/// must take the fused path of each width the CPU has (asserted; AVX2
+/// declines 2-bit values in groups under 32, whose lanes would straddle
+/// groups), and agree with the reference anyway.
 #[test]
 fn fused_path_shapes() {
     let cpu_has_it = std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512dq");
+    let has_avx2 = std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c");
     if !cpu_has_it {
         eprintln!("fused_path_shapes: no AVX-512 here; checking the generic loops on the same cases");
     }
@@ -365,6 +370,7 @@ fn fused_path_shapes() {
         })
     };
     let mut cases = 0;
+    let mut avx2_cases = 0;
     let key_value_cases = [
         (2, Axis::Channel, 32, 2, 32),
         (4, Axis::Channel, 32, 4, 32),
@@ -393,19 +399,39 @@ fn fused_path_shapes() {
             if !d.is_multiple_of(vgroup) {
                 continue;
             }
-            let params: Vec<CpuParams> = [16, 32, 48, 64]
-                .iter()
-                .map(|&tile_tokens| CpuParams {
-                    tile_tokens,
-                    splits: if tile_tokens == 48 { 3 } else { 0 },
-                    ..CpuParams::default()
-                })
-                .collect();
+            // AVX-512 at four tiles, AVX2 at three (the 48-token tile with
+            // three splits starts splits off the tile grid).
+            let params: Vec<CpuParams> = [
+                (16, true),
+                (32, true),
+                (48, true),
+                (64, true),
+                (16, false),
+                (48, false),
+                (64, false),
+            ]
+            .iter()
+            .map(|&(tile_tokens, avx512)| CpuParams {
+                tile_tokens,
+                splits: if tile_tokens == 48 { 3 } else { 0 },
+                avx512,
+                ..CpuParams::default()
+            })
+            .collect();
             let bound = s.with_shape(heads, d).unwrap();
             let cache = PagedCache::new(bound, CacheConfig::for_tokens(64)).unwrap();
             for p in &params {
                 let path = CpuBackend::new(*p).unwrap().kernel_path(&cache);
-                if cpu_has_it {
+                if !p.avx512 && has_avx2 {
+                    let fits = vbits != 2 || vgroup >= 32;
+                    let want = if p.tile_tokens.is_multiple_of(16) && fits {
+                        "avx2-fused"
+                    } else {
+                        "avx2"
+                    };
+                    assert_eq!(path, want, "{} {heads} d{d} tile {} (AVX2)", s.name, p.tile_tokens);
+                    avx2_cases += usize::from(want == "avx2-fused");
+                } else if cpu_has_it {
                     let want = if p.tile_tokens.is_multiple_of(16) {
                         "avx512-fused"
                     } else {
@@ -414,11 +440,12 @@ fn fused_path_shapes() {
                     assert_eq!(path, want, "{} {heads} d{d} tile {}", s.name, p.tile_tokens);
                 }
             }
-            check(&s, heads, d, &[1, 33, 127, 1000, 2077], &params, 900 + cases);
+            check(&s, heads, d, &[1, 31, 33, 127, 1000, 2077], &params, 900 + cases);
             cases += 1;
         }
     }
     assert!(cases >= 25, "{cases} cases");
+    assert!(!has_avx2 || avx2_cases >= 60, "{avx2_cases} AVX2 fused cases");
 }
 
 /// The codec pipeline (rotation, Lloyd–Max levels, norms, outliers,

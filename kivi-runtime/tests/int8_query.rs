@@ -152,8 +152,8 @@ fn head_dims_128_and_256() {
     check(&schemes()[1], Heads::Mqa(4), 256, &[127, 1000], 8);
 }
 
-/// The fused AVX-512 tile takes the integer scores where the CPU has VNNI
-/// (f16 parameters, GQA groups of four), else the generic loops do.
+/// The fused tile (AVX-512 or AVX2) takes the integer scores: `vpdpbusd`
+/// where the CPU has VNNI, `vpmaddubsw` on AVX2; the portable loops else.
 #[test]
 fn path_names() {
     let s = schemes()[0].with_shape(Heads::Gqa { q: 8, kv: 2 }, 64).unwrap();
@@ -162,7 +162,7 @@ fn path_names() {
     let [dflt, avx2, scalar] = isas();
     assert_eq!(name(scalar), "scalar+int8");
     if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        assert_eq!(name(avx2), "avx2+maddubs-int8");
+        assert_eq!(name(avx2), "avx2-fused+maddubs-int8");
     }
     if std::is_x86_feature_detected!("avx512vnni") && std::is_x86_feature_detected!("avx512dq") {
         assert_eq!(name(dflt), "avx512-fused+vnni-int8");

@@ -20,7 +20,7 @@
 use crate::model::*;
 use std::fmt::Write;
 
-fn codec_text(c: &Codec) -> String {
+pub(crate) fn codec_text(c: &Codec) -> String {
     match c {
         Codec::Full => "full".into(),
         Codec::Quant(q) => format!(
@@ -44,7 +44,10 @@ fn codec_text(c: &Codec) -> String {
 pub fn canonical_body(s: &Scheme) -> String {
     let mut o = String::new();
     let _ = writeln!(o, "    key: {},", codec_text(&s.key));
-    let _ = writeln!(o, "    value: {},", codec_text(&s.value));
+    // An mla scheme's latent is its value: it has no `value` field.
+    if s.mla().is_none() {
+        let _ = writeln!(o, "    value: {},", codec_text(&s.value));
+    }
     let _ = writeln!(o, "    residual: {},", s.residual);
     let _ = writeln!(o, "    sinks: {},", s.sinks);
     let _ = writeln!(

@@ -26,6 +26,7 @@
 mod canonical;
 pub mod layout;
 mod load;
+pub mod mla;
 mod model;
 mod model_decl;
 mod parse;
@@ -35,6 +36,7 @@ mod validate;
 
 pub use canonical::{canonical, canonical_body, fnv1a64, scheme_hash};
 pub use load::{load_scheme, resolve_scheme, LoadError, ResolvedScheme, SchemeSource};
+pub use mla::{mla_bytes_per_token, Mla, MlaLayout, MlaParts};
 pub use model::*;
 pub use model_decl::{parse_model, LayerKind, ModelDecl, SchemeRef};
 pub use parse::{parse_decls, parse_scheme, parse_schemes, span_for, ParseError, SchemeDecl, SchemeList};

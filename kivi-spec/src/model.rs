@@ -295,6 +295,9 @@ pub enum Heads {
     Gqa { q: u32, kv: u32 },
     /// `q` query heads sharing one KV head.
     Mqa(u32),
+    /// Multi-head latent attention: `q` query heads over one cached latent
+    /// and one decoupled RoPE key per token (see [`crate::mla`]).
+    Mla(crate::mla::Mla),
 }
 
 impl Heads {
@@ -303,18 +306,23 @@ impl Heads {
             Heads::Mha(n) => n,
             Heads::Gqa { q, .. } => q,
             Heads::Mqa(q) => q,
+            Heads::Mla(m) => m.q,
         }
     }
     pub fn kv_heads(&self) -> u32 {
         match *self {
             Heads::Mha(n) => n,
             Heads::Gqa { kv, .. } => kv,
-            Heads::Mqa(_) => 1,
+            Heads::Mqa(_) | Heads::Mla(_) => 1,
         }
     }
     /// The same arrangement spelled the canonical way: `mha` when the counts
-    /// agree, `mqa` when there is one KV head, `gqa` otherwise.
+    /// agree, `mqa` when there is one KV head, `gqa` otherwise; `mla`
+    /// stays itself.
     pub fn normalized(&self) -> Heads {
+        if let Heads::Mla(_) = self {
+            return *self;
+        }
         let (q, kv) = (self.q_heads(), self.kv_heads());
         if q == kv {
             Heads::Mha(q)
@@ -336,6 +344,14 @@ impl fmt::Display for Heads {
             Heads::Mha(n) => write!(f, "mha({n})"),
             Heads::Mqa(q) => write!(f, "mqa(q = {q})"),
             Heads::Gqa { q, kv } => write!(f, "gqa(q = {q}, kv = {kv})"),
+            Heads::Mla(m) => write!(
+                f,
+                "mla(q = {}, latent = {}, rope_dim = {}, rope = {})",
+                m.q,
+                m.latent,
+                m.rope_dim,
+                crate::canonical::codec_text(&m.rope)
+            ),
         }
     }
 }
@@ -467,9 +483,15 @@ impl Scheme {
         })
     }
 
-    /// The softmax scale in effect (`1/sqrt(D)` unless set).
+    /// The softmax scale in effect (`1/sqrt(D)` unless set; for `mla`
+    /// heads `1/sqrt(latent + rope_dim)`, the width of the absorbed key —
+    /// a real model sets its own, e.g. DeepSeek-V2-Lite `1/sqrt(192)`).
     pub fn effective_softmax_scale(&self, head_dim: usize) -> f32 {
-        self.softmax_scale.unwrap_or_else(|| 1.0 / (head_dim as f32).sqrt())
+        let d = match self.heads {
+            Some(Heads::Mla(m)) => (m.latent + m.rope_dim) as usize,
+            _ => head_dim,
+        };
+        self.softmax_scale.unwrap_or_else(|| 1.0 / (d as f32).sqrt())
     }
 
     /// Binds a model shape to this scheme and re-validates the whole.

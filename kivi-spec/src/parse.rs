@@ -17,12 +17,17 @@
 //!                          [, scale = f16|f32] [, levels = uniform|lloyd_max] [, norm = rms|l2])
 //! tensors  := [key] | [value] | [key, value]
 //! heads    := mha(INT) | gqa(q = INT, kv = INT) | mqa(q = INT)
+//!           | mla(q = INT, latent = INT, rope_dim = INT [, rope = codec])
 //! ```
+//!
+//! With `mla` heads the `key` codec stores the latent (which is also the
+//! value, so there is no `value` field) and `rope` (default `full`) the
+//! decoupled RoPE key; `head_dim` is the latent width (see [`crate::mla`]).
 //!
 //! A tensor's codec is a small pipeline: center (subtract per-channel
 //! means), rotate, take out the sparse outliers, quantize the rest with
 //! `quant(...)`. Names reserved for what comes next (`rope`, `codebook`,
-//! `low_rank`, `vq`, `mla`, `levels = nuq`, learned rotations, ...) are
+//! `low_rank`, `vq`, `levels = nuq`, learned rotations, ...) are
 //! recognised and rejected with "not supported yet" rather than ignored.
 
 use crate::model::*;
@@ -51,8 +56,6 @@ const FUTURE_FIELDS: &[(&str, &str)] = &[
     ("rope", "pre-RoPE keys with RoPE applied in the kernel"),
     ("pre_rope", "pre-RoPE keys with RoPE applied in the kernel"),
     ("codebook", "calibrated non-uniform codebooks"),
-    ("mla", "multi-head latent attention caches"),
-    ("latent", "multi-head latent attention caches"),
     ("low_rank", "low-rank keys"),
     ("vq", "vector quantization"),
     ("normalize", "per-channel key normalisation folded into the query"),
@@ -514,15 +517,68 @@ fn parse_heads(input: ParseStream, spans: &mut HashMap<Field, Span>) -> syn::Res
             }
             Ok(Heads::Mqa(q))
         }
-        "mla" => err(
-            kind.span(),
-            "`mla` head layouts are not supported yet; use mha, gqa or mqa",
-        ),
+        "mla" => parse_mla(input, kind.span(), spans).map(Heads::Mla),
         other => err(
             kind.span(),
-            format!("unknown head layout `{other}`; expected mha(N), gqa(q = N, kv = M) or mqa(q = N)"),
+            format!("unknown head layout `{other}`; expected mha(N), gqa(q = N, kv = M), mqa(q = N) or mla(q = N, latent = L, rope_dim = R)"),
         ),
     }
+}
+
+/// `mla(q = N, latent = L, rope_dim = R [, rope = codec])`, arguments in
+/// any order; `rope` defaults to `full`.
+fn parse_mla(input: ParseStream, kind: Span, spans: &mut HashMap<Field, Span>) -> syn::Result<crate::mla::Mla> {
+    let (mut q, mut latent, mut rope_dim, mut rope) = (None, None, None, None);
+    let close = parse_args(input, "mla", "q, latent, rope_dim or rope", |name, c| {
+        match name.to_string().as_str() {
+            "q" => {
+                let (v, sp) = parse_u32(c, "q")?;
+                spans.insert(Field::QHeads, sp);
+                q = Some(v);
+            }
+            "latent" => {
+                let (v, sp) = parse_u32(c, "latent")?;
+                spans.insert(Field::MlaLatent, sp);
+                latent = Some(v);
+            }
+            "rope_dim" => {
+                let (v, sp) = parse_u32(c, "rope_dim")?;
+                spans.insert(Field::MlaRopeDim, sp);
+                rope_dim = Some(v);
+            }
+            "rope" => {
+                // The codec parser records key spans: parse into a scratch
+                // map and move them to the rope fields.
+                let mut own = HashMap::new();
+                let codec = parse_codec(c, Tensor::Key, &mut own).map_err(|e| {
+                    syn::Error::new(
+                        e.span(),
+                        e.to_string().replacen("key quant(...)", "mla rope quant(...)", 1),
+                    )
+                })?;
+                for (from, to) in [
+                    (Field::Codec(Tensor::Key), Field::MlaRope),
+                    (Field::Bits(Tensor::Key), Field::MlaRopeBits),
+                    (Field::Group(Tensor::Key), Field::MlaRopeGroup),
+                ] {
+                    if let Some(sp) = own.get(&from) {
+                        spans.insert(to, *sp);
+                    }
+                }
+                rope = Some(codec);
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    })?;
+    spans.insert(Field::KvHeads, kind);
+    let missing = |what: &str| syn::Error::new(close, format!("mla(...) is missing `{what}`"));
+    Ok(crate::mla::Mla {
+        q: q.ok_or_else(|| missing("q"))?,
+        latent: latent.ok_or_else(|| missing("latent"))?,
+        rope_dim: rope_dim.ok_or_else(|| missing("rope_dim"))?,
+        rope: rope.unwrap_or(Codec::Full),
+    })
 }
 
 fn parse_number(input: ParseStream) -> syn::Result<(f32, Span)> {
@@ -578,6 +634,12 @@ impl Parse for SchemeDecl {
             let name = field.to_string();
             if seen.contains_key(&name) {
                 return err(field.span(), format!("duplicate field `{name}`"));
+            }
+            if name == "mla" || name == "latent" {
+                return err(
+                    field.span(),
+                    format!("`{name}` is not a field; an mla cache is a head layout: `heads: mla(q = N, latent = L, rope_dim = R)`"),
+                );
             }
             if let Some((_, what)) = FUTURE_FIELDS.iter().find(|(n, _)| *n == name) {
                 return err(
@@ -663,6 +725,19 @@ impl Parse for SchemeDecl {
                     .map_err(|e| syn::Error::new(e.span(), "expected `,` between fields"))?;
             }
         }
+        // An mla cache stores one latent, read as key and value: its codec
+        // is `key`, and its head_dim is the latent width.
+        if let Some(Heads::Mla(m)) = heads {
+            if value.is_some() {
+                let span = spans.get(&Field::Codec(Tensor::Value)).copied().unwrap_or(ident.span());
+                return err(
+                    span,
+                    "an mla cache stores one latent per token, read by the scores and the output alike; its codec is `key` (leave `value` out)",
+                );
+            }
+            value = key;
+            head_dim = head_dim.or(Some(m.latent));
+        }
         let scheme = Scheme {
             name: ident.to_string(),
             key: key.ok_or_else(|| syn::Error::new(ident.span(), "scheme is missing field `key`"))?,
@@ -704,7 +779,8 @@ pub fn span_for(spans: &HashMap<Field, Span>, field: Field) -> Option<Span> {
         Field::RotationBlock | Field::RotationApply => Some(Field::Rotation),
         Field::OutliersPerToken | Field::OutliersApply => Some(Field::Outliers),
         Field::CenterTokens | Field::CenterApply => Some(Field::Center),
-        Field::QHeads | Field::KvHeads => Some(Field::Heads),
+        Field::QHeads | Field::KvHeads | Field::MlaLatent | Field::MlaRopeDim | Field::MlaRope => Some(Field::Heads),
+        Field::MlaRopeBits | Field::MlaRopeGroup => Some(Field::MlaRope),
         Field::QueryGroup => Some(Field::Query),
         _ => None,
     };

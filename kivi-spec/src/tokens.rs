@@ -59,6 +59,12 @@ pub fn scheme_expr(s: &Scheme) -> TokenStream {
         Heads::Mha(n) => quote!(::kivi::spec::Heads::Mha(#n)),
         Heads::Gqa { q, kv } => quote!(::kivi::spec::Heads::Gqa { q: #q, kv: #kv }),
         Heads::Mqa(q) => quote!(::kivi::spec::Heads::Mqa(#q)),
+        Heads::Mla(m) => {
+            let (q, latent, rope_dim, rope) = (m.q, m.latent, m.rope_dim, codec(&m.rope));
+            quote!(::kivi::spec::Heads::Mla(::kivi::spec::Mla {
+                q: #q, latent: #latent, rope_dim: #rope_dim, rope: #rope
+            }))
+        }
     }));
     let head_dim = opt(s.head_dim);
     let dtype = match s.dtype {

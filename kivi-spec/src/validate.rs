@@ -39,6 +39,13 @@ pub enum Field {
     Heads,
     QHeads,
     KvHeads,
+    /// `latent = ...`, `rope_dim = ...` and `rope = ...` of `mla(...)`
+    /// heads, and the `bits` and `group` of that RoPE codec.
+    MlaLatent,
+    MlaRopeDim,
+    MlaRope,
+    MlaRopeBits,
+    MlaRopeGroup,
     HeadDim,
     Dtype,
     SoftmaxScale,
@@ -163,7 +170,8 @@ pub fn validate(s: &Scheme) -> Result<(), Invalid> {
             format!("sinks = {} is absurd; at most {MAX_SINKS}", s.sinks),
         ));
     }
-    let any_quant = s.key.quant().is_some() || s.value.quant().is_some();
+    let any_quant =
+        s.key.quant().is_some() || s.value.quant().is_some() || s.mla().is_some_and(|m| m.rope.quant().is_some());
     if !any_quant && (s.residual > 0 || s.sinks > 0) {
         let field = if s.residual > 0 { Field::Residual } else { Field::Sinks };
         return Err(Invalid::new(
@@ -216,6 +224,9 @@ pub fn validate(s: &Scheme) -> Result<(), Invalid> {
                 format!("{q} query heads is not a multiple of {kv} kv heads"),
             ));
         }
+    }
+    if let Some(m) = s.mla() {
+        crate::mla::validate_mla(s, &m)?;
     }
     if let Some(d) = s.head_dim {
         if d == 0 || d > MAX_HEAD_DIM {

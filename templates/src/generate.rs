@@ -107,6 +107,8 @@ pub(crate) fn scheme_tag(s: &Scheme, block_tokens: Option<usize>) -> String {
             Heads::Mha(n) => format!("mha{n}"),
             Heads::Mqa(q) => format!("mqa{q}"),
             Heads::Gqa { q, kv } => format!("gqa{q}x{kv}"),
+            // The value codec is the latent's (the key's); name the RoPE part's.
+            Heads::Mla(m) => format!("mla{}.rope{}.{}", m.q, m.rope_dim, codec_tag(&m.rope)),
         };
         let _ = write!(t, "/{heads}.d{d}");
         if let Some(bt) = block_tokens {

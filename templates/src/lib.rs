@@ -56,9 +56,11 @@
 
 mod block;
 mod generate;
+mod mla;
 mod variant;
 
 pub use block::BlockShape;
+pub use mla::{generate_mla_decode, mla_params, mla_shared_bytes, mla_variants, MlaVariant, MLA_ENTRY, MLA_TEMPLATE};
 
 pub use variant::{Variant, MAX_REGISTER_FLOATS};
 
@@ -289,8 +291,14 @@ pub struct GenOptions {
 /// ```
 pub fn check_supported(scheme: &Scheme) -> Result<(), GenError> {
     // Every codec of the grammar is generated (see above), and the
-    // integer-domain query (`query: int8(...)`) by the decode template.
-    let _ = scheme;
+    // integer-domain query (`query: int8(...)`) by the decode template;
+    // MLA caches have their own layout (kivi_spec::mla) and no template yet.
+    if scheme.mla().is_some() {
+        return Err(GenError::Unsupported {
+            what: "mla heads with the paged-cache kernels (mla decode has its own: generate_mla_decode)".into(),
+            field: kivi_spec::Field::Heads,
+        });
+    }
     Ok(())
 }
 
@@ -338,11 +346,12 @@ pub fn default_variant(scheme: &Scheme, kernel: Kernel) -> Variant {
 pub type KernelError = (String, Option<kivi_spec::Field>);
 
 /// `(name, source)` of the default variant of the prefill, append and
-/// decode kernels of a scheme with a shape (none without one): what
+/// decode kernels of a scheme with a shape (none without one, or with mla
+/// heads, which have no template yet): what
 /// `kivi::scheme!` embeds. On failure, the message the macro reports and
 /// the part of the scheme it is about, where the generator names one.
 pub fn default_kernels(s: &Scheme) -> Result<Vec<(String, String)>, KernelError> {
-    if s.shape().is_none() {
+    if s.shape().is_none() || s.mla().is_some() {
         return Ok(Vec::new());
     }
     [Kernel::Prefill, Kernel::Append, Kernel::Decode]

@@ -16,7 +16,9 @@ Then a few extra cases: a batch with per-sequence lengths, --scale and
 chunked flush, 3-bit codes, f32 scales and bf16 activations, and scheme
 files using the codec pipeline (Hadamard rotations with and without signs,
 Lloyd-Max levels with rms and l2 norms, sparse outliers, centering), whose
-Lloyd-Max table is also recomputed here by Lloyd's iteration.
+Lloyd-Max table is also recomputed here by Lloyd's iteration. Last, MLA
+schemes (heads: mla(...)): latent and RoPE rows through `kivi attend` on the
+reference, cpu and sim backends against numpy's absorbed attention.
 
 Usage: check_attend.py [--kivi PATH] [--quick]
 The kivi binary defaults to $KIVI_BIN, else target/debug/kivi (honouring
@@ -176,6 +178,71 @@ class Runner:
                     self.c.ok(u <= 1.0, f"{what}: dequantized {name} differs by {u:.3g} ulp")
 
 
+def mla_attend(latent_s, rope_s, qry, c, k, hq, scale, window=None):
+    """MLA (heads: mla(...)) in numpy: each part's cache view as the key
+    tensor of its own single-head scheme, then absorbed attention,
+    score = (q_latent . c + q_rope . k_rope) * scale, out = sum p c."""
+    L = c.shape[1]
+    cv = ref.cache_view(latent_s, latent_s.key, c[:, None, :], "key")[:, 0, :]
+    kv = ref.cache_view(rope_s, rope_s.key, k[:, None, :], "key")[:, 0, :]
+    qr = ref.round_to(qry, latent_s.dtype).astype(np.float64)
+    T = c.shape[0]
+    start = 0 if window is None else max(T - window, 0)
+    out = np.zeros((hq, L))
+    if T > start:
+        cc, kk = cv[start:].astype(np.float64), kv[start:].astype(np.float64)
+        scale = float(np.float32(scale))
+        for h in range(hq):
+            sc = (cc @ qr[h, :L] + kk @ qr[h, L:]) * scale
+            p = np.exp(sc - sc.max())
+            p /= p.sum()
+            out[h] = p @ cc
+    return out.astype(np.float32), cv, kv
+
+
+def check_mla(run, checks, rng, tmp, lengths):
+    """`kivi attend` on mla schemes (latent rows as --k, RoPE rows as --v)
+    on the reference, cpu and sim backends against numpy, with latents whose
+    channels are heavy-tailed (a few at 10-50x), and the cache's rows."""
+    cases = [
+        ("quant(bits = 2, axis = channel, group = 32)", ref.Quant(2, "channel", 32), "full", None, 64, 0, "f16"),
+        ("quant(bits = 4, axis = token, group = 64)", ref.Quant(4, "token", 64),
+         "quant(bits = 4, axis = token, group = 16)", ref.Quant(4, "token", 16), 16, 2, "bf16"),
+        ("quant(bits = 2, axis = token, group = 32, scale = f32)", ref.Quant(2, "token", 32, "f32"),
+         "quant(bits = 4, axis = channel, group = 16)", ref.Quant(4, "channel", 16), 32, 0, "f16"),
+    ]
+    hq, L, R = 4, 128, 32
+    scale = 1.0 / np.sqrt(96.0)
+    for i, (ktext, kq, rtext, rq, residual, sinks, dtype) in enumerate(cases):
+        text = (f"mla{i} {{ key: {ktext}, heads: mla(q = {hq}, latent = {L}, rope_dim = {R}, rope = {rtext}), "
+                f"residual: {residual}, sinks: {sinks}, dtype: {dtype}, softmax_scale: {float(np.float32(scale))!r} }}")
+        path = os.path.join(tmp, f"mla{i}.kivi")
+        with open(path, "w") as f:
+            f.write(text)
+        latent_s = ref.Scheme(key=kq, value=kq, residual=residual, sinks=sinks, dtype=dtype)
+        rope_s = ref.Scheme(key=rq, value=rq, residual=residual, sinks=sinks, dtype=dtype)
+        gain = np.ones(L, dtype=np.float32)
+        gain[rng.choice(L, 4, replace=False)] = rng.uniform(10, 50, 4).astype(np.float32)
+        for t in lengths:
+            c = (rng.standard_normal((t, L)) * gain).astype(np.float32)
+            k = rng.standard_normal((t, R)).astype(np.float32)
+            q = (rng.standard_normal((hq, L + R)) * 0.2).astype(np.float32)
+            paths = run.write(q, c, k)
+            for window in (None, 40):
+                extra = [] if window is None else ["--window", str(window)]
+                want, cv, kv = mla_attend(latent_s, rope_s, q, c, k, hq, scale, window)
+                what = f"mla{i} T={t} window={window}"
+                for backend in ("reference", "cpu", "sim"):
+                    r = run.attend(what, path, paths, backend, extra, dump=backend == "cpu")
+                    if r is None:
+                        continue
+                    e = rel_err(r["out"], want)
+                    checks.ok(e <= REL_TOL, f"{what} {backend}: attention rel err {e:.3g} > {REL_TOL}")
+                    if "k" in r:
+                        checks.ok(ulps(r["k"], cv) <= 1.0, f"{what}: latent rows")
+                        checks.ok(ulps(r["v"], kv) <= 1.0, f"{what}: rope rows")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kivi", default=default_bin())
@@ -292,6 +359,8 @@ def main():
                 checks.ok(e <= REL_TOL, f"batch {backend} sequence {b} (T={n}): rel err {e:.3g}")
                 checks.ok(ulps(r["k"][b, :n], kview) <= 1.0, f"batch sequence {b}: dequantized K")
             checks.ok(r["summary"]["tokens"] == sum(lens), f"batch {backend}: tokens {r['summary']['tokens']}")
+
+        check_mla(run, checks, rng, tmp, lengths)
 
     print(f"check_attend: {checks.passed} passed, {checks.failed} failed")
     return 1 if checks.failed else 0

@@ -160,6 +160,13 @@ fn load(args: &Args) -> super::Result<Problem> {
 }
 
 pub fn run(args: Args) -> super::Result {
+    // An mla scheme takes latent and RoPE rows instead of keys and values.
+    // (Resolved quietly here: `load` says the same on stderr once.)
+    if let Ok(s) = kivi_spec::load_scheme(&args.scheme) {
+        if s.mla().is_some() {
+            return super::attend_mla::run(&args, s);
+        }
+    }
     let p = load(&args)?;
     let Shape {
         q_heads: hq,

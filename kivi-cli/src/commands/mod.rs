@@ -1,6 +1,7 @@
 //! One module per subcommand: `Args` (clap) and `run`.
 
 pub mod attend;
+pub mod attend_mla;
 pub mod bench;
 pub mod codegen;
 pub mod eval;
@@ -8,6 +9,7 @@ pub mod generate;
 pub mod inspect;
 pub mod schemes;
 pub mod show;
+pub mod show_mla;
 pub mod tune;
 
 /// Errors bubble up to `main`, which prints them on one line.

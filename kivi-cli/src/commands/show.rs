@@ -207,6 +207,16 @@ pub fn run(args: Args) -> super::Result {
             .ok_or("name a scheme with --scheme NAME or a model with --model TEXT")?,
     )?;
     let bound = bind_or_default(&scheme, args.heads, args.head_dim)?;
+    if args.context > MAX_CONTEXT {
+        return Err(format!(
+            "--context {} is out of range; expected 1 to {MAX_CONTEXT}",
+            args.context
+        )
+        .into());
+    }
+    if bound.mla().is_some() {
+        return super::show_mla::run(&bound, &args);
+    }
     let (heads, head_dim) = (
         bound.heads.ok_or("scheme has no heads")?,
         bound.head_dim.ok_or("no head_dim")?,

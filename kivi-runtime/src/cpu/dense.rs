@@ -6,7 +6,8 @@
 //! - **values** (AVX-512, head_dim a multiple of 64): four chunks of 16
 //!   channels of four heads (16 accumulators) stay in registers while the
 //!   rows stream past: half the passes over the tile, half the weight
-//!   broadcasts and row conversions per FMA of the generic `axpy`;
+//!   broadcasts and row conversions per FMA of the generic `axpy` (the same
+//!   body, `simd::wide::axpy_chunks`, with four chunks instead of two);
 //! - **prefetch**: the matching rows of the head's next block are requested
 //!   16 rows at a time as this block's rows are consumed (4 KiB per step at
 //!   head_dim 128 in f16), instead of the whole next block at the start of
@@ -70,13 +71,13 @@ pub(crate) fn axpy<R: Rows>(
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 && d.is_multiple_of(64) {
         assert!(r.fits(n, d) && acc.len() >= heads * d && p.len() >= (n - 1) * pstride + heads);
-        assert!(std::arch::is_x86_feature_detected!("avx512f"));
+        assert!(std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512dq"));
         for (i0, m) in chunks(n) {
             prefetch(ahead, n, i0, m);
-            // SAFETY: AVX-512F checked; `fits` and the asserts above bound
+            // SAFETY: AVX-512F/DQ checked (AVX2, FMA, F16C come with `Isa::Avx512`); `fits` and the asserts above bound
             // every read and write (rows `i0..i0 + m <= n`).
             unsafe {
-                avx512::axpy(
+                axpy512(
                     &Shifted(r, i0),
                     m,
                     d,
@@ -145,59 +146,25 @@ impl<R: Rows> Rows for Shifted<'_, R> {
     }
 }
 
+/// `acc += p * row`: four chunks of 16 channels of four heads (16
+/// accumulators) stay in registers while the rows stream past (the shared
+/// body `simd::wide::axpy_chunks` with four chunks).
+///
+/// # Safety
+/// AVX-512F/DQ, AVX2, FMA and F16C are available, `r.fits(n, d)`, `d` is a
+/// multiple of 64, and `p`/`acc` cover `n` rows of `heads` weights and
+/// `heads * d` values.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::needless_range_loop)] // indexes walk arrays of registers in step
-mod avx512 {
-    use super::Rows;
-    use std::arch::x86_64::*;
-
-    /// `acc += p * row`: four chunks of 16 channels of four heads (16
-    /// accumulators) stay in registers while the rows stream past.
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub unsafe fn axpy<R: Rows>(r: &R, n: usize, d: usize, p: *const f32, pstride: usize, heads: usize, acc: *mut f32) {
-        let mut h0 = 0;
-        while h0 < heads {
-            if h0 + 4 <= heads {
-                axpy_heads::<R, 4>(r, n, d, p.add(h0), pstride, acc.add(h0 * d));
-                h0 += 4;
-            } else {
-                axpy_heads::<R, 1>(r, n, d, p.add(h0), pstride, acc.add(h0 * d));
-                h0 += 1;
-            }
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn axpy_heads<R: Rows, const NH: usize>(
-        r: &R,
-        n: usize,
-        d: usize,
-        p: *const f32,
-        pstride: usize,
-        acc: *mut f32,
-    ) {
-        const NC: usize = 4;
-        for c0 in (0..d / 16).step_by(NC) {
-            let mut a = [[_mm512_setzero_ps(); NC]; NH];
-            for h in 0..NH {
-                for k in 0..NC {
-                    a[h][k] = _mm512_loadu_ps(acc.add(h * d + 16 * (c0 + k)));
-                }
-            }
-            for i in 0..n {
-                let x: [__m512; NC] = std::array::from_fn(|k| r.get16(i, c0 + k));
-                for h in 0..NH {
-                    let w = _mm512_set1_ps(*p.add(i * pstride + h));
-                    for k in 0..NC {
-                        a[h][k] = _mm512_fmadd_ps(w, x[k], a[h][k]);
-                    }
-                }
-            }
-            for h in 0..NH {
-                for k in 0..NC {
-                    _mm512_storeu_ps(acc.add(h * d + 16 * (c0 + k)), a[h][k]);
-                }
-            }
+unsafe fn axpy512<R: Rows>(r: &R, n: usize, d: usize, p: *const f32, pstride: usize, heads: usize, acc: *mut f32) {
+    use super::simd::avx512::axpy4;
+    let mut h0 = 0;
+    while h0 < heads {
+        if h0 + 4 <= heads {
+            axpy4::<R, 4>(r, n, d, p.add(h0), pstride, acc.add(h0 * d));
+            h0 += 4;
+        } else {
+            axpy4::<R, 1>(r, n, d, p.add(h0), pstride, acc.add(h0 * d));
+            h0 += 1;
         }
     }
 }

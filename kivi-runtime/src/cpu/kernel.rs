@@ -58,7 +58,8 @@ pub(crate) struct Plan {
     kinds: [Kind; 2],
     layouts: [TensorLayout; 2],
     scale: [ScaleDtype; 2],
-    /// The AVX-512 fast path's parameters, where the scheme has its shape.
+    /// The fused fast path's parameters (AVX-512 or AVX2), where the scheme
+    /// has its shape.
     fast: Option<Fast>,
     /// Both tensors are `full` and an AVX ISA is on: rows go to the dense
     /// loops (`dense.rs`) instead of the generic ones.
@@ -138,8 +139,7 @@ impl Plan {
         };
         let fast = match (keys, kinds[1]) {
             (Some(keys), Kind::Tok { bits: vbits, gshift })
-                if isa == Isa::Avx512
-                    && gshift >= 4
+                if fused::values_fit(isa, vbits, gshift, shape.head_dim)
                     && scale == [ScaleDtype::F16; 2]
                     && heads.is_multiple_of(4)
                     && tile.is_multiple_of(ROWS)
@@ -150,7 +150,8 @@ impl Plan {
                     keys,
                     vbits,
                     gshift,
-                    bw: simd::avx512bw_available(),
+                    isa,
+                    bw: isa == Isa::Avx512 && simd::avx512bw_available(),
                 })
             }
             _ => None,
@@ -192,22 +193,26 @@ impl Plan {
 }
 
 impl Plan {
-    /// `avx512-fused` where the fast path applies, `<isa>+codec` where a
+    /// `avx512-fused` / `avx2-fused` where the fast path applies, `<isa>+codec` where a
     /// codec pipeline (rotation, Lloyd–Max, outliers, centering) sends a
     /// tensor through the generic row reader, else the ISA's name.
     pub fn path_name(&self) -> &'static str {
         if let Some((i8isa, ..)) = self.int8 {
-            return match (self.fast.is_some(), self.isa, i8isa) {
-                (true, _, Int8Isa::Vnni512) => "avx512-fused+vnni-int8",
-                (true, ..) => "avx512-fused+maddubs-int8",
-                (false, Isa::Avx512, Int8Isa::Vnni512) => "avx512+vnni-int8",
-                (false, Isa::Avx512, _) => "avx512+maddubs-int8",
-                (false, Isa::Avx2, _) => "avx2+maddubs-int8",
-                (false, ..) => "scalar+int8",
+            return match (self.fast.map(|f| f.isa), self.isa, i8isa) {
+                (Some(Isa::Avx512), _, Int8Isa::Vnni512) => "avx512-fused+vnni-int8",
+                (Some(Isa::Avx512), ..) => "avx512-fused+maddubs-int8",
+                (Some(_), ..) => "avx2-fused+maddubs-int8",
+                (None, Isa::Avx512, Int8Isa::Vnni512) => "avx512+vnni-int8",
+                (None, Isa::Avx512, _) => "avx512+maddubs-int8",
+                (None, Isa::Avx2, _) => "avx2+maddubs-int8",
+                (None, ..) => "scalar+int8",
             };
         }
-        if self.fast.is_some() {
-            "avx512-fused"
+        if let Some(f) = self.fast {
+            match f.isa {
+                Isa::Avx512 => "avx512-fused",
+                _ => "avx2-fused",
+            }
         } else if self.dense {
             match self.isa {
                 Isa::Avx512 => "avx512-dense",
@@ -860,7 +865,7 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
         t0 += n;
     }
     if let Some(st) = fs.as_mut() {
-        st.flush(&mut l);
+        st.flush(&mut l, &mut acc);
     }
     if plan.kinds[1] == Kind::Codec {
         // Back from the rotated domain once: T^-1 (sum p v') + (sum p) m.

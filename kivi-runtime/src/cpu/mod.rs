@@ -7,10 +7,13 @@
 //!
 //! Quantized caches with channel-axis 2/4-bit keys (KIVI) or token-axis
 //! 2/4/8-bit keys, token-axis values, f16 parameters and GQA groups of a
-//! multiple of four heads run on an AVX-512 fast path,
-//! `fused.rs`, one aligned tile of block-resident tokens per call: codes to
-//! floats in two instructions, keys scored sixteen tokens at a time from an
-//! in-register transpose, value scales folded into the softmax weights.
+//! multiple of four heads run on the fused path, `fused.rs`, on AVX-512
+//! (`avx512-fused`) and on AVX2 (`avx2-fused`; 2-bit values need groups of
+//! at least 32 channels there), one aligned tile of block-resident tokens
+//! per call: codes to floats in two instructions, keys scored sixteen
+//! tokens at a time from an in-register transpose, value scales folded into
+//! the softmax weights. The two widths share one body, written over the
+//! vector-width trait in `width.rs`.
 //! [`CpuBackend::kernel_path`] says which path a cache gets. Caches whose
 //! keys and values are both `full` (f16/bf16/f32 rows) take `dense.rs` on
 //! AVX-512 and AVX2: register-resident value accumulation and a next-block
@@ -45,9 +48,10 @@
 //! part of their context through the same split kernel, the queries of a
 //! chunk as one wide group, the recent tokens per query.
 //!
-//! The inner loops exist three times: AVX-512F and AVX2 + FMA + F16C (chosen
-//! at run time with `is_x86_feature_detected!`) and a portable scalar
-//! version that is always compiled and tested. [`CpuParams::scalar`] or the environment variable
+//! The inner loops exist twice: a vector body instantiated for AVX-512F and
+//! for AVX2 + FMA + F16C (chosen at run time with
+//! `is_x86_feature_detected!`; see `width.rs`) and a portable scalar version
+//! that is always compiled and tested. [`CpuParams::scalar`] or the environment variable
 //! `KIVI_CPU_SCALAR=1` (read once) force the scalar one.
 
 mod block;
@@ -56,8 +60,10 @@ mod dense;
 mod fused;
 mod int8;
 mod kernel;
+pub mod mla;
 mod probe;
 mod simd;
+mod width;
 pub(crate) mod write;
 
 use crate::backend::{check_batch, check_window, evict_after_blocks, Backend, NewTokens};
@@ -76,9 +82,10 @@ pub use simd::Isa;
 /// build time. Tuning decisions for the CPU backend are keyed by it, so a
 /// changed kernel is measured again instead of trusted.
 pub const KERNEL_HASH: u64 = {
-    const PARTS: [&str; 8] = [
+    const PARTS: [&str; 9] = [
         include_str!("mod.rs"),
         include_str!("int8.rs"),
+        include_str!("width.rs"),
         include_str!("dense.rs"),
         include_str!("codec.rs"),
         include_str!("kernel.rs"),
@@ -241,8 +248,9 @@ impl CpuBackend {
     }
 
     /// Which inner loops decoding `cache` runs on this machine: `avx512-fused`
-    /// (the fast path: channel-axis 2/4-bit or token-axis 2/4/8-bit keys with
-    /// token-axis values, GQA groups of a multiple of four heads),
+    /// or `avx2-fused` (the fast path: channel-axis 2/4-bit or token-axis
+    /// 2/4/8-bit keys with token-axis values, GQA groups of a multiple of
+    /// four heads; on AVX2, 2-bit values in groups of at least 32),
     /// `avx512-dense` / `avx2-dense` (both tensors `full`: the `f16` preset,
     /// bf16/f32 schemes; `KIVI_CPU_DENSE=0` turns it off for comparisons), or
     /// `avx512`, `avx2`, `scalar` (the generic loops), with `+codec` when a

@@ -1,14 +1,18 @@
 //! Inner loops of the CPU kernel, twice: portable scalar code (always
-//! compiled, always tested) and AVX2 + FMA + F16C, selected at run time.
+//! compiled, always tested) and a vector body (`wide`) written once over
+//! the vector width ([`super::width::Width`]) and instantiated for AVX2 +
+//! FMA + F16C and for AVX-512, selected at run time.
 //!
 //! Both are written against [`Rows`]: a tile of `n` token rows of `D`
 //! values, however they are stored (f16, bf16, f32, packed codes, codes with
 //! per-token or per-channel parameters). A row kind only says how to read
-//! one value (`get`) or eight consecutive values (`get8`, AVX2); the two
-//! kernels — scores `q . row` for a block of query heads, and
-//! `acc += p * row` — are generic over it, so each storage format costs one
-//! small impl and is fused into the arithmetic (no f32 copy of the tile).
+//! one value (`get`) or eight or sixteen consecutive values (`get8`,
+//! `get16`); the two kernels — scores `q . row` for a block of query heads,
+//! and `acc += p * row` — are generic over it, so each storage format costs
+//! one small impl and is fused into the arithmetic (no f32 copy of the tile).
 
+#[cfg(target_arch = "x86_64")]
+use super::width::{Avx2, Avx512};
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
@@ -398,41 +402,15 @@ pub(crate) fn dot<R: Rows>(
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => {
             assert!(d.is_multiple_of(8) && avx2_available());
-            let mut h0 = 0;
-            while h0 < heads {
-                let rem = heads - h0;
-                let (qp, op) = (q[h0 * d..].as_ptr(), out[h0..].as_mut_ptr());
-                // SAFETY: features checked above; `fits` and the length
-                // asserts bound every read and write.
-                unsafe {
-                    h0 += if rem >= 4 {
-                        avx2::dot::<R, 4>(r, n, d, qp, op, ostride)
-                    } else if rem >= 2 {
-                        avx2::dot::<R, 2>(r, n, d, qp, op, ostride)
-                    } else {
-                        avx2::dot::<R, 1>(r, n, d, qp, op, ostride)
-                    };
-                }
-            }
+            // SAFETY: features checked above; `fits` and the length asserts
+            // bound every read and write.
+            unsafe { dot_heads::<Avx2, R>(r, n, d, q, heads, out, ostride) }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => {
             assert!(d.is_multiple_of(16) && avx512_available());
-            let mut h0 = 0;
-            while h0 < heads {
-                let rem = heads - h0;
-                let (qp, op) = (q[h0 * d..].as_ptr(), out[h0..].as_mut_ptr());
-                // SAFETY: as for AVX2.
-                unsafe {
-                    h0 += if rem >= 4 {
-                        avx512::dot::<R, 4>(r, n, d, qp, op, ostride)
-                    } else if rem >= 2 {
-                        avx512::dot::<R, 2>(r, n, d, qp, op, ostride)
-                    } else {
-                        avx512::dot::<R, 1>(r, n, d, qp, op, ostride)
-                    };
-                }
-            }
+            // SAFETY: as for AVX2.
+            unsafe { dot_heads::<Avx512, R>(r, n, d, q, heads, out, ostride) }
         }
         _ => {
             for i in 0..n {
@@ -470,40 +448,14 @@ pub(crate) fn axpy<R: Rows>(
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => {
             assert!(d.is_multiple_of(8) && avx2_available());
-            let mut h0 = 0;
-            while h0 < heads {
-                let rem = heads - h0;
-                let (pp, ap) = (p[h0..].as_ptr(), acc[h0 * d..].as_mut_ptr());
-                // SAFETY: as in `dot`.
-                unsafe {
-                    h0 += if rem >= 4 {
-                        avx2::axpy::<R, 4>(r, n, d, pp, pstride, ap)
-                    } else if rem >= 2 {
-                        avx2::axpy::<R, 2>(r, n, d, pp, pstride, ap)
-                    } else {
-                        avx2::axpy::<R, 1>(r, n, d, pp, pstride, ap)
-                    };
-                }
-            }
+            // SAFETY: as in `dot`.
+            unsafe { axpy_heads::<Avx2, R>(r, n, d, p, pstride, heads, acc) }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => {
             assert!(d.is_multiple_of(16) && avx512_available());
-            let mut h0 = 0;
-            while h0 < heads {
-                let rem = heads - h0;
-                let (pp, ap) = (p[h0..].as_ptr(), acc[h0 * d..].as_mut_ptr());
-                // SAFETY: as for AVX2.
-                unsafe {
-                    h0 += if rem >= 4 {
-                        avx512::axpy::<R, 4>(r, n, d, pp, pstride, ap)
-                    } else if rem >= 2 {
-                        avx512::axpy::<R, 2>(r, n, d, pp, pstride, ap)
-                    } else {
-                        avx512::axpy::<R, 1>(r, n, d, pp, pstride, ap)
-                    };
-                }
-            }
+            // SAFETY: as in `dot`.
+            unsafe { axpy_heads::<Avx512, R>(r, n, d, p, pstride, heads, acc) }
         }
         _ => {
             for i in 0..n {
@@ -515,6 +467,134 @@ pub(crate) fn axpy<R: Rows>(
                 }
             }
         }
+    }
+}
+
+/// The `#[target_feature]` entry points of one width (`avx2`, `avx512`
+/// below), so that the loop over blocks of heads is written once.
+#[cfg(target_arch = "x86_64")]
+trait Entry {
+    unsafe fn dot<R: Rows, const NH: usize>(
+        r: &R,
+        n: usize,
+        d: usize,
+        q: *const f32,
+        out: *mut f32,
+        os: usize,
+    ) -> usize;
+    unsafe fn axpy<R: Rows, const NH: usize>(
+        r: &R,
+        n: usize,
+        d: usize,
+        p: *const f32,
+        ps: usize,
+        acc: *mut f32,
+    ) -> usize;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Entry for Avx2 {
+    unsafe fn dot<R: Rows, const NH: usize>(
+        r: &R,
+        n: usize,
+        d: usize,
+        q: *const f32,
+        out: *mut f32,
+        os: usize,
+    ) -> usize {
+        avx2::dot::<R, NH>(r, n, d, q, out, os)
+    }
+    unsafe fn axpy<R: Rows, const NH: usize>(
+        r: &R,
+        n: usize,
+        d: usize,
+        p: *const f32,
+        ps: usize,
+        acc: *mut f32,
+    ) -> usize {
+        avx2::axpy::<R, NH>(r, n, d, p, ps, acc)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Entry for Avx512 {
+    unsafe fn dot<R: Rows, const NH: usize>(
+        r: &R,
+        n: usize,
+        d: usize,
+        q: *const f32,
+        out: *mut f32,
+        os: usize,
+    ) -> usize {
+        avx512::dot::<R, NH>(r, n, d, q, out, os)
+    }
+    unsafe fn axpy<R: Rows, const NH: usize>(
+        r: &R,
+        n: usize,
+        d: usize,
+        p: *const f32,
+        ps: usize,
+        acc: *mut f32,
+    ) -> usize {
+        avx512::axpy::<R, NH>(r, n, d, p, ps, acc)
+    }
+}
+
+/// [`dot`] in blocks of four, two or one heads on width `E`.
+///
+/// # Safety
+/// `E`'s features are available and [`dot`]'s asserts hold.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn dot_heads<E: Entry, R: Rows>(
+    r: &R,
+    n: usize,
+    d: usize,
+    q: &[f32],
+    heads: usize,
+    out: &mut [f32],
+    ostride: usize,
+) {
+    let mut h0 = 0;
+    while h0 < heads {
+        let rem = heads - h0;
+        let (qp, op) = (q[h0 * d..].as_ptr(), out[h0..].as_mut_ptr());
+        h0 += if rem >= 4 {
+            E::dot::<R, 4>(r, n, d, qp, op, ostride)
+        } else if rem >= 2 {
+            E::dot::<R, 2>(r, n, d, qp, op, ostride)
+        } else {
+            E::dot::<R, 1>(r, n, d, qp, op, ostride)
+        };
+    }
+}
+
+/// [`axpy`] in blocks of four, two or one heads on width `E`.
+///
+/// # Safety
+/// `E`'s features are available and [`axpy`]'s asserts hold.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn axpy_heads<E: Entry, R: Rows>(
+    r: &R,
+    n: usize,
+    d: usize,
+    p: &[f32],
+    pstride: usize,
+    heads: usize,
+    acc: &mut [f32],
+) {
+    let mut h0 = 0;
+    while h0 < heads {
+        let rem = heads - h0;
+        let (pp, ap) = (p[h0..].as_ptr(), acc[h0 * d..].as_mut_ptr());
+        h0 += if rem >= 4 {
+            E::axpy::<R, 4>(r, n, d, pp, pstride, ap)
+        } else if rem >= 2 {
+            E::axpy::<R, 2>(r, n, d, pp, pstride, ap)
+        } else {
+            E::axpy::<R, 1>(r, n, d, pp, pstride, ap)
+        };
     }
 }
 
@@ -573,29 +653,139 @@ fn exp_body(x: &mut [f32]) {
     }
 }
 
+/// The AVX2 and AVX-512 loops, written once over the vector width
+/// ([`super::width::Width`]) and instantiated by the `#[target_feature]`
+/// wrappers in `avx2` and `avx512` below (everything here is inlined into
+/// them).
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)] // indexes walk arrays of registers in step
-mod avx2 {
+pub(crate) mod wide {
     use super::Rows;
+    use crate::cpu::width::Width;
     use std::arch::x86_64::*;
-
-    #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let sh = _mm_movehdup_ps(s);
-        let s2 = _mm_add_ps(s, sh);
-        _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehl_ps(sh, s2)))
-    }
-
-    /// Horizontal sums of four vectors, as one vector `[s0, s1, s2, s3]`.
-    #[inline(always)]
-    pub unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
-        let u = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-        _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps::<1>(u))
-    }
 
     /// Scores of `NH` heads; two rows at a time so that each query chunk
     /// loaded from L1 feeds two FMAs. Returns `NH`.
+    #[inline(always)]
+    pub unsafe fn dot<V: Width, R: Rows, const NH: usize>(
+        r: &R,
+        n: usize,
+        d: usize,
+        q: *const f32,
+        out: *mut f32,
+        ostride: usize,
+    ) -> usize {
+        let (chunks, w) = (d / V::LANES, V::LANES);
+        let mut i = 0;
+        while i + 2 <= n {
+            let mut a0 = [V::zero(); NH];
+            let mut a1 = [V::zero(); NH];
+            for c in 0..chunks {
+                let x0 = V::row(r, i, c);
+                let x1 = V::row(r, i + 1, c);
+                for h in 0..NH {
+                    let qv = V::load(q.add(h * d + w * c));
+                    a0[h] = V::fmadd(qv, x0, a0[h]);
+                    a1[h] = V::fmadd(qv, x1, a1[h]);
+                }
+            }
+            if NH == 4 {
+                // Four heads' scores are adjacent in `out`: one tree, one store.
+                _mm_storeu_ps(out.add(i * ostride), V::sum4([a0[0], a0[1], a0[2], a0[3]]));
+                _mm_storeu_ps(out.add((i + 1) * ostride), V::sum4([a1[0], a1[1], a1[2], a1[3]]));
+            } else {
+                for h in 0..NH {
+                    *out.add(i * ostride + h) = V::reduce_add(a0[h]);
+                    *out.add((i + 1) * ostride + h) = V::reduce_add(a1[h]);
+                }
+            }
+            i += 2;
+        }
+        if i < n {
+            let mut a0 = [V::zero(); NH];
+            for c in 0..chunks {
+                let x0 = V::row(r, i, c);
+                for h in 0..NH {
+                    a0[h] = V::fmadd(V::load(q.add(h * d + w * c)), x0, a0[h]);
+                }
+            }
+            for h in 0..NH {
+                *out.add(i * ostride + h) = V::reduce_add(a0[h]);
+            }
+        }
+        NH
+    }
+
+    /// `acc += p * row` for `NH` heads: chunks of every head stay in
+    /// registers while the rows stream past. Two chunks at a time where
+    /// there are two: 2 x NH FMA chains in flight (four chains leave half
+    /// the FMA throughput idle behind their latency) and one weight
+    /// broadcast per two FMAs. Returns `NH`.
+    #[inline(always)]
+    pub unsafe fn axpy<V: Width, R: Rows, const NH: usize>(
+        r: &R,
+        n: usize,
+        d: usize,
+        p: *const f32,
+        pstride: usize,
+        acc: *mut f32,
+    ) -> usize {
+        let chunks = d / V::LANES;
+        let mut c = 0;
+        while c < chunks {
+            if c + 2 <= chunks {
+                axpy_chunks::<V, R, NH, 2>(r, n, d, p, pstride, acc, c);
+                c += 2;
+            } else {
+                axpy_chunks::<V, R, NH, 1>(r, n, d, p, pstride, acc, c);
+                c += 1;
+            }
+        }
+        NH
+    }
+
+    /// Chunks `c0..c0 + NC` of `axpy`.
+    #[inline(always)]
+    pub unsafe fn axpy_chunks<V: Width, R: Rows, const NH: usize, const NC: usize>(
+        r: &R,
+        n: usize,
+        d: usize,
+        p: *const f32,
+        pstride: usize,
+        acc: *mut f32,
+        c0: usize,
+    ) {
+        let w = V::LANES;
+        let mut a = [[V::zero(); NC]; NH];
+        for h in 0..NH {
+            for k in 0..NC {
+                a[h][k] = V::load(acc.add(h * d + w * (c0 + k)));
+            }
+        }
+        for i in 0..n {
+            let x: [V::F; NC] = std::array::from_fn(|k| V::row(r, i, c0 + k));
+            for h in 0..NH {
+                let wt = V::splat(*p.add(i * pstride + h));
+                for k in 0..NC {
+                    a[h][k] = V::fmadd(wt, x[k], a[h][k]);
+                }
+            }
+        }
+        for h in 0..NH {
+            for k in 0..NC {
+                V::store(acc.add(h * d + w * (c0 + k)), a[h][k]);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::Rows;
+    use crate::cpu::width::Avx2;
+    use std::arch::x86_64::*;
+
+    /// [`super::wide::dot`] on AVX2.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot<R: Rows, const NH: usize>(
         r: &R,
@@ -605,49 +795,10 @@ mod avx2 {
         out: *mut f32,
         ostride: usize,
     ) -> usize {
-        let chunks = d / 8;
-        let mut i = 0;
-        while i + 2 <= n {
-            let mut a0 = [_mm256_setzero_ps(); NH];
-            let mut a1 = [_mm256_setzero_ps(); NH];
-            for c in 0..chunks {
-                let x0 = r.get8(i, c);
-                let x1 = r.get8(i + 1, c);
-                for h in 0..NH {
-                    let qv = _mm256_loadu_ps(q.add(h * d + 8 * c));
-                    a0[h] = _mm256_fmadd_ps(qv, x0, a0[h]);
-                    a1[h] = _mm256_fmadd_ps(qv, x1, a1[h]);
-                }
-            }
-            if NH == 4 {
-                // Four heads' scores are adjacent in `out`: one tree, one store.
-                _mm_storeu_ps(out.add(i * ostride), hsum4(a0[0], a0[1], a0[2], a0[3]));
-                _mm_storeu_ps(out.add((i + 1) * ostride), hsum4(a1[0], a1[1], a1[2], a1[3]));
-            } else {
-                for h in 0..NH {
-                    *out.add(i * ostride + h) = hsum(a0[h]);
-                    *out.add((i + 1) * ostride + h) = hsum(a1[h]);
-                }
-            }
-            i += 2;
-        }
-        if i < n {
-            let mut a0 = [_mm256_setzero_ps(); NH];
-            for c in 0..chunks {
-                let x0 = r.get8(i, c);
-                for h in 0..NH {
-                    a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(h * d + 8 * c)), x0, a0[h]);
-                }
-            }
-            for h in 0..NH {
-                *out.add(i * ostride + h) = hsum(a0[h]);
-            }
-        }
-        NH
+        super::wide::dot::<Avx2, R, NH>(r, n, d, q, out, ostride)
     }
 
-    /// `acc += p * row` for `NH` heads: one chunk of 8 channels of every
-    /// head stays in registers while the rows stream past. Returns `NH`.
+    /// [`super::wide::axpy`] on AVX2.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn axpy<R: Rows, const NH: usize>(
         r: &R,
@@ -657,54 +808,7 @@ mod avx2 {
         pstride: usize,
         acc: *mut f32,
     ) -> usize {
-        // Two chunks at a time where there are two: 2 x NH FMA chains in
-        // flight (four chains leave half the FMA throughput idle behind
-        // their latency) and one weight broadcast per two FMAs.
-        let chunks = d / 8;
-        let mut c = 0;
-        while c < chunks {
-            if c + 2 <= chunks {
-                axpy_chunks::<R, NH, 2>(r, n, d, p, pstride, acc, c);
-                c += 2;
-            } else {
-                axpy_chunks::<R, NH, 1>(r, n, d, p, pstride, acc, c);
-                c += 1;
-            }
-        }
-        NH
-    }
-
-    /// Chunks `c0..c0 + NC` of `axpy`.
-    #[inline(always)]
-    unsafe fn axpy_chunks<R: Rows, const NH: usize, const NC: usize>(
-        r: &R,
-        n: usize,
-        d: usize,
-        p: *const f32,
-        pstride: usize,
-        acc: *mut f32,
-        c0: usize,
-    ) {
-        let mut a = [[_mm256_setzero_ps(); NC]; NH];
-        for h in 0..NH {
-            for k in 0..NC {
-                a[h][k] = _mm256_loadu_ps(acc.add(h * d + 8 * (c0 + k)));
-            }
-        }
-        for i in 0..n {
-            let x: [__m256; NC] = std::array::from_fn(|k| r.get8(i, c0 + k));
-            for h in 0..NH {
-                let w = _mm256_set1_ps(*p.add(i * pstride + h));
-                for k in 0..NC {
-                    a[h][k] = _mm256_fmadd_ps(w, x[k], a[h][k]);
-                }
-            }
-        }
-        for h in 0..NH {
-            for k in 0..NC {
-                _mm256_storeu_ps(acc.add(h * d + 8 * (c0 + k)), a[h][k]);
-            }
-        }
+        super::wide::axpy::<Avx2, R, NH>(r, n, d, p, pstride, acc)
     }
 
     /// Converts whole chunks of 8; returns how many values it converted.
@@ -725,12 +829,11 @@ mod avx2 {
 }
 
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::needless_range_loop)] // indexes walk arrays of registers in step
-mod avx512 {
+pub(crate) mod avx512 {
     use super::Rows;
-    use std::arch::x86_64::*;
+    use crate::cpu::width::Avx512;
 
-    /// As `avx2::dot`, 16 channels per instruction.
+    /// [`super::wide::dot`] on AVX-512.
     #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
     pub unsafe fn dot<R: Rows, const NH: usize>(
         r: &R,
@@ -740,51 +843,11 @@ mod avx512 {
         out: *mut f32,
         ostride: usize,
     ) -> usize {
-        let chunks = d / 16;
-        let mut i = 0;
-        while i + 2 <= n {
-            let mut a0 = [_mm512_setzero_ps(); NH];
-            let mut a1 = [_mm512_setzero_ps(); NH];
-            for c in 0..chunks {
-                let x0 = r.get16(i, c);
-                let x1 = r.get16(i + 1, c);
-                for h in 0..NH {
-                    let qv = _mm512_loadu_ps(q.add(h * d + 16 * c));
-                    a0[h] = _mm512_fmadd_ps(qv, x0, a0[h]);
-                    a1[h] = _mm512_fmadd_ps(qv, x1, a1[h]);
-                }
-            }
-            if NH == 4 {
-                let half = |v: __m512| _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v));
-                let s0 = super::avx2::hsum4(half(a0[0]), half(a0[1]), half(a0[2]), half(a0[3]));
-                let s1 = super::avx2::hsum4(half(a1[0]), half(a1[1]), half(a1[2]), half(a1[3]));
-                _mm_storeu_ps(out.add(i * ostride), s0);
-                _mm_storeu_ps(out.add((i + 1) * ostride), s1);
-            } else {
-                for h in 0..NH {
-                    *out.add(i * ostride + h) = _mm512_reduce_add_ps(a0[h]);
-                    *out.add((i + 1) * ostride + h) = _mm512_reduce_add_ps(a1[h]);
-                }
-            }
-            i += 2;
-        }
-        if i < n {
-            let mut a0 = [_mm512_setzero_ps(); NH];
-            for c in 0..chunks {
-                let x0 = r.get16(i, c);
-                for h in 0..NH {
-                    a0[h] = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(h * d + 16 * c)), x0, a0[h]);
-                }
-            }
-            for h in 0..NH {
-                *out.add(i * ostride + h) = _mm512_reduce_add_ps(a0[h]);
-            }
-        }
-        NH
+        super::wide::dot::<Avx512, R, NH>(r, n, d, q, out, ostride)
     }
 
-    /// As `avx2::axpy`, 16 channels per instruction.
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    /// [`super::wide::axpy`] on AVX-512.
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
     pub unsafe fn axpy<R: Rows, const NH: usize>(
         r: &R,
         n: usize,
@@ -793,51 +856,22 @@ mod avx512 {
         pstride: usize,
         acc: *mut f32,
     ) -> usize {
-        // As in `avx2::axpy`: two chunks at a time where there are two.
-        let chunks = d / 16;
-        let mut c = 0;
-        while c < chunks {
-            if c + 2 <= chunks {
-                axpy_chunks::<R, NH, 2>(r, n, d, p, pstride, acc, c);
-                c += 2;
-            } else {
-                axpy_chunks::<R, NH, 1>(r, n, d, p, pstride, acc, c);
-                c += 1;
-            }
-        }
-        NH
+        super::wide::axpy::<Avx512, R, NH>(r, n, d, p, pstride, acc)
     }
 
-    /// Chunks `c0..c0 + NC` of `axpy`.
-    #[inline(always)]
-    unsafe fn axpy_chunks<R: Rows, const NH: usize, const NC: usize>(
+    /// Four chunks of `NH` heads at a time (`dense.rs`: AVX-512 has the
+    /// registers for 16 accumulators); `d` a multiple of 64.
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
+    pub unsafe fn axpy4<R: Rows, const NH: usize>(
         r: &R,
         n: usize,
         d: usize,
         p: *const f32,
         pstride: usize,
         acc: *mut f32,
-        c0: usize,
     ) {
-        let mut a = [[_mm512_setzero_ps(); NC]; NH];
-        for h in 0..NH {
-            for k in 0..NC {
-                a[h][k] = _mm512_loadu_ps(acc.add(h * d + 16 * (c0 + k)));
-            }
-        }
-        for i in 0..n {
-            let x: [__m512; NC] = std::array::from_fn(|k| r.get16(i, c0 + k));
-            for h in 0..NH {
-                let w = _mm512_set1_ps(*p.add(i * pstride + h));
-                for k in 0..NC {
-                    a[h][k] = _mm512_fmadd_ps(w, x[k], a[h][k]);
-                }
-            }
-        }
-        for h in 0..NH {
-            for k in 0..NC {
-                _mm512_storeu_ps(acc.add(h * d + 16 * (c0 + k)), a[h][k]);
-            }
+        for c0 in (0..d / 16).step_by(4) {
+            super::wide::axpy_chunks::<Avx512, R, NH, 4>(r, n, d, p, pstride, acc, c0);
         }
     }
 }

@@ -14,6 +14,12 @@
 //!   multiply by `1 / s` would not), then round-to-nearest-even, clamp, and
 //!   `c = 0` where `s == 0`.
 //!
+//! Token-axis tensors with a codec pipeline (centering, Hadamard rotation,
+//! sparse outliers, Lloyd–Max levels) run here too ([`Pipeline`]): each row
+//! goes through `quant.rs`'s own transform, then outlier selection and
+//! Lloyd–Max groups re-derived the same way; [`lloyd_group`] says why its
+//! reordered f64 sums still give the oracle's bits.
+//!
 //! Codes are made one byte each and packed into words afterwards
 //! ([`pack_bytes`]), so one packer serves every instruction set.
 //!
@@ -23,9 +29,9 @@
 
 use super::simd::Isa;
 use crate::cache::RawRows;
-use crate::quant;
+use crate::quant::{self, GroupParams, TensorCodec};
 use kivi_spec::layout::TensorLayout;
-use kivi_spec::{Axis, Dtype, Quant, ScaleDtype};
+use kivi_spec::{Axis, Dtype, Levels, Norm, Quant, ScaleDtype};
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -114,6 +120,32 @@ pub(crate) struct Plan<'a> {
     pub quant: Option<Quant>,
     pub dtype: Dtype,
     pub isa: Isa,
+    /// The codec pipeline of a token-axis tensor that has one (centering,
+    /// rotation, sparse outliers, Lloyd–Max levels); `None` for plain
+    /// uniform codes and `full` rows.
+    pub pipeline: Option<Pipeline<'a>>,
+}
+
+/// A token-axis tensor's codec pipeline ([`pipeline_fits`]): each row is
+/// rounded here, then transformed, cleared of its outliers and (for
+/// Lloyd–Max levels) quantized by `quant.rs`'s own functions, call for call
+/// as the reference path does, only without a heap buffer per token.
+#[derive(Clone, Copy)]
+pub(crate) struct Pipeline<'a> {
+    pub codec: &'a TensorCodec,
+    /// The centering means, `[Hkv][D]`, once the sequence has them.
+    pub means: Option<&'a [f32]>,
+}
+
+/// Whether the writes take a pipeline tensor: token-axis groups (a row is
+/// quantized on its own, so no buffer of `G` rows) and at most
+/// [`quant::TOP_K_SMALL`] outliers a token (found without allocating).
+pub(crate) fn pipeline_fits(codec: &TensorCodec, d: usize) -> bool {
+    codec.quant.axis == Axis::Token
+        && codec.outliers <= quant::TOP_K_SMALL
+        && codec.outliers <= d
+        && d <= MAX_D
+        && codec.quant.bits <= 8
 }
 
 /// The instruction set a tensor's writes use: `cap` or the widest below it
@@ -199,13 +231,16 @@ fn job_body<L: Lanes>(plan: &Plan, rows: &Rows, job: &mut Job) -> bool {
     // One row of codes, padded with zeros to whole words.
     let mut codes = [0u8; MAX_D + 32];
     let padded = wpt * per;
+    if let Some(pipe) = plan.pipeline {
+        return pipeline_rows::<L>(plan, &pipe, &q, rows, job, &mut codes);
+    }
     match q.axis {
         Axis::Token => {
             for j in job.first..job.first + job.n {
                 let off = j % bt;
                 for hh in 0..h {
                     let part = &mut job.block[part_start(hh)..][..words];
-                    if !token_row::<L>(plan, &q, rows.row(j, hh), off, part, &mut codes) {
+                    if !token_row::<L>(plan, &q, rows.row(j, hh), off, part, &mut codes, None) {
                         return false;
                     }
                     codes[d..padded].fill(0);
@@ -227,9 +262,18 @@ fn job_body<L: Lanes>(plan: &Plan, rows: &Rows, job: &mut Job) -> bool {
 }
 
 /// Quantizes one row of token-axis groups into byte codes, writing the
-/// groups' parameters into `part`. `false`: a parameter overflows.
+/// groups' parameters into `part` (and, if given, into `params`, one a
+/// group). `false`: a parameter overflows.
 #[inline(always)]
-fn token_row<L: Lanes>(plan: &Plan, q: &Quant, src: Src, off: usize, part: &mut [u32], codes: &mut [u8]) -> bool {
+fn token_row<L: Lanes>(
+    plan: &Plan,
+    q: &Quant,
+    src: Src,
+    off: usize,
+    part: &mut [u32],
+    codes: &mut [u8],
+    mut params: Option<&mut [GroupParams]>,
+) -> bool {
     let tl = plan.tl;
     let g = q.group as usize;
     let maxc = q.max_code() as f32;
@@ -268,8 +312,293 @@ fn token_row<L: Lanes>(plan: &Plan, q: &Quant, src: Src, off: usize, part: &mut 
         let i = tl.param_index(off, c0);
         write_param::<L>(&mut part[tl.scales_offset..], i, p.scale, q.scale);
         write_param::<L>(&mut part[tl.zeros_offset..], i, p.zero, q.scale);
+        if let Some(ps) = params.as_deref_mut() {
+            ps[c0 / g] = p;
+        }
     }
     true
+}
+
+/// The rows of a pipeline tensor ([`Pipeline`]), token by token, every
+/// head of a token in turn: the reference path's steps (`quantize_range`
+/// in `cache.rs`) on a row in per-thread scratch. `false`: a parameter or
+/// an outlier's correction overflows (the reference path then says which).
+#[inline(always)]
+fn pipeline_rows<L: Lanes>(
+    plan: &Plan,
+    pipe: &Pipeline,
+    q: &Quant,
+    rows: &Rows,
+    job: &mut Job,
+    codes: &mut [u8],
+) -> bool {
+    // Grown once per thread: zeroing row-sized stack arrays on every call
+    // was most of an append's time.
+    let mut sc = PIPE_SCRATCH.take();
+    sc.row.resize(rows.d, 0.0);
+    sc.params.resize(rows.d, GroupParams { scale: 0.0, zero: 0.0 });
+    let ok = pipeline_body::<L>(plan, pipe, q, rows, job, codes, &mut sc);
+    PIPE_SCRATCH.set(sc);
+    ok
+}
+
+/// Per-thread scratch of [`pipeline_rows`]: one row and its groups'
+/// parameters.
+#[derive(Default)]
+struct PipeScratch {
+    row: Vec<f32>,
+    params: Vec<GroupParams>,
+}
+
+thread_local! {
+    static PIPE_SCRATCH: std::cell::Cell<PipeScratch> = std::cell::Cell::new(PipeScratch::default());
+}
+
+#[inline(always)]
+fn pipeline_body<L: Lanes>(
+    plan: &Plan,
+    pipe: &Pipeline,
+    q: &Quant,
+    rows: &Rows,
+    job: &mut Job,
+    codes: &mut [u8],
+    sc: &mut PipeScratch,
+) -> bool {
+    let tl = plan.tl;
+    let (h, d) = (rows.heads, rows.d);
+    let (bt, wpt) = (tl.block_tokens, tl.words_per_token);
+    let g = q.group as usize;
+    let padded = wpt * kivi_spec::layout::codes_per_word(q.bits);
+    let codec = pipe.codec;
+    let PipeScratch { row, params } = sc;
+    let mut idx = [0usize; quant::TOP_K_SMALL];
+    let mut orig = [0f32; quant::TOP_K_SMALL];
+    let mut corr = [0f32; quant::TOP_K_SMALL];
+    for j in job.first..job.first + job.n {
+        let off = j % bt;
+        for hh in 0..h {
+            let r = &mut row[..d];
+            load_row::<L>(rows.row(j, hh), plan.dtype, r);
+            codec.forward(r, pipe.means.map(|m| &m[hh * d..(hh + 1) * d]));
+            let no = take_outliers::<L>(codec, r, &mut idx, &mut orig);
+            let part = &mut job.block[hh * plan.head_words + plan.offset..][..tl.words];
+            if q.has_zeros() {
+                if !token_row::<L>(plan, q, Src::Stored(r), off, part, codes, Some(params)) {
+                    return false;
+                }
+            } else {
+                for c0 in (0..d).step_by(g) {
+                    let s = lloyd_group::<L>(q, &r[c0..c0 + g], &mut codes[c0..c0 + g]);
+                    if !s.is_finite() {
+                        return false;
+                    }
+                    params[c0 / g] = GroupParams { scale: s, zero: 0.0 };
+                    let i = tl.param_index(off, c0);
+                    write_param::<L>(&mut part[tl.scales_offset..], i, s, q.scale);
+                }
+            }
+            codes[d..padded].fill(0);
+            pack_bytes(&codes[..padded], q.bits, &mut part[off * wpt..(off + 1) * wpt]);
+            if tl.outliers > 0 {
+                for i in 0..no {
+                    let c = idx[i];
+                    let deq = quant::dequantize(codes[c] as u32, params[c / g], q);
+                    match codec.correction(orig[i], deq) {
+                        Some(x) => corr[i] = x,
+                        None => return false,
+                    }
+                }
+                let iw = &mut part[tl.outlier_idx_offset + off * tl.outlier_idx_words..][..tl.outlier_idx_words];
+                for (w, pair) in iw.iter_mut().zip(idx[..no].chunks(2)) {
+                    *w = pair[0] as u32 | (pair.get(1).map_or(0, |x| *x as u32) << 16);
+                }
+                let vw = &mut part[tl.outlier_val_offset + off * tl.outlier_val_words..][..tl.outlier_val_words];
+                store_row_words::<L>(Src::Stored(&corr[..no]), plan.dtype, vw);
+            }
+        }
+    }
+    true
+}
+
+/// `TensorCodec::take_outliers_small`, the same selection, [`Lanes::N`]
+/// values at a time: a value enters the kept `k` only when its magnitude
+/// is above the k-th best's (ties go to the lower channel, met first), and
+/// that bar only rises, so the lanes not above it when their vector is
+/// looked at could never enter; the others are offered to the scalar rule
+/// one by one, in channel order. For magnitudes (sign bit clear, NaN
+/// included) `total_cmp` is the order of the bits as integers.
+#[inline(always)]
+fn take_outliers<L: Lanes>(
+    codec: &TensorCodec,
+    row: &mut [f32],
+    idx: &mut [usize; quant::TOP_K_SMALL],
+    vals: &mut [f32; quant::TOP_K_SMALL],
+) -> usize {
+    let k = codec.outliers.min(quant::TOP_K_SMALL);
+    let d = row.len();
+    if k == 0 || d < k + L::N || L::N == 1 {
+        return codec.take_outliers_small(row, idx, vals);
+    }
+    // (magnitude bits, channel), best first.
+    let mut best = [(0u32, 0usize); quant::TOP_K_SMALL + 1];
+    let mut len = 0;
+    let offer = |best: &mut [(u32, usize); quant::TOP_K_SMALL + 1], len: &mut usize, a: u32, i: usize| {
+        if *len == k && a <= best[*len - 1].0 {
+            return;
+        }
+        let at = best[..*len].partition_point(|b| b.0 >= a);
+        best.copy_within(at..*len, at + 1);
+        best[at] = (a, i);
+        *len = (*len + 1).min(k);
+    };
+    let mut c = 0;
+    while c < d {
+        if len == k && c + L::N <= d {
+            // SAFETY: `c + N <= d`.
+            let mut m = unsafe { L::above(row.as_ptr().add(c), best[len - 1].0) };
+            while m != 0 {
+                let i = c + m.trailing_zeros() as usize;
+                offer(&mut best, &mut len, row[i].to_bits() & 0x7fff_ffff, i);
+                m &= m - 1;
+            }
+            c += L::N;
+        } else {
+            offer(&mut best, &mut len, row[c].to_bits() & 0x7fff_ffff, c);
+            c += 1;
+        }
+    }
+    for (o, b) in idx.iter_mut().zip(&best[..len]) {
+        *o = b.1;
+    }
+    idx[..len].sort_unstable();
+    for (v, &i) in vals.iter_mut().zip(&idx[..len]) {
+        *v = std::mem::replace(&mut row[i], 0.0);
+    }
+    len
+}
+
+/// `quant::lloyd_group` of one group `x`, codes a byte each into `codes`;
+/// the stored norm returned. Bit for bit the oracle's, by this argument:
+///
+/// The oracle sums `ss = sum x_i^2` and `lc = sum L[c_i]^2` in f64, one
+/// addition after another in channel order: a dependent chain, the bulk of
+/// a group's time. Every term is exact (an f32 squared fits an f64), and
+/// the terms are not negative, so any order of summation is within
+/// `gamma_(n-1) = (n-1)u / (1 - (n-1)u)` (u = 2^-53) of the exact sum,
+/// relative to it (Higham, *Accuracy and Stability*, 4.2); two orders are
+/// within `2 gamma_(n-1) / (1 - gamma_(n-1)) < 2^-41` of each other, relative
+/// to either, for groups up to 1024 values. Here the sums are taken in
+/// vector lanes; `lo`/`hi` widen them by `2^-40` either way, so the oracle's
+/// chained sums lie in `[lo, hi]`. What is stored — `rms = f16(f32(sqrt(ss
+/// / n)))` and, for `l2`, `s = f16(f32(sqrt(ss / lc)))` — is a composition
+/// of IEEE operations each monotone in `ss` (and antitone in `lc`), so when
+/// the two ends of the interval give the same stored value, so does every
+/// point between them, the oracle's sums included; when they do not (a
+/// value a hair from a rounding boundary), the chains are summed in the
+/// oracle's order. `ss == 0` exactly when every `x` is 0 in both orders
+/// (a nonzero square is at least 2^-298, far above f64's least value).
+/// The codes depend only on the stored `rms` (`y = x / rms`, an IEEE
+/// division in every lane, compared with the thresholds exactly).
+#[inline(always)]
+fn lloyd_group<L: Lanes>(q: &Quant, x: &[f32], codes: &mut [u8]) -> f32 {
+    let Levels::LloydMax(norm) = q.levels else {
+        unreachable!("lloyd_group on uniform levels")
+    };
+    let levels = kivi_spec::lloyd_max_levels(q.bits).expect("validated: lloyd_max bits have a table");
+    let g = x.len();
+    let nt = levels.len() - 1;
+    let mut thresholds = [0f32; 15];
+    for (t, w) in thresholds.iter_mut().zip(levels.windows(2)) {
+        *t = (w[0] + w[1]) * 0.5;
+    }
+    const WIDEN: f64 = 1.0 / (1u64 << 40) as f64;
+    let seq_ss = || x.iter().fold(0f64, |a, v| a + (*v as f64) * (*v as f64));
+    let ss_fast = sum_squares(x);
+    let rms_of = |ss: f64| quant::round_to_scale((ss / g as f64).sqrt() as f32, q.scale);
+    let (ss_lo, ss_hi) = (ss_fast - ss_fast * WIDEN, ss_fast + ss_fast * WIDEN);
+    let mut ss = None;
+    let rms = if rms_of(ss_lo) == rms_of(ss_hi) {
+        rms_of(ss_fast)
+    } else {
+        let exact = seq_ss();
+        ss = Some(exact);
+        rms_of(exact)
+    };
+    let mut c = 0;
+    while c + L::N <= g {
+        // SAFETY: `c + N <= g` values in the group and codes.
+        unsafe { L::lloyd_codes(x.as_ptr().add(c), rms, &thresholds[..nt], codes.as_mut_ptr().add(c)) };
+        c += L::N;
+    }
+    for i in c..g {
+        let y = if rms == 0.0 { 0.0 } else { x[i] / rms };
+        codes[i] = thresholds[..nt].iter().filter(|t| y > **t).count() as u8;
+    }
+    match norm {
+        Norm::Rms => rms,
+        Norm::L2 => {
+            // Codes counted, then `sum count_k * L_k^2`: 16 roundings at
+            // most, within the same bound.
+            // One vectorised count per level: a histogram's increments of
+            // the same counter wait on each other.
+            let mut count = [0u32; 16];
+            for (k, n) in count.iter_mut().enumerate().take(levels.len()) {
+                *n = codes[..g].iter().filter(|c| **c as usize == k).count() as u32;
+            }
+            let lsq = |k: usize| (levels[k] as f64).powi(2);
+            let lc_fast: f64 = (0..levels.len()).map(|k| count[k] as f64 * lsq(k)).sum();
+            let s_of = |ss: f64, lc: f64| {
+                if lc == 0.0 || ss == 0.0 {
+                    0.0
+                } else {
+                    quant::round_to_scale((ss / lc).sqrt() as f32, q.scale)
+                }
+            };
+            if ss_fast == 0.0 {
+                return 0.0;
+            }
+            let (lc_lo, lc_hi) = (lc_fast - lc_fast * WIDEN, lc_fast + lc_fast * WIDEN);
+            if ss.is_none() && s_of(ss_lo, lc_hi) == s_of(ss_hi, lc_lo) {
+                return s_of(ss_fast, lc_fast);
+            }
+            let ss = ss.unwrap_or_else(seq_ss);
+            let lc = codes[..g].iter().fold(0f64, |a, c| a + lsq(*c as usize));
+            s_of(ss, lc)
+        }
+    }
+}
+
+/// `sum x_i^2` in f64, eight running sums (any order will do: see
+/// [`lloyd_group`]).
+#[inline(always)]
+fn sum_squares(x: &[f32]) -> f64 {
+    let mut acc = [0f64; 8];
+    let mut chunks = x.chunks_exact(8);
+    for ch in &mut chunks {
+        for (a, v) in acc.iter_mut().zip(ch) {
+            *a += (*v as f64) * (*v as f64);
+        }
+    }
+    let mut s = acc.iter().sum::<f64>();
+    for v in chunks.remainder() {
+        s += (*v as f64) * (*v as f64);
+    }
+    s
+}
+
+/// A row rounded to the activation dtype, as f32.
+#[inline(always)]
+fn load_row<L: Lanes>(src: Src, dtype: Dtype, out: &mut [f32]) {
+    let d = out.len();
+    let mut c = 0;
+    while c + L::N <= d {
+        // SAFETY: `c + N <= d` values in the row and in `out`.
+        unsafe { L::store(L::load(src, c, dtype), out.as_mut_ptr().add(c)) };
+        c += L::N;
+    }
+    for (i, o) in out.iter_mut().enumerate().skip(c) {
+        *o = scalar_at(src, i, dtype);
+    }
 }
 
 /// The channel-axis groups of a job (whole groups: blocks hold whole
@@ -642,6 +971,12 @@ trait Lanes {
     unsafe fn f16_bits(x: f32) -> u16;
     /// `encode` of every lane, one code a byte at `out`.
     unsafe fn encode(x: Self::F, zero: Self::F, scale: Self::F, max_code: f32, out: *mut u8);
+    /// Lloyd–Max codes of the `N` values at `x`, one a byte at `out`: the
+    /// number of `thresholds` below `x / rms` (`0` when `rms == 0`).
+    unsafe fn lloyd_codes(x: *const f32, rms: f32, thresholds: &[f32], out: *mut u8);
+    /// Bit `i` set where the magnitude of value `i` at `x` (its bits, sign
+    /// cleared, as an integer) is above `bar`.
+    unsafe fn above(x: *const f32, bar: u32) -> u32;
     /// 16-bit storage of values already representable in `dtype`.
     unsafe fn store16(x: Self::F, out: *mut u16, dtype: Dtype);
     unsafe fn all_true() -> Self::M;
@@ -718,6 +1053,15 @@ impl Lanes for Scalar {
     unsafe fn encode(x: f32, zero: f32, scale: f32, max_code: f32, out: *mut u8) {
         let p = quant::GroupParams { scale, zero };
         *out = quant::encode(x, p, max_code as u32) as u8;
+    }
+    #[inline(always)]
+    unsafe fn lloyd_codes(x: *const f32, rms: f32, thresholds: &[f32], out: *mut u8) {
+        let y = if rms == 0.0 { 0.0 } else { *x / rms };
+        *out = thresholds.iter().filter(|t| y > **t).count() as u8;
+    }
+    #[inline(always)]
+    unsafe fn above(x: *const f32, bar: u32) -> u32 {
+        ((*x).to_bits() & 0x7fff_ffff > bar) as u32
     }
     #[inline(always)]
     unsafe fn store16(x: f32, out: *mut u16, dtype: Dtype) {
@@ -854,6 +1198,28 @@ impl Lanes for Avx512 {
         let nz = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(scale, _mm512_setzero_ps());
         let c = _mm512_maskz_mov_epi32(nz, _mm512_cvttps_epi32(r));
         _mm_storeu_si128(out as *mut __m128i, _mm512_cvtepi32_epi8(c));
+    }
+    #[inline(always)]
+    unsafe fn lloyd_codes(x: *const f32, rms: f32, thresholds: &[f32], out: *mut u8) {
+        // `y = 0` when `rms == 0`: then no threshold below 0 counts for
+        // the lane, as in the scalar rule (the thresholds are symmetric,
+        // but nothing here relies on it).
+        let y = if rms == 0.0 {
+            _mm512_setzero_ps()
+        } else {
+            _mm512_div_ps(_mm512_loadu_ps(x), _mm512_set1_ps(rms))
+        };
+        let mut c = _mm512_setzero_si512();
+        for t in thresholds {
+            let m = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(y, _mm512_set1_ps(*t));
+            c = _mm512_mask_sub_epi32(c, m, c, _mm512_set1_epi32(-1));
+        }
+        _mm_storeu_si128(out as *mut __m128i, _mm512_cvtepi32_epi8(c));
+    }
+    #[inline(always)]
+    unsafe fn above(x: *const f32, bar: u32) -> u32 {
+        let a = _mm512_and_si512(_mm512_loadu_si512(x as *const _), _mm512_set1_epi32(0x7fff_ffff));
+        _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(bar as i32)) as u32
     }
     #[inline(always)]
     unsafe fn store16(x: __m512, out: *mut u16, dtype: Dtype) {
@@ -995,6 +1361,30 @@ impl Lanes for Avx2 {
         _mm_storel_epi64(out as *mut __m128i, _mm_packus_epi16(w, w));
     }
     #[inline(always)]
+    unsafe fn lloyd_codes(x: *const f32, rms: f32, thresholds: &[f32], out: *mut u8) {
+        let y = if rms == 0.0 {
+            _mm256_setzero_ps()
+        } else {
+            _mm256_div_ps(_mm256_loadu_ps(x), _mm256_set1_ps(rms))
+        };
+        let mut c = _mm256_setzero_si256();
+        for t in thresholds {
+            // All ones (-1) where `y > t`: subtracting it counts.
+            let m = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GT_OQ>(y, _mm256_set1_ps(*t)));
+            c = _mm256_sub_epi32(c, m);
+        }
+        let w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256::<1>(c));
+        _mm_storel_epi64(out as *mut __m128i, _mm_packus_epi16(w, w));
+    }
+    #[inline(always)]
+    unsafe fn above(x: *const f32, bar: u32) -> u32 {
+        // Magnitudes and the bar are below 2^31: a signed compare is the
+        // unsigned one.
+        let a = _mm256_and_si256(_mm256_loadu_si256(x as *const __m256i), _mm256_set1_epi32(0x7fff_ffff));
+        let m = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(bar as i32));
+        _mm256_movemask_ps(_mm256_castsi256_ps(m)) as u32
+    }
+    #[inline(always)]
     unsafe fn store16(x: __m256, out: *mut u16, dtype: Dtype) {
         let h = match dtype {
             Dtype::Bf16 => {
@@ -1028,6 +1418,164 @@ impl Lanes for Avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kivi_spec::Axis;
+
+    fn isas() -> Vec<Isa> {
+        let mut v = vec![Isa::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if avx2_ok() {
+                v.push(Isa::Avx2);
+            }
+            if avx2_ok() && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
+                v.push(Isa::Avx512);
+            }
+        }
+        v
+    }
+
+    fn lloyd_on(isa: Isa, q: &Quant, x: &[f32], codes: &mut [u8]) -> f32 {
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `isas` found the features.
+            Isa::Avx512 => unsafe { lloyd_avx512(q, x, codes) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Isa::Avx2 => unsafe { lloyd_avx2(q, x, codes) },
+            _ => lloyd_group::<Scalar>(q, x, codes),
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+    unsafe fn lloyd_avx512(q: &Quant, x: &[f32], codes: &mut [u8]) -> f32 {
+        lloyd_group::<Avx512>(q, x, codes)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn lloyd_avx2(q: &Quant, x: &[f32], codes: &mut [u8]) -> f32 {
+        lloyd_group::<Avx2>(q, x, codes)
+    }
+
+    /// Groups whose stored norm sits exactly on a rounding boundary (the
+    /// fast sums' interval straddles it, so the oracle's chains decide),
+    /// and random ones of every scale: the same norm and codes as
+    /// `quant::lloyd_group`, on every instruction set.
+    #[test]
+    fn lloyd_group_is_the_oracles() {
+        let mut seed = 0x1d_2024u32;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            seed
+        };
+        let mut cases = 0;
+        for bits in 1..=4u32 {
+            for norm in [Norm::Rms, Norm::L2] {
+                for scale in [ScaleDtype::F16, ScaleDtype::F32] {
+                    for g in [16usize, 32, 48, 256] {
+                        let q = Quant {
+                            bits,
+                            axis: Axis::Token,
+                            group: g as u32,
+                            scale,
+                            levels: Levels::LloydMax(norm),
+                        };
+                        for case in 0..40 {
+                            let x: Vec<f32> = (0..g)
+                                .map(|i| match case % 4 {
+                                    // all equal to an f16 midpoint: rms is exactly a tie
+                                    0 => (1.0 + 1.0 / 2048.0) * if i % 2 == 0 { 1.0 } else { -1.0 },
+                                    1 => 0.0,
+                                    // sqrt(ss / g) a hair above the f32 midpoint 1 + 2^-24:
+                                    // the fast sums cannot tell which way it rounds
+                                    2 if i == 0 => 1.0 + g as f32 / (1u32 << 24) as f32,
+                                    2 => 1.0,
+                                    _ => {
+                                        let m = (next() >> 9) as f32 / (1u32 << 23) as f32 - 0.5;
+                                        m * [1e-3f32, 1.0, 37.0][case % 3]
+                                    }
+                                })
+                                .collect();
+                            let mut want = vec![0u32; g];
+                            let s = quant::lloyd_group(&x, &q, &mut want);
+                            for isa in isas() {
+                                let mut got = vec![0u8; g];
+                                let t = lloyd_on(isa, &q, &x, &mut got);
+                                assert_eq!(t.to_bits(), s.to_bits(), "{bits} {norm:?} g{g} case {case} {isa:?}");
+                                assert!(got.iter().zip(&want).all(|(a, b)| *a as u32 == *b));
+                                cases += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(cases >= 1280);
+    }
+
+    /// The vector-prefiltered outlier selection against the scalar one:
+    /// ties, zeros of both signs, rising and falling magnitudes.
+    #[test]
+    fn outliers_are_the_oracles() {
+        let mut seed = 0x0071_1e50u32;
+        for k in [1usize, 2, 4, 16] {
+            let codec = TensorCodec {
+                quant: Quant::uniform(2, Axis::Token, 16, ScaleDtype::F16),
+                dtype: Dtype::F16,
+                rotation: None,
+                outliers: k,
+                center: None,
+            };
+            for n in [k, 17, 40, 64, 256] {
+                for case in 0..6 {
+                    let row: Vec<f32> = (0..n)
+                        .map(|i| {
+                            seed ^= seed << 13;
+                            seed ^= seed >> 17;
+                            seed ^= seed << 5;
+                            match case {
+                                0 => [0.0, -0.0, 1.0, -1.0, 2.5, -2.5][(seed % 6) as usize],
+                                1 => i as f32,
+                                2 => -(n as f32) + i as f32,
+                                _ => (seed >> 8) as f32 / 65536.0 - 128.0,
+                            }
+                        })
+                        .collect();
+                    let (mut wi, mut wv) = ([0usize; 16], [0f32; 16]);
+                    let mut want_row = row.clone();
+                    let nw = codec.take_outliers_small(&mut want_row, &mut wi, &mut wv);
+                    for isa in isas() {
+                        let (mut gi, mut gv) = ([0usize; 16], [0f32; 16]);
+                        let mut got_row = row.clone();
+                        let ng = match isa {
+                            #[cfg(target_arch = "x86_64")]
+                            // SAFETY: `isas` found the features.
+                            Isa::Avx512 => unsafe { outl_avx512(&codec, &mut got_row, &mut gi, &mut gv) },
+                            #[cfg(target_arch = "x86_64")]
+                            // SAFETY: as above.
+                            Isa::Avx2 => unsafe { outl_avx2(&codec, &mut got_row, &mut gi, &mut gv) },
+                            _ => take_outliers::<Scalar>(&codec, &mut got_row, &mut gi, &mut gv),
+                        };
+                        let what = format!("k{k} n{n} case {case} {isa:?}");
+                        assert_eq!((ng, &gi[..ng]), (nw, &wi[..nw]), "{what}");
+                        assert!(gv[..ng].iter().zip(&wv[..nw]).all(|(a, b)| a.to_bits() == b.to_bits()));
+                        assert!(got_row.iter().zip(&want_row).all(|(a, b)| a.to_bits() == b.to_bits()));
+                    }
+                }
+            }
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+    unsafe fn outl_avx512(c: &TensorCodec, r: &mut [f32], i: &mut [usize; 16], v: &mut [f32; 16]) -> usize {
+        take_outliers::<Avx512>(c, r, i, v)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn outl_avx2(c: &TensorCodec, r: &mut [f32], i: &mut [usize; 16], v: &mut [f32; 16]) -> usize {
+        take_outliers::<Avx2>(c, r, i, v)
+    }
 
     #[test]
     fn pack_bytes_is_quant_pack() {
