@@ -184,8 +184,19 @@ impl Backend for ReferenceBackend {
         check_window(cache, seqs.iter().copied(), attn)?;
         let mut out = Vec::with_capacity(q.len());
         for (b, &s) in seqs.iter().enumerate() {
-            let k = cache.dequantize(s, Tensor::Key)?;
             let v = cache.dequantize(s, Tensor::Value)?;
+            if cache.scheme().query.is_some() {
+                let keys = reference::KeyCodes::from_cache(cache, s)?;
+                out.extend(reference::decode_attention_int8(
+                    cache.scheme(),
+                    &q[b * per..(b + 1) * per],
+                    &keys,
+                    &v,
+                    attn,
+                )?);
+                continue;
+            }
+            let k = cache.dequantize(s, Tensor::Key)?;
             out.extend(reference::decode_attention(
                 cache.scheme(),
                 &q[b * per..(b + 1) * per],
@@ -203,6 +214,9 @@ impl Backend for ReferenceBackend {
     /// views after every append the stored ones; then
     /// [`reference::block_attention_views`].
     fn attend_block(&self, cache: &mut PagedCache, blocks: &[NewTokens], attn: AttnParams) -> Result<Vec<f32>> {
+        if let Some(r) = int8_blocks(self, cache, blocks, attn) {
+            return r;
+        }
         let ns = check_blocks(cache, blocks)?;
         check_window(cache, blocks.iter().map(|b| b.seq), attn)?;
         let mut checkpoints = Vec::with_capacity(blocks.len());
@@ -279,4 +293,50 @@ pub(crate) fn undo(cache: &mut PagedCache, checkpoints: Vec<crate::cache::Checkp
     for cp in checkpoints.into_iter().rev() {
         cache.restore(cp);
     }
+}
+
+/// Many-query attention for a scheme with an integer-domain query
+/// (`query: int8(...)`), by its streaming definition
+/// ([`reference::block_attention_streaming`]): each new token is appended
+/// and its query decoded with `b` over the first `past + i + 1` tokens.
+/// A stored token never changes, so this is the many-query meaning of the
+/// scheme (docs/semantics.md, "Many new queries"); it costs a decode per
+/// query, which the CPU's block path (`cpu/block.rs`, f32 query) avoids.
+/// `None` for other schemes. All or nothing, like every `attend_block`.
+pub(crate) fn int8_blocks(
+    b: &dyn Backend,
+    cache: &mut PagedCache,
+    blocks: &[NewTokens],
+    attn: AttnParams,
+) -> Option<Result<Vec<f32>>> {
+    cache.scheme().query?;
+    let run = |cache: &mut PagedCache| -> Result<Vec<f32>> {
+        let ns = check_blocks(cache, blocks)?;
+        check_window(cache, blocks.iter().map(|b| b.seq), attn)?;
+        let shape = cache.shape();
+        let (qrow, kvrow) = (shape.q_heads * shape.head_dim, shape.kv_heads * shape.head_dim);
+        let mut checkpoints = Vec::with_capacity(blocks.len());
+        let mut out = Vec::new();
+        for (i, (blk, &n)) in blocks.iter().zip(&ns).enumerate() {
+            let mut step = || -> Result<()> {
+                checkpoints.push(cache.checkpoint(blk.seq)?);
+                for j in 0..n {
+                    let kv = j * kvrow..(j + 1) * kvrow;
+                    cache.append(blk.seq, &blk.k[kv.clone()], &blk.v[kv])?;
+                    out.extend(b.decode(cache, &[blk.seq], &blk.q[j * qrow..(j + 1) * qrow], attn)?);
+                }
+                Ok(())
+            };
+            if let Err(e) = step() {
+                undo(cache, checkpoints);
+                return Err(Error::InSequence {
+                    seq: i,
+                    source: Box::new(e),
+                });
+            }
+        }
+        evict_after_blocks(cache, blocks)?;
+        Ok(out)
+    };
+    Some(run(cache))
 }

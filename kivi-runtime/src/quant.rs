@@ -573,6 +573,41 @@ pub fn from_bits_16(b: u16, dtype: Dtype) -> f32 {
     }
 }
 
+/// The integer-domain query of `query: int8(group = G)` (see
+/// [`kivi_spec::QueryQuant`]): per block of `group` consecutive values of
+/// `w` (the folded query `q_d s_d`), with `m = max |w|`: the scale
+/// `a = m / 127` and the codes `qi = clamp(round_ties_even(w * (127 / m)),
+/// -127, 127)`, or all zeros where `m == 0`. Writes `codes` (`w.len()`) and
+/// `scales` (`w.len() / group`).
+///
+/// Every kernel computes exactly these f32 operations (a maximum, two
+/// divisions per block, one product per value, ties to even), so the codes
+/// and scales are bit-identical everywhere and the integer sums exact. A
+/// product by the block's reciprocal rather than a division per value: the
+/// division cost more than the integer dot products of a group on the CPU.
+///
+/// ```
+/// let mut c = [0i8; 4];
+/// let mut a = [0f32; 1];
+/// kivi_runtime::quant::quantize_query(&[1.0, -0.5, 0.25, 0.0], 4, &mut c, &mut a);
+/// assert_eq!(c, [127, -64, 32, 0]); // -63.5 and 31.75 round to -64 and 32
+/// assert_eq!(a[0], 1.0 / 127.0);
+/// ```
+pub fn quantize_query(w: &[f32], group: usize, codes: &mut [i8], scales: &mut [f32]) {
+    for ((wb, cb), a) in w.chunks(group).zip(codes.chunks_mut(group)).zip(scales.iter_mut()) {
+        let m = wb.iter().fold(0f32, |m, x| m.max(x.abs()));
+        *a = m / 127.0;
+        let inv = 127.0 / m;
+        for (c, x) in cb.iter_mut().zip(wb) {
+            *c = if m == 0.0 {
+                0
+            } else {
+                (x * inv).round_ties_even().clamp(-127.0, 127.0) as i8
+            };
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

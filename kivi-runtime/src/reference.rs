@@ -265,9 +265,229 @@ pub fn decode_attention(s: &Scheme, q: &[f32], k: &[f32], v: &[f32], params: Att
 /// The whole oracle for one sequence: fill a cache with `k`, `v`
 /// (`[T, Hkv, D]`) and attend with `q` (`[Hq, D]`).
 pub fn attend(s: &Scheme, q: &[f32], k: &[f32], v: &[f32], params: AttnParams) -> Result<Vec<f32>> {
-    let kv = cache_view(s, Tensor::Key, k)?;
     let vv = cache_view(s, Tensor::Value, v)?;
+    if s.query.is_some() {
+        let keys = KeyCodes::of(s, k)?;
+        return decode_attention_int8(s, q, &keys, &vv, params);
+    }
+    let kv = cache_view(s, Tensor::Key, k)?;
     decode_attention(s, q, &kv, &vv, params)
+}
+
+/// The keys as the integer-domain decode (`query: int8(group = G)`) reads
+/// them: per token and KV head, either the stored codes with their
+/// channel's scale and zero point, or (sinks, window) the full-precision
+/// row. All arrays are `[T, Hkv, D]`; `coded` is `[T]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KeyCodes {
+    pub coded: Vec<bool>,
+    pub codes: Vec<u8>,
+    pub scale: Vec<f32>,
+    pub zero: Vec<f32>,
+    /// Full-precision rows (rounded to the activation dtype) where not
+    /// coded; zeros where coded.
+    pub rows: Vec<f32>,
+}
+
+impl KeyCodes {
+    /// Quantizes the keys `k` (`[T, Hkv, D]`) as the cache stores them:
+    /// DESIGN.md §3 channel-axis groups of `G` tokens after the sinks
+    /// (`validate` admits only plain uniform channel-axis keys here).
+    pub fn of(s: &Scheme, k: &[f32]) -> Result<KeyCodes> {
+        let shape = shape_of(s)?;
+        let (h, d) = (shape.kv_heads, shape.head_dim);
+        let q = match s.key.quant() {
+            Some(q) if q.axis == Axis::Channel => *q,
+            _ => {
+                return Err(Error::Scheme(
+                    kivi_spec::validate(s).err().unwrap_or_else(not_int8_keys),
+                ))
+            }
+        };
+        if !k.len().is_multiple_of(h * d) {
+            return Err(Error::Shape {
+                what: "key length",
+                expected: format!("a multiple of {} (heads x head_dim)", h * d),
+                got: k.len().to_string(),
+            });
+        }
+        let tokens = k.len() / (h * d);
+        let x = round_inputs(s, "key", k, h, d)?;
+        let r = regions(s, Tensor::Key, tokens);
+        let n = tokens * h * d;
+        let mut kc = KeyCodes {
+            coded: (0..tokens).map(|t| t >= r.sinks && t < r.sinks + r.quantized).collect(),
+            codes: vec![0; n],
+            scale: vec![0.0; n],
+            zero: vec![0.0; n],
+            rows: x.clone(),
+        };
+        let g = q.group as usize;
+        let (mut vals, mut codes) = (vec![0f32; g], vec![0u32; g]);
+        let at = |tok: usize, head: usize, ch: usize| (tok * h + head) * d + ch;
+        for t0 in (r.sinks..r.sinks + r.quantized).step_by(g) {
+            for head in 0..h {
+                for ch in 0..d {
+                    for i in 0..g {
+                        vals[i] = x[at(t0 + i, head, ch)];
+                    }
+                    let (p, lo, hi) = quantize_group(&vals, &q, &mut codes);
+                    if !p.is_finite() {
+                        return Err(Error::ScaleOverflow {
+                            tensor: "key",
+                            token: t0,
+                            head,
+                            channel: ch,
+                            lo,
+                            hi,
+                            dtype: q.scale.name(),
+                        });
+                    }
+                    for (i, &c) in codes.iter().enumerate() {
+                        let j = at(t0 + i, head, ch);
+                        (kc.codes[j], kc.scale[j], kc.zero[j]) = (c as u8, p.scale, p.zero);
+                        kc.rows[j] = 0.0;
+                    }
+                }
+            }
+        }
+        Ok(kc)
+    }
+
+    /// The codes a paged cache holds for sequence `seq`, read from its
+    /// blocks (for the reference backend; agrees with [`KeyCodes::of`] on
+    /// the same inputs, which a test checks).
+    pub fn from_cache(cache: &crate::cache::PagedCache, seq: crate::cache::SeqId) -> Result<KeyCodes> {
+        let s = cache.scheme();
+        let (h, d) = (cache.shape().kv_heads, cache.shape().head_dim);
+        let Some(q) = s.key.quant().copied() else {
+            return Err(Error::Scheme(not_int8_keys()));
+        };
+        let rows = cache.dequantize(seq, Tensor::Key)?;
+        let view = cache.view(seq)?;
+        let tl = cache.layout().key;
+        let tokens = view.tokens();
+        let mut kc = KeyCodes {
+            coded: vec![false; tokens],
+            codes: vec![0; rows.len()],
+            scale: vec![0.0; rows.len()],
+            zero: vec![0.0; rows.len()],
+            rows,
+        };
+        for p in 0..tokens {
+            let crate::cache::Loc::Block(b, off) = view.locate(Tensor::Key, p) else {
+                continue;
+            };
+            kc.coded[p] = true;
+            for head in 0..h {
+                let part = view.block_part(b, head, Tensor::Key);
+                let row = &part[off * tl.words_per_token..][..tl.words_per_token];
+                for ch in 0..d {
+                    let j = (p * h + head) * d + ch;
+                    let gp = crate::cache::params_at(&tl, part, &q, off, ch);
+                    kc.codes[j] = crate::quant::unpack_one(row, q.bits, ch) as u8;
+                    (kc.scale[j], kc.zero[j], kc.rows[j]) = (gp.scale, gp.zero, 0.0);
+                }
+            }
+        }
+        Ok(kc)
+    }
+}
+
+fn not_int8_keys() -> kivi_spec::Invalid {
+    kivi_spec::Invalid::new(
+        kivi_spec::Field::Query,
+        "query: int8(...) needs channel-axis uniform keys of 2 or 4 bits",
+    )
+}
+
+/// Decode attention with the integer-domain query of `query: int8(group =
+/// G)` ([`kivi_spec::QueryQuant`]). As [`decode_attention`], except that
+/// the score of a coded key token is
+/// `sum_blocks a * (sum_d qi_d c_td) + sum_d qs_d z_d`, where `qs` is the
+/// query rounded to the activation dtype times the softmax scale (in f32),
+/// `w_d = qs_d s_td` and `qi`, `a` = [`quantize_query`](crate::quant::quantize_query)
+/// of `w`. Sinks and window tokens are scored exactly, `(q . k) * scale`.
+pub fn decode_attention_int8(
+    s: &Scheme,
+    q: &[f32],
+    keys: &KeyCodes,
+    v: &[f32],
+    params: AttnParams,
+) -> Result<Vec<f32>> {
+    let shape = shape_of(s)?;
+    let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+    let Some(qq) = s.query else {
+        return decode_attention(s, q, &keys.rows, v, params);
+    };
+    let gq = qq.group as usize;
+    if q.len() != hq * d {
+        return Err(Error::Shape {
+            what: "query length",
+            expected: format!("{} (q_heads x head_dim)", hq * d),
+            got: q.len().to_string(),
+        });
+    }
+    if keys.rows.len() != v.len() || keys.coded.len() * hkv * d != v.len() {
+        return Err(Error::Shape {
+            what: "key/value length",
+            expected: format!("equal multiples of {}", hkv * d),
+            got: format!("{} and {}", keys.rows.len(), v.len()),
+        });
+    }
+    let q = round_inputs(s, "query", q, hq, d)?;
+    let tokens = keys.coded.len();
+    let start = params.window.map_or(0, |w| tokens.saturating_sub(w));
+    let group = hq / hkv;
+    let sm = params.softmax_scale;
+    let mut out = vec![0f32; hq * d];
+    let (mut w, mut qi, mut a) = (vec![0f32; d], vec![0i8; d], vec![0f32; d / gq]);
+    for head in 0..hq {
+        let kvh = head / group;
+        let qh = &q[head * d..(head + 1) * d];
+        // The scaled query exactly as the kernels form it: one f32 product.
+        let qs: Vec<f32> = qh.iter().map(|x| x * sm).collect();
+        let scores: Vec<f64> = (start..tokens)
+            .map(|t| {
+                let j = (t * hkv + kvh) * d;
+                if !keys.coded[t] {
+                    let kt = &keys.rows[j..j + d];
+                    let dot: f64 = qh.iter().zip(kt).map(|(a, b)| *a as f64 * *b as f64).sum();
+                    return dot * sm as f64;
+                }
+                for c in 0..d {
+                    w[c] = qs[c] * keys.scale[j + c];
+                }
+                crate::quant::quantize_query(&w, gq, &mut qi, &mut a);
+                let mut score = 0f64;
+                for (b, ab) in a.iter().enumerate() {
+                    let dot: i64 = (b * gq..(b + 1) * gq)
+                        .map(|c| qi[c] as i64 * keys.codes[j + c] as i64)
+                        .sum();
+                    score += *ab as f64 * dot as f64;
+                }
+                score + (0..d).map(|c| qs[c] as f64 * keys.zero[j + c] as f64).sum::<f64>()
+            })
+            .collect();
+        if scores.is_empty() {
+            continue;
+        }
+        let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let weights: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+        let sum: f64 = weights.iter().sum();
+        let mut acc = vec![0f64; d];
+        for (i, t) in (start..tokens).enumerate() {
+            let vt = &v[(t * hkv + kvh) * d..][..d];
+            let p = weights[i] / sum;
+            for (a, x) in acc.iter_mut().zip(vt) {
+                *a += p * *x as f64;
+            }
+        }
+        for (o, a) in out[head * d..(head + 1) * d].iter_mut().zip(acc) {
+            *o = a as f32;
+        }
+    }
+    Ok(out)
 }
 
 /// Tokens a cache of `tokens` tokens holds *stored* for tensor `t`: its

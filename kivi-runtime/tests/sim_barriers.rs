@@ -215,6 +215,10 @@ fn schemes() -> Vec<Scheme> {
         shape(scheme(
             "tokgroup8 { key: quant(bits = 2, axis = token, group = 8), value: quant(bits = 4, axis = channel, group = 8), residual: 8, sinks: 2 }",
         )),
+        // The int8 query's per-tile tables (`query: int8(...)`).
+        shape(scheme(
+            "q8 { key: quant(bits = 2, axis = channel, group = 16), value: quant(bits = 2, axis = token, group = 32), residual: 8, sinks: 1, query: int8(group = 32) }",
+        )),
     ]
 }
 
@@ -472,12 +476,12 @@ fn barrier_sites_are_found_in_template_order() {
     let g = generate(&s, Kernel::Decode, &default_variant(&s, Kernel::Decode)).unwrap();
     let found = sites(&g.source);
     let keys: Vec<String> = found.iter().map(|s| s.key()).collect();
-    // Five __syncthreads and one __syncwarp, all in kivi_decode.cuh.
-    assert_eq!(found.len(), 6, "{keys:?}");
+    // Six __syncthreads and one __syncwarp, all in kivi_decode.cuh.
+    assert_eq!(found.len(), 7, "{keys:?}");
     assert!(found.iter().all(|s| s.file == "kivi_decode.cuh"), "{keys:?}");
     assert_eq!(
         found.iter().map(|s| s.ordinal).collect::<Vec<_>>(),
-        vec![1, 2, 3, 4, 5, 6]
+        vec![1, 2, 3, 4, 5, 6, 7]
     );
     let text = kivi_templates::TEMPLATES[1].1;
     for s in &found {
@@ -486,7 +490,7 @@ fn barrier_sites_are_found_in_template_order() {
     }
     let m = mutant(&g, &found[1]);
     assert_eq!(m.source.lines().count(), g.source.lines().count());
-    assert_eq!(sites(&m.source).len(), 5);
+    assert_eq!(sites(&m.source).len(), 6);
     assert_ne!(m.hash, g.hash);
 }
 

@@ -12,7 +12,8 @@
 //! field order, spacing, or how the same head layout was spelled.
 //!
 //! The codec pipeline (`levels`/`norm` of a quant, `rotation`, `outliers`,
-//! `center`) and `rope: pre(...)` are printed only where it differs from KIVI's plain uniform codes,
+//! `center`), `rope: pre(...)` and the integer-domain query (`query`) are
+//! printed only where they differ from KIVI's plain uniform codes,
 //! so that every scheme written before it existed keeps its text and its
 //! hash (tuning decisions are keyed by the hash); when present, every one of
 //! their arguments is spelled out and hashed.
@@ -119,6 +120,9 @@ pub fn canonical_body(s: &Scheme) -> String {
             float_text(r.theta),
             r.style.name()
         );
+    }
+    if let Some(q) = &s.query {
+        let _ = writeln!(o, "    query: int8(group = {}),", q.group);
     }
     o
 }

@@ -361,6 +361,33 @@ impl Rope {
     }
 }
 
+/// Integer-domain decode (`query: int8(group = G)`): the query is quantized
+/// to 8-bit codes and key scores are accumulated as integer dot products
+/// against the cached key codes (docs/semantics.md, "Integer-domain decode").
+///
+/// It applies to KIVI's channel-axis uniform keys (2 or 4 bits, no codec
+/// pipeline). There the key group's scales fold into the query,
+/// `q . k^_t = sum_d (q_d s_d) c_td + sum_d q_d z_d`, so the quantized
+/// vector is the folded query `w_d = q_d s_d` (`q` rounded to the activation
+/// dtype and times the softmax scale, in f32), once per head and key group:
+/// per block of `group` consecutive channels, with `m = max |w|`,
+/// `a = m / 127` and `qi_d = clamp(round_ties_even(w_d * (127 / m)), -127,
+/// 127)` (0 where `m == 0`),
+/// and the score is `sum_blocks a * (sum_d qi_d c_td) + sum_d q_d z_d`. The
+/// integer sums are exact, so every backend agrees to rounding order.
+///
+/// Why per group of channels and per key group: a KIVI key channel with a
+/// large range has a large scale, so a few entries of `w` dominate a head;
+/// one `a` per head would spend the 8 bits on them. Blocks of 32 channels
+/// (the default of llama.cpp's q8_0, and two 2-bit code words) confine an
+/// outlier to its block, and the quantization runs once per `G` tokens, not
+/// per token, so its cost is spread over the group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct QueryQuant {
+    /// Channels per query scale (a multiple of 16 dividing head_dim).
+    pub group: u32,
+}
+
 /// Query/KV head arrangement.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Heads {
@@ -482,6 +509,8 @@ pub struct Scheme {
     /// Pre-RoPE keys with RoPE applied in the kernel, if any (`None`: keys
     /// are stored as given, after the model's RoPE).
     pub rope: Option<Rope>,
+    /// Integer-domain decode (an 8-bit query), if any.
+    pub query: Option<QueryQuant>,
 }
 
 /// Query heads, KV heads and head dimension of a bound scheme.

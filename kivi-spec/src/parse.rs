@@ -14,6 +14,7 @@
 //!           | center: channel_mean(tokens = INT, apply = tensors)
 //!           | rope: post | pre(theta = NUMBER, style = half|interleaved
 //!                              [, scaling = none|linear(NUMBER)])
+//!           | query: int8(group = INT)
 //! codec    := full | quant(bits = INT, axis = channel|token, group = INT
 //!                          [, scale = f16|f32] [, levels = uniform|lloyd_max] [, norm = rms|l2])
 //! tensors  := [key] | [value] | [key, value]
@@ -75,7 +76,7 @@ const MISPLACED_QUANT_ARGS: &[(&str, &str)] = &[
     ("center", "center: channel_mean(tokens = N, apply = [key])"),
 ];
 
-const FIELDS: &str = "key, value, residual, sinks, flush, heads, head_dim, dtype, softmax_scale, sliding_window, nonfinite, rotation, outliers, center, rope";
+const FIELDS: &str = "key, value, residual, sinks, flush, heads, head_dim, dtype, softmax_scale, sliding_window, nonfinite, rotation, outliers, center, rope, query";
 
 fn err<T>(span: Span, msg: impl std::fmt::Display) -> syn::Result<T> {
     Err(syn::Error::new(span, msg))
@@ -535,6 +536,42 @@ fn parse_rope(input: ParseStream, spans: &mut HashMap<Field, Span>) -> syn::Resu
     }))
 }
 
+/// `int8(group = G)`: the integer-domain decode of [`QueryQuant`].
+fn parse_query(input: ParseStream, spans: &mut HashMap<Field, Span>) -> syn::Result<QueryQuant> {
+    let kind: Ident = input
+        .parse()
+        .map_err(|e| syn::Error::new(e.span(), "expected a query quantization: int8(group = G)"))?;
+    spans.insert(Field::Query, kind.span());
+    match kind.to_string().as_str() {
+        "int8" => {}
+        k @ ("int4" | "fp8" | "int16" | "f16" | "bf16") => {
+            return err(
+                kind.span(),
+                format!("`{k}` query quantization is not supported yet; use int8(group = G)"),
+            )
+        }
+        k => {
+            return err(
+                kind.span(),
+                format!("unknown query quantization `{k}`; expected int8(group = G)"),
+            )
+        }
+    }
+    let mut group = None;
+    let close = parse_args(input, "int8", "group", |name, c| {
+        if name != "group" {
+            return Ok(false);
+        }
+        let (v, sp) = parse_u32(c, "group")?;
+        spans.insert(Field::QueryGroup, sp);
+        group = Some(v);
+        Ok(true)
+    })?;
+    Ok(QueryQuant {
+        group: group.ok_or_else(|| syn::Error::new(close, "int8(...) is missing `group`"))?,
+    })
+}
+
 fn parse_named_u32(
     content: ParseStream,
     expect: &str,
@@ -695,6 +732,7 @@ impl Parse for SchemeDecl {
         let mut nonfinite = NonFinite::Reject;
         let (mut rotation, mut outliers, mut center) = (None, None, None);
         let mut rope = None;
+        let mut query = None;
         while !body.is_empty() {
             let field: Ident = body.parse()?;
             let name = field.to_string();
@@ -778,6 +816,7 @@ impl Parse for SchemeDecl {
                         format!("`{name}` is not a field; write `rope: pre(theta = B, style = half)`"),
                     )
                 }
+                "query" => query = Some(parse_query(&body, &mut spans)?),
                 "hadamard" => {
                     return err(
                         field.span(),
@@ -827,6 +866,7 @@ impl Parse for SchemeDecl {
             outliers,
             center,
             rope,
+            query,
         };
         if let Err(e) = validate(&scheme) {
             let span = span_for(&spans, e.field).unwrap_or_else(|| ident.span());
@@ -854,6 +894,7 @@ pub fn span_for(spans: &HashMap<Field, Span>, field: Field) -> Option<Span> {
         Field::RopeTheta | Field::RopeStyle | Field::RopeScaling => Some(Field::Rope),
         Field::QHeads | Field::KvHeads | Field::MlaLatent | Field::MlaRopeDim | Field::MlaRope => Some(Field::Heads),
         Field::MlaRopeBits | Field::MlaRopeGroup => Some(Field::MlaRope),
+        Field::QueryGroup => Some(Field::Query),
         _ => None,
     };
     spans

@@ -25,6 +25,7 @@ fn base(name: &str, key: Codec, value: Codec, residual: u32) -> Scheme {
         outliers: None,
         center: None,
         rope: None,
+        query: None,
     }
 }
 

@@ -95,6 +95,10 @@ pub fn scheme_expr(s: &Scheme) -> TokenStream {
         };
         quote!(::kivi::spec::Rope { theta: #theta, style: #style, scaling: #scaling })
     }));
+    let query = opt(s.query.map(|q| {
+        let g = q.group;
+        quote!(::kivi::spec::QueryQuant { group: #g })
+    }));
     quote!(::kivi::spec::Scheme {
         name: ::std::string::String::from(#name),
         key: #key,
@@ -112,5 +116,6 @@ pub fn scheme_expr(s: &Scheme) -> TokenStream {
         outliers: #outliers,
         center: #center,
         rope: #rope,
+        query: #query,
     })
 }

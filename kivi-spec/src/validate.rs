@@ -35,6 +35,9 @@ pub enum Field {
     RopeTheta,
     RopeStyle,
     RopeScaling,
+    /// The `query` field (its kind) and its `group`.
+    Query,
+    QueryGroup,
     Residual,
     Sinks,
     Flush,
@@ -182,6 +185,7 @@ pub fn validate(s: &Scheme) -> Result<(), Invalid> {
         ));
     }
     validate_pipeline(s)?;
+    validate_query(s)?;
     if s.flush == Flush::Chunked {
         if s.residual == 0 {
             return Err(Invalid::new(
@@ -325,6 +329,68 @@ fn validate_pipeline(s: &Scheme) -> Result<(), Invalid> {
                     "center tokens = {} must be between 1 and sinks + residual ({}), so the means are known before the first token is quantized",
                     c.tokens,
                     s.sinks + s.residual
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Integer-domain decode: which keys it applies to, and a query group that
+/// covers whole code words and divides the head.
+fn validate_query(s: &Scheme) -> Result<(), Invalid> {
+    let Some(qq) = &s.query else {
+        return Ok(());
+    };
+    let fits = match s.key.quant() {
+        Some(k) => k.axis == Axis::Channel && k.levels == Levels::Uniform && matches!(k.bits, 2 | 4),
+        None => false,
+    };
+    if !fits {
+        return Err(Invalid::new(
+            Field::Query,
+            "query: int8(...) applies to channel-axis uniform keys of 2 or 4 bits (kivi2, kivi4); these keys are not, so the scores cannot be accumulated on their codes",
+        ));
+    }
+    if s.has_pipeline(Tensor::Key) {
+        return Err(Invalid::new(
+            Field::Query,
+            "query: int8(...) does not combine with a key rotation, outliers or centering yet; drop `key` from their apply lists or the query field",
+        ));
+    }
+    // The integer scores are taken on the stored codes as they are: keys
+    // stored before RoPE would need the turn inside the integer dot, and an
+    // MLA latent has its own decode path that has no integer loops.
+    if s.rope.is_some() {
+        return Err(Invalid::new(
+            Field::Query,
+            "query: int8(...) does not combine with rope: pre(...) yet (the integer scores are taken on unrotated key codes); drop one of them",
+        ));
+    }
+    if matches!(s.heads, Some(Heads::Mla(_))) {
+        return Err(Invalid::new(
+            Field::Query,
+            "query: int8(...) does not apply to mla heads yet; the latent decode has no integer loops",
+        ));
+    }
+    // Whole 32-bit code words per group (16 2-bit or 8 4-bit codes): a
+    // kernel closes a group at a word boundary.
+    if qq.group == 0 || !qq.group.is_multiple_of(16) || qq.group > MAX_HEAD_DIM {
+        return Err(Invalid::new(
+            Field::QueryGroup,
+            format!(
+                "query int8 group = {} must be a multiple of 16 up to {MAX_HEAD_DIM}, so that a group covers whole code words; 32 is the usual choice",
+                qq.group
+            ),
+        ));
+    }
+    if let Some(d) = s.head_dim {
+        if d % qq.group != 0 {
+            return Err(Invalid::new(
+                Field::QueryGroup,
+                format!(
+                    "query int8 group = {} does not divide head_dim {d}; a group is consecutive channels of one head",
+                    qq.group
                 ),
             ));
         }

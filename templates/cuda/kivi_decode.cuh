@@ -23,6 +23,14 @@
 // shares (s, z), so q . (c * s + z) = s * (q . c) + z * sum(q): the lane keeps
 // sum(q) per word and multiplies by s and z once per word. Channel-axis keys
 // have a scale per channel: the lane dequantizes with one FMA per channel.
+//
+// Integer-domain query (`query: int8(group = QG)`, K::QGROUP > 0): before a
+// tile's scores, the block quantizes the query folded with each key group's
+// scales that the tile touches, exactly as the oracle does
+// (kivi_runtime::quant::quantize_query: per QG channels m = max|w|,
+// a = m / 127, rint(w * (127 / m))), into shared memory in the byte order a word's codes unpack
+// to; a coded key word then costs one __dp4a per four codes per head and
+// one FMA by the block's scale, and the zero points one add per row.
 
 namespace kivi {
 
@@ -51,7 +59,8 @@ template <class C, int H>
 __device__ __forceinline__ void key_dot(const RowRef<C>& r, int tl,
                                         const float (&qr)[H][Lanes<C, typename C::K>::CH],
                                         const float (&qsum)[H][Lanes<C, typename C::K>::SLOTS],
-                                        const float* sq_raw, float (&s)[H]) {
+                                        const float* sq_raw, float (&s)[H],
+                                        const int* i8q = nullptr, const float* i8a = nullptr) {
   typedef typename C::K K;
   typedef Lanes<C, K> L;
 #pragma unroll
@@ -93,6 +102,22 @@ __device__ __forceinline__ void key_dot(const RowRef<C>& r, int tl,
             const float zp = load_param<K>(r.part + K::ZEROS, pi);
 #pragma unroll
             for (int h = 0; h < H; ++h) s[h] += sc * dot[h] + zp * qsum[h][slot];
+          }
+        } else if constexpr (K::QGROUP > 0) {
+          // int8 query: four codes (one per byte after the shift and mask)
+          // times four query bytes per __dp4a, exact in int; the block's
+          // scale (times log2 e) once per word
+          constexpr int SL = K::CPW / 4;
+          constexpr u32 M8 = K::BITS == 2 ? 0x03030303u : 0x0f0f0f0fu;
+          const int wi = w0 + j;
+          const int qb = wi * K::CPW / K::QGROUP;
+#pragma unroll
+          for (int h = 0; h < H; ++h) {
+            int dot = 0;
+#pragma unroll
+            for (int k = 0; k < SL; ++k)
+              dot = __dp4a((int)((wv[j] >> (k * K::BITS)) & M8), i8q[h * (C::D / 4) + wi * SL + k], dot);
+            s[h] = fmaf(i8a[h * (C::D / K::QGROUP) + qb], (float)dot, s[h]);
           }
         } else {
 #pragma unroll
@@ -362,6 +387,14 @@ __device__ __forceinline__ void decode_kernel(
   KIVI_SHARED(float, s_q, [KQ ? 2 : 1][KQ ? H : 1][KQ ? C::D : 1]);
   KIVI_SHARED(float, s_lq, [SPLIT ? H : 1]);
   KIVI_SHARED(float, s_rot, [SPLIT ? H : 1][SPLIT ? C::D : 1]);
+  // The int8 query (K::QGROUP > 0) of each key group a tile touches (at
+  // most TILE / G + 2): dwords of four query bytes [H][D / 4], block scales
+  // times log2 e [H][D / QG], sum_d qs_d z_d times log2 e [H].
+  constexpr int QG = K::QGROUP;
+  constexpr int NG = QG > 0 ? C::TILE / K::GROUP + 2 : 1;
+  KIVI_SHARED(int, s_qd, [NG][QG > 0 ? H : 1][QG > 0 ? C::D / 4 : 1]);
+  KIVI_SHARED(float, s_qa, [NG][QG > 0 ? H : 1][QG > 0 ? C::D / QG : 1]);
+  KIVI_SHARED(float, s_qc, [NG][QG > 0 ? H : 1]);
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -439,6 +472,53 @@ __device__ __forceinline__ void decode_kernel(
 
   for (int t0 = a; t0 < z; t0 += C::TILE) {
     const int n = min(C::TILE, z - t0);
+    int g0 = 0;  // the tile's first key group (int8 query)
+    if constexpr (QG > 0) {
+      // 0. the int8 query of the key groups of the tile's coded rows
+      const int j0 = max(t0, C::SINKS) - C::SINKS;
+      const int j1 = min(t0 + n, C::SINKS + qk) - C::SINKS;
+      g0 = j0 / K::GROUP;
+      const int ng = j1 > j0 ? (j1 - 1) / K::GROUP - g0 + 1 : 0;
+      constexpr int NB = C::D / QG;
+      constexpr int SL = K::CPW / 4;
+      for (int e = tid; e < ng * H * NB; e += C::THREADS) {
+        const int gi = e / (H * NB), h = (e / NB) % H, qb = e % NB;
+        const RowRef<C> r = locate<C, K>(C::SINKS + (g0 + gi) * K::GROUP, qk, pool, table, b, hk, sinks_k, ring_k);
+        const typename C::act_t* qh = q + ((u64)b * C::HQ + hq0 + h) * C::D;
+        // w = (q * scale) * s, its block maximum, then the codes
+        float m = 0.0f;
+        for (int c = 0; c < QG; ++c) {
+          const int d = qb * QG + c;
+          const float w = __fmul_rn(__fmul_rn(Act<C::ACT>::load(qh[d]), sm_scale),
+                                    load_param<K>(r.part + K::SCALES, param_index<C, K>(r.off, d)));
+          m = fmaxf(m, fabsf(w));
+        }
+        const float qa = __fdiv_rn(m, 127.0f);
+        const float inv = __fdiv_rn(127.0f, m);
+        s_qa[gi][h][qb] = qa * 1.4426950408889634f;
+        signed char* qd = reinterpret_cast<signed char*>(&s_qd[gi][h][0]);
+        for (int c = 0; c < QG; ++c) {
+          const int d = qb * QG + c;
+          const float w = __fmul_rn(__fmul_rn(Act<C::ACT>::load(qh[d]), sm_scale),
+                                    load_param<K>(r.part + K::SCALES, param_index<C, K>(r.off, d)));
+          const int v = m == 0.0f ? 0 : (int)fminf(fmaxf(rintf(__fmul_rn(w, inv)), -127.0f), 127.0f);
+          const int i = d % K::CPW;  // code i of its word: byte i / SL after shifting by slot i % SL
+          qd[((d / K::CPW) * SL + i % SL) * 4 + i / SL] = (signed char)v;
+        }
+      }
+      for (int e = tid; e < ng * H; e += C::THREADS) {
+        const int gi = e / H, h = e % H;
+        const RowRef<C> r = locate<C, K>(C::SINKS + (g0 + gi) * K::GROUP, qk, pool, table, b, hk, sinks_k, ring_k);
+        const typename C::act_t* qh = q + ((u64)b * C::HQ + hq0 + h) * C::D;
+        // in double, rounded once (as the CPU backend): D products of both signs
+        double c = 0.0;
+        for (int d = 0; d < C::D; ++d)
+          c += (double)__fmul_rn(Act<C::ACT>::load(qh[d]), sm_scale) *
+               (double)load_param<K>(r.part + K::ZEROS, param_index<C, K>(r.off, d));
+        s_qc[gi][h] = (float)c * 1.4426950408889634f;
+      }
+      __syncthreads();
+    }
     // 1. scores. Every team runs the same trip count: the shuffles need
     //    whole warps, so lanes past the tile still take part.
 #pragma unroll 1
@@ -455,7 +535,14 @@ __device__ __forceinline__ void decode_kernel(
           rope_query<C, H>(t0 + i, kl, qr, qp, qt, qts);
           key_dot<C, H>(r, kl, qt, qts, &s_q[0][0][0], s);
         } else {
-          key_dot<C, H>(r, kl, qr, qsum, &s_q[0][0][0], s);
+          const int gi = QG > 0 && r.part != nullptr ? (t0 + i - C::SINKS) / K::GROUP - g0 : 0;
+          key_dot<C, H>(r, kl, qr, qsum, &s_q[0][0][0], s, &s_qd[gi][0][0], &s_qa[gi][0][0]);
+          if constexpr (QG > 0) {
+            if (r.part != nullptr && kl == 0) {
+#pragma unroll
+              for (int h = 0; h < H; ++h) s[h] += s_qc[gi][h];
+            }
+          }
         }
         if constexpr (KQ) {
           // once per quantized row (one lane of the team): q . m and the

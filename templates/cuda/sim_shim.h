@@ -134,6 +134,11 @@ inline float __double2float_rn(double a) { KIVI_SIM_OPAQUE(a); float r = (float)
 inline float __fdividef(float a, float b) { return a / b; }
 inline float __expf(float x) { return expf(x); }
 inline float __exp2f(float x) { return exp2f(x); }
+// __dp4a(a, b, c): c plus the four products of a's and b's signed bytes.
+inline int __dp4a(int a, int b, int c) {
+  for (int i = 0; i < 4; ++i) c += (int)(int8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i));
+  return c;
+}
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }

@@ -116,6 +116,15 @@ pub(crate) fn block_params() -> Vec<Param> {
 }
 
 pub(crate) fn generate_block(s: &Scheme, l: &BlockLayout) -> Result<Generated, GenError> {
+    // The block kernel scores stored keys with the f32 query: refused for
+    // an integer-domain query rather than generated with other numbers
+    // (backends run such blocks as decodes, `Backend::attend_block`).
+    if s.query.is_some() {
+        return Err(GenError::Unsupported {
+            what: "the many-query kernel (kivi_block) with `query: int8(...)`; decode it per query".into(),
+            field: kivi_spec::Field::Query,
+        });
+    }
     let shape = l.shape;
     let d = shape.head_dim;
     let group = shape.group_size();

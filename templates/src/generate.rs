@@ -96,6 +96,9 @@ pub(crate) fn scheme_tag(s: &Scheme, block_tokens: Option<usize>) -> String {
     if s.flush == Flush::Chunked {
         t.push_str("-chunked");
     }
+    if let Some(q) = s.query {
+        let _ = write!(t, "-q8.g{}", q.group);
+    }
     if s.dtype != Dtype::F16 {
         let _ = write!(t, "-{}", s.dtype.name());
     }
@@ -171,7 +174,12 @@ pub(crate) fn tensor_cfg(
     };
     let _ = writeln!(o, "// {what}");
     let _ = writeln!(o, "struct {name} {{");
-    let rows: [(&str, &str, String, &str); 13] = [
+    // `query: int8(group = G)`: the key's query blocks (0: f32 query).
+    let qgroup = match (t, s.query) {
+        (Tensor::Key, Some(q)) => q.group,
+        _ => 0,
+    };
+    let rows: [(&str, &str, String, &str); 14] = [
         (
             "bool",
             "QUANT",
@@ -186,6 +194,12 @@ pub(crate) fn tensor_cfg(
             "groups of G channels (else G tokens of a channel)",
         ),
         ("int", "GROUP", group.to_string(), "G"),
+        (
+            "int",
+            "QGROUP",
+            qgroup.to_string(),
+            "int8 query blocks of the key (0: f32 query)",
+        ),
         (
             "bool",
             "SCALE_F32",
@@ -499,7 +513,15 @@ pub(crate) fn decode_shared_bytes(v: &Variant, s: &Scheme, l: &BlockLayout) -> u
     let (kq, split) = (key_query_shared(s, l), value_split(s, l));
     let q = if kq { 2 * h * d } else { 1 };
     let vs = if split { h + h * d } else { 2 };
-    4 * (base + q + vs)
+    // The int8 query's tables (`query: int8(...)`), one word each when unused.
+    let i8 = match (s.query, s.key.quant()) {
+        (Some(qq), Some(k)) => {
+            let ng = v.tile_tokens as usize / k.group as usize + 2;
+            ng * h * (d / 4 + d / qq.group as usize + 1)
+        }
+        _ => 3,
+    };
+    4 * (base + q + vs + i8)
 }
 
 /// Whether the decode kernel keeps the query in shared memory (rotated

@@ -290,8 +290,9 @@ pub struct GenOptions {
 /// assert!(kivi_templates::check_supported(&s).is_ok());
 /// ```
 pub fn check_supported(scheme: &Scheme) -> Result<(), GenError> {
-    // Every codec of the grammar is generated (see above); MLA caches have
-    // their own layout (kivi_spec::mla) and no template yet.
+    // Every codec of the grammar is generated (see above), and the
+    // integer-domain query (`query: int8(...)`) by the decode template;
+    // MLA caches have their own layout (kivi_spec::mla) and no template yet.
     if scheme.mla().is_some() {
         return Err(GenError::Unsupported {
             what: "mla heads with the paged-cache kernels (mla decode has its own: generate_mla_decode)".into(),

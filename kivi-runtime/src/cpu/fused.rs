@@ -291,6 +291,66 @@ pub(crate) fn tile(fast: Fast, st: &mut State, t: &Tile, m: &mut [f32], l: &mut 
     }
 }
 
+/// As [`tile`], with the scores (`[g][n]`) written by `scores` instead of
+/// the f32 key loops: the integer-domain query of `int8.rs`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn tile_scored(
+    fast: Fast,
+    st: &mut State,
+    t: &Tile,
+    m: &mut [f32],
+    l: &mut [f32],
+    acc: &mut [f32],
+    scores: impl FnOnce(&mut [f32]),
+) {
+    let (g, d) = (st.g, st.d);
+    assert!(t.n.is_multiple_of(ROWS) && t.off.is_multiple_of(ROWS) && d.is_multiple_of(16) && g.is_multiple_of(4));
+    assert!((t.off + t.n) * t.vlayout.words_per_token <= t.vlayout.codes_words());
+    assert!(t.vpart.len() >= t.vlayout.words);
+    assert!(m.len() >= g && l.len() >= g && acc.len() >= g * d && st.p.len() >= g * t.n);
+    assert!(values_fit(fast.isa, fast.vbits, fast.gshift, d) && st.vacc.len() >= g * d);
+    assert!(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c"));
+    scores(&mut st.p[..g * t.n]);
+    // SAFETY: as in `tile`.
+    unsafe {
+        match fast.isa {
+            Isa::Avx512 => {
+                assert!(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq"));
+                rest_avx512(fast, st, t, m, l, acc)
+            }
+            Isa::Avx2 => rest_avx2(fast, st, t, m, l, acc),
+            Isa::Scalar => unreachable!("the fast path is only planned on AVX2 and AVX-512"),
+        }
+    }
+}
+
+/// Softmax and values of a scored tile, AVX-512.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
+unsafe fn rest_avx512(fast: Fast, st: &mut State, t: &Tile, m: &mut [f32], l: &mut [f32], acc: &mut [f32]) {
+    body::rest::<Avx512>(fast, st, t, m, l, acc)
+}
+
+/// Softmax and values of a scored tile, AVX2 + FMA + F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rest_avx2(fast: Fast, st: &mut State, t: &Tile, m: &mut [f32], l: &mut [f32], acc: &mut [f32]) {
+    body::rest::<Avx2>(fast, st, t, m, l, acc)
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) fn tile_scored(
+    _: Fast,
+    _: &mut State,
+    _: &Tile,
+    _: &mut [f32],
+    _: &mut [f32],
+    _: &mut [f32],
+    _: impl FnOnce(&mut [f32]),
+) {
+    unreachable!("the fast path is only planned on x86-64 with AVX-512")
+}
+
 #[cfg(not(target_arch = "x86_64"))]
 pub(crate) fn tile(_: Fast, _: &mut State, _: &Tile, _: &mut [f32], _: &mut [f32], _: &mut [f32]) {
     unreachable!("the fast path is only planned on x86-64")
@@ -326,6 +386,18 @@ mod body {
             4 => scores::<V, 4>(fast, st, t),
             _ => scores::<V, 8>(fast, st, t),
         }
+        softmax::<V>(st, t.n, m, l, acc);
+        match fast.vbits {
+            2 => values::<V, 2>(fast, st, t),
+            4 => values::<V, 4>(fast, st, t),
+            _ => values::<V, 8>(fast, st, t),
+        }
+    }
+
+    /// Softmax and values of a tile whose scores are in `st.p` (the int8
+    /// query's integer scores, `int8.rs`).
+    #[inline(always)]
+    pub unsafe fn rest<V: Width>(fast: Fast, st: &mut State, t: &Tile, m: &mut [f32], l: &mut [f32], acc: &mut [f32]) {
         softmax::<V>(st, t.n, m, l, acc);
         match fast.vbits {
             2 => values::<V, 2>(fast, st, t),

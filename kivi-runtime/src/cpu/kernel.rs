@@ -17,6 +17,7 @@
 use super::codec::CodecRows;
 use super::dense;
 use super::fused::{self, Fast, Tile, ROWS};
+use super::int8::{Int8Isa, Int8Keys};
 use super::rope::{RopeKeys, RopeScratch};
 use super::simd::{self, Bf16Rows, ChanRows, CodeRows, F16Rows, F32Rows, Isa, TokRows};
 use super::Partial;
@@ -72,6 +73,9 @@ pub(crate) struct Plan {
     /// Pre-RoPE keys (`rope.rs`): every key row is read with the cache's
     /// row reader and turned to its position before scoring.
     pub(crate) rope: Option<RopeKeys>,
+    /// `query: int8(group = G)`: the integer loops, the key bits and `G`
+    /// (`int8.rs`); key scores of block-resident tokens come from there.
+    int8: Option<(Int8Isa, u32, usize)>,
 }
 
 fn kind_of(codec: &Codec, t: Tensor, isa: Isa) -> Kind {
@@ -166,7 +170,17 @@ impl Plan {
             }
             _ => None,
         };
+        let int8 = match (s.query, kinds[0]) {
+            (
+                Some(qq),
+                Kind::ChanFold {
+                    bits: bits @ (2 | 4), ..
+                },
+            ) => Some((Int8Isa::select(isa), bits, qq.group as usize)),
+            _ => None,
+        };
         Plan {
+            int8,
             isa,
             tile,
             sinks: s.sinks as usize,
@@ -199,12 +213,24 @@ impl Plan {
     /// tensor through the generic row reader, else the ISA's name.
     pub fn path_name(&self) -> &'static str {
         if self.rope.is_some() {
-            match self.isa {
+            return match self.isa {
                 Isa::Avx512 => "avx512+rope",
                 Isa::Avx2 => "avx2+rope",
                 Isa::Scalar => "scalar+rope",
-            }
-        } else if let Some(f) = self.fast {
+            };
+        }
+        if let Some((i8isa, ..)) = self.int8 {
+            return match (self.fast.map(|f| f.isa), self.isa, i8isa) {
+                (Some(Isa::Avx512), _, Int8Isa::Vnni512) => "avx512-fused+vnni-int8",
+                (Some(Isa::Avx512), ..) => "avx512-fused+maddubs-int8",
+                (Some(_), ..) => "avx2-fused+maddubs-int8",
+                (None, Isa::Avx512, Int8Isa::Vnni512) => "avx512+vnni-int8",
+                (None, Isa::Avx512, _) => "avx512+maddubs-int8",
+                (None, Isa::Avx2, _) => "avx2+maddubs-int8",
+                (None, ..) => "scalar+int8",
+            };
+        }
+        if let Some(f) = self.fast {
             match f.isa {
                 Isa::Avx512 => "avx512-fused",
                 _ => "avx2-fused",
@@ -303,6 +329,8 @@ struct Scratch {
     psum: Vec<f32>,
     /// Pre-RoPE keys: decoded rows, cosines and sines, key group parameters.
     rope: RopeScratch,
+    /// The integer-domain query (`query: int8(...)`), where the plan has one.
+    int8: Option<Int8Keys>,
 }
 
 /// Runs `op` over rows `0..n`, applying the instruction set of the plan.
@@ -473,6 +501,14 @@ fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: us
                                 apply(plan, &r, len, &mut sub)
                             }
                         }
+                    }
+                    Kind::ChanFold { group, .. } if sc.int8.is_some() => {
+                        let k8 = sc.int8.as_mut().expect("checked");
+                        k8.fold(part, tl, plan.scale[i], (b, off / group), off);
+                        let Op::Score { out, .. } = &mut sub else {
+                            unreachable!("an int8 query scores keys")
+                        };
+                        k8.scores(part, base, wpt, len, out, g, 1);
                     }
                     Kind::ChanFold { bits, group } => {
                         let key = (b, off / group);
@@ -739,6 +775,7 @@ impl Scratch {
             acc_rot: vec![0.0; g * d],
             psum: vec![0.0; g],
             rope: RopeScratch::default(),
+            int8: None,
         }
     }
 }
@@ -753,6 +790,9 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
     let tile = plan.tile.max(1);
     let mut scores = vec![0f32; tile * g];
     let mut sc = Scratch::new(plan);
+    sc.int8 = plan
+        .int8
+        .map(|(isa, bits, qg)| Int8Keys::new(isa, plan.isa, bits, g, d, qg, q));
     if plan.kinds[0] == Kind::Codec {
         // The query, rotated once per split like the keys were; the key
         // means' contribution `q . m` once per head.
@@ -782,6 +822,11 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
         let n = end.min(z) - t0;
         if let (Some(f), Some(st)) = (plan.fast, fs.as_mut()) {
             if let Some(t) = fast_tile(plan, view, h, t0, n) {
+                if let (Some(k8), fused::Keys::Channel { group }) = (sc.int8.as_mut(), f.keys) {
+                    fused::tile_scored(f, st, &t, &mut m, &mut l, &mut acc, |p| int8_tile(k8, &t, group, p));
+                    t0 += n;
+                    continue;
+                }
                 fused::tile(f, st, &t, &mut m, &mut l, &mut acc);
                 t0 += n;
                 continue;
@@ -904,4 +949,38 @@ fn fast_tile<'v>(plan: &Plan, view: &SeqView<'v>, h: usize, t0: usize, n: usize)
         klayout: plan.layouts[0],
         vlayout: plan.layouts[1],
     })
+}
+
+/// The scores `[g][n]` of a fused tile from the integer-domain query,
+/// sixteen rows at a time (tiles and key groups are multiples of sixteen
+/// rows, so the vector loops cover every row). Meanwhile it asks for the
+/// tile's rows of the head's next block, K and V, a few lines per sixteen
+/// rows, as the f32 key loops of the fused path do (`fused.rs`): without
+/// it the gathers of the next tiles wait on DRAM, measured as most of the
+/// integer path's time with the KV cold.
+fn int8_tile(k8: &mut Int8Keys, t: &Tile, group: usize, p: &mut [f32]) {
+    let wpt = t.klayout.words_per_token;
+    let chunks = t.n / ROWS;
+    let step = t.ahead.map(|a| a.len().div_ceil(16).div_ceil(chunks.max(1)));
+    for c in 0..chunks {
+        #[cfg(target_arch = "x86_64")]
+        for (part, step) in t.ahead.iter().zip(step) {
+            let lines = part.len().div_ceil(16);
+            for l in (c * step).min(lines)..((c + 1) * step).min(lines) {
+                // SAFETY: a prefetch is a hint; the address is inside `part`.
+                unsafe {
+                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                        part.as_ptr().add(16 * l) as *const i8
+                    )
+                };
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = step;
+        let r = c * ROWS;
+        let off = t.off + r;
+        // Fused tiles take f16 parameters only (`Plan::for_heads`).
+        k8.fold(t.kpart, &t.klayout, ScaleDtype::F16, (t.block, off / group), off);
+        k8.scores(t.kpart, off * wpt, wpt, ROWS, &mut p[r..], 1, t.n);
+    }
 }

@@ -58,6 +58,7 @@ mod block;
 mod codec;
 mod dense;
 mod fused;
+mod int8;
 mod kernel;
 pub mod mla;
 mod probe;
@@ -83,8 +84,9 @@ pub use simd::Isa;
 /// build time. Tuning decisions for the CPU backend are keyed by it, so a
 /// changed kernel is measured again instead of trusted.
 pub const KERNEL_HASH: u64 = {
-    const PARTS: [&str; 9] = [
+    const PARTS: [&str; 10] = [
         include_str!("mod.rs"),
+        include_str!("int8.rs"),
         include_str!("width.rs"),
         include_str!("rope.rs"),
         include_str!("dense.rs"),
@@ -390,6 +392,9 @@ impl Backend for CpuBackend {
     /// Many-query attention: see `block.rs` for how the work is cut.
     fn attend_block(&self, cache: &mut PagedCache, blocks: &[NewTokens], attn: AttnParams) -> Result<Vec<f32>> {
         check_params(&self.params)?;
+        if let Some(r) = crate::backend::int8_blocks(self, cache, blocks, attn) {
+            return r;
+        }
         let out = if self.params.threads > 0 {
             pool(self.params.threads)?.install(|| self.run_block(cache, blocks, attn))
         } else {

@@ -868,6 +868,11 @@ impl Backend for DeviceBackend {
     /// then runs the generated block kernel (`kivi_block`) there; see
     /// [`DeviceCache::attend_block`].
     fn attend_block(&self, cache: &mut PagedCache, blocks: &[NewTokens], attn: AttnParams) -> Result<Vec<f32>> {
+        // An integer-domain query (`query: int8(...)`): its decode kernel,
+        // one query at a time (the block kernel is not generated for it).
+        if let Some(r) = crate::backend::int8_blocks(self, cache, blocks, attn) {
+            return r;
+        }
         block::attend_block(self, cache, blocks, attn)
     }
 }

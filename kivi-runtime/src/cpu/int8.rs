@@ -1,0 +1,480 @@
+//! Integer-domain key scores for `query: int8(group = G)`
+//! ([`kivi_spec::QueryQuant`]): the folded query `w_d = q_d s_d` of a key
+//! group is quantized to 8 bits once per `G` tokens and head
+//! ([`crate::quant::quantize_query`], the oracle's own function), and each
+//! token's score is `sum_blocks a * (sum_d qi_d c_td) + sum_d q_d z_d`,
+//! the inner sums on the cached 2/4-bit codes as integers.
+//!
+//! Three versions of the inner loop, chosen at run time:
+//! - **AVX-512 VNNI** (`vpdpbusd`): sixteen rows at a time, lane = row. A
+//!   gather brings word `w` of the sixteen rows into one vector; a shift
+//!   and a mask turn it into bytes holding one code each (byte `j` of a
+//!   2-bit word's slot `k` is channel `16w + 4j + k`), and one `vpdpbusd`
+//!   per (slot, head) multiplies those four codes by four query bytes
+//!   (broadcast; the query is stored in that slot order) and adds the
+//!   products into the head's 32-bit sums. At a query block's last word
+//!   the sums are converted and scaled by the block's `a`: no horizontal
+//!   sums, and the products of one word for four heads cost four
+//!   instructions where the f32 path spends sixteen FMAs.
+//! - **AVX2**: the same with eight rows, `vpmaddubsw` (u8 x i8 pairs into
+//!   i16: at most `2 * 15 * 127`, no saturation for codes of 4 bits or
+//!   fewer) then `vpmaddwd` by ones into 32-bit sums.
+//! - **portable**: the same sums row by row, always compiled and tested,
+//!   and used for the last rows of a piece that do not fill a vector.
+//!
+//! Integer sums are exact, so the versions differ from the oracle only in
+//! the order of the f32 additions of the block terms and the zero points.
+
+use super::simd::Isa;
+use crate::quant::quantize_query;
+use kivi_spec::layout::TensorLayout;
+use kivi_spec::ScaleDtype;
+
+/// The instruction set of the integer loops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Int8Isa {
+    /// AVX-512F + VNNI: `vpdpbusd` on sixteen rows.
+    Vnni512,
+    /// AVX2: `vpmaddubsw` + `vpmaddwd` on eight rows.
+    Avx2,
+    /// Portable scalar sums.
+    Portable,
+}
+
+impl Int8Isa {
+    /// The integer loops that go with the float ISA `isa` on this CPU.
+    pub fn select(isa: Isa) -> Int8Isa {
+        match isa {
+            Isa::Avx512 if vnni_available() => Int8Isa::Vnni512,
+            Isa::Avx512 | Isa::Avx2 if avx2_available() => Int8Isa::Avx2,
+            _ => Int8Isa::Portable,
+        }
+    }
+
+    fn rows(self) -> usize {
+        match self {
+            Int8Isa::Vnni512 => 16,
+            Int8Isa::Avx2 => 8,
+            Int8Isa::Portable => 1,
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn vnni_available() -> bool {
+    is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vnni")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn vnni_available() -> bool {
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx2_available() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx2_available() -> bool {
+    false
+}
+
+/// Per-task state: the scaled query and the current key group's integer
+/// query, its block scales and zero-point constants.
+pub(crate) struct Int8Keys {
+    isa: Int8Isa,
+    /// The float ISA (F16C widening of the parameters).
+    fisa: Isa,
+    bits: u32,
+    /// Query heads, head_dim, channels per query block.
+    g: usize,
+    d: usize,
+    qgroup: usize,
+    /// The query `[g][d]`, rounded and times the softmax scale.
+    qs: Vec<f32>,
+    /// (block, key group) whose query is held.
+    key: Option<(u32, usize)>,
+    /// Integer query `[g][word][slot]`: four query bytes per dword, in the
+    /// order a word's slot unpacks its codes into bytes.
+    qd: Vec<i32>,
+    /// Block scales `a`, `[g][d / qgroup]`.
+    a: Vec<f32>,
+    /// `sum_d qs_d z_d` per head.
+    cst: Vec<f32>,
+    /// Scratch: scales, zero points, folded query, its codes.
+    s: Vec<f32>,
+    z: Vec<f32>,
+    w: Vec<f32>,
+    qi: Vec<i8>,
+}
+
+impl Int8Keys {
+    /// The state for `g` heads of the scaled query `qs` (`[g][d]`), keys of
+    /// `bits` (2 or 4) bits and query blocks of `qgroup` channels.
+    pub fn new(isa: Int8Isa, fisa: Isa, bits: u32, g: usize, d: usize, qgroup: usize, qs: &[f32]) -> Int8Keys {
+        let per = (32 / bits) as usize;
+        let wpt = d / per;
+        Int8Keys {
+            isa,
+            fisa,
+            bits,
+            g,
+            d,
+            qgroup,
+            qs: qs[..g * d].to_vec(),
+            key: None,
+            qd: vec![0; g * wpt * (per / 4)],
+            a: vec![0.0; g * (d / qgroup)],
+            cst: vec![0.0; g],
+            s: vec![0.0; d],
+            z: vec![0.0; d],
+            w: vec![0.0; d],
+            qi: vec![0; d],
+        }
+    }
+
+    /// Makes the integer query of key group `(block, group)` current: reads
+    /// its scales and zero points (token `off` of the block part `part`),
+    /// folds and quantizes. Once per group of `G` tokens.
+    pub fn fold(&mut self, part: &[u32], tl: &TensorLayout, scale: ScaleDtype, key: (u32, usize), off: usize) {
+        if self.key == Some(key) {
+            return;
+        }
+        let (d, per) = (self.d, (32 / self.bits) as usize);
+        let slots = per / 4;
+        let i0 = tl.param_index(off, 0);
+        read(self.fisa, &part[tl.scales_offset..], scale, i0, &mut self.s);
+        read(self.fisa, &part[tl.zeros_offset..], scale, i0, &mut self.z);
+        let nb = d / self.qgroup;
+        for h in 0..self.g {
+            let qh = &self.qs[h * d..(h + 1) * d];
+            let a = &mut self.a[h * nb..(h + 1) * nb];
+            let qd = &mut self.qd[h * d / 4..(h + 1) * d / 4];
+            match self.isa {
+                // SAFETY: `select` checked AVX2 and FMA; the group is a
+                // multiple of 16 (validated), so is D.
+                #[cfg(target_arch = "x86_64")]
+                Int8Isa::Vnni512 | Int8Isa::Avx2 => unsafe {
+                    self.cst[h] = x86::fold_head(qh, &self.s, &self.z, self.qgroup, self.bits, qd, a);
+                },
+                _ => {
+                    for ((w, q), s) in self.w.iter_mut().zip(qh).zip(&self.s) {
+                        *w = q * s;
+                    }
+                    quantize_query(&self.w, self.qgroup, &mut self.qi, a);
+                    for wd in 0..d / per {
+                        for k in 0..slots {
+                            let b = |j: usize| self.qi[wd * per + j * slots + k] as u8 as u32;
+                            let v = b(0) | (b(1) << 8) | (b(2) << 16) | (b(3) << 24);
+                            qd[wd * slots + k] = v as i32;
+                        }
+                    }
+                    // In f64, rounded once: a sequential f32 sum of D
+                    // products with offsets of both signs (KIVI keys' zero
+                    // points) loses up to 1e-5 of the output on spiky keys.
+                    self.cst[h] = qh.iter().zip(&self.z).map(|(q, z)| *q as f64 * *z as f64).sum::<f64>() as f32;
+                }
+            }
+        }
+        self.key = Some(key);
+    }
+
+    /// Scores of `n` rows of codes (`words[base + r * wpt..]`, `wpt` words
+    /// a row) for every head, into `out[r * rs + h * hs]`. [`Self::fold`]
+    /// must have made the rows' key group current.
+    #[allow(clippy::too_many_arguments)] // rows, then where each score goes: all needed
+    pub fn scores(&self, words: &[u32], base: usize, wpt: usize, n: usize, out: &mut [f32], rs: usize, hs: usize) {
+        assert!(base + n * wpt <= words.len() && wpt * (32 / self.bits as usize) == self.d);
+        assert!(n == 0 || (n - 1) * rs + (self.g - 1) * hs < out.len());
+        let step = self.isa.rows();
+        let full = if self.isa == Int8Isa::Portable {
+            0
+        } else {
+            n / step * step
+        };
+        #[cfg(target_arch = "x86_64")]
+        for r0 in (0..full).step_by(step) {
+            let rows = words[base + r0 * wpt..].as_ptr() as *const i32;
+            // Four heads a pass (GQA groups of a multiple of four take
+            // only these), then one at a time.
+            let mut h0 = 0;
+            while h0 < self.g {
+                let nh = if self.g - h0 >= 4 { 4 } else { 1 };
+                let o = &mut out[r0 * rs + h0 * hs..];
+                // SAFETY: the asserts bound rows `r0..r0 + step` of `words`
+                // and every output index; `select` checked the features.
+                unsafe {
+                    match (self.isa, self.bits, nh) {
+                        (Int8Isa::Vnni512, 2, 4) => x86::vnni::<2, 4>(self, rows, wpt, h0, o, rs, hs),
+                        (Int8Isa::Vnni512, 2, _) => x86::vnni::<2, 1>(self, rows, wpt, h0, o, rs, hs),
+                        (Int8Isa::Vnni512, _, 4) => x86::vnni::<4, 4>(self, rows, wpt, h0, o, rs, hs),
+                        (Int8Isa::Vnni512, _, _) => x86::vnni::<4, 1>(self, rows, wpt, h0, o, rs, hs),
+                        (Int8Isa::Avx2, 2, 4) => x86::avx2::<2, 4>(self, rows, wpt, h0, o, rs, hs),
+                        (Int8Isa::Avx2, 2, _) => x86::avx2::<2, 1>(self, rows, wpt, h0, o, rs, hs),
+                        (Int8Isa::Avx2, _, 4) => x86::avx2::<4, 4>(self, rows, wpt, h0, o, rs, hs),
+                        (Int8Isa::Avx2, _, _) => x86::avx2::<4, 1>(self, rows, wpt, h0, o, rs, hs),
+                        (Int8Isa::Portable, ..) => unreachable!("one row at a time"),
+                    }
+                }
+                h0 += nh;
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let full = 0;
+        for r in full..n {
+            let row = &words[base + r * wpt..base + (r + 1) * wpt];
+            for h in 0..self.g {
+                out[r * rs + h * hs] = self.score_row(row, h);
+            }
+        }
+    }
+
+    /// The portable score of one row for head `h`.
+    fn score_row(&self, row: &[u32], h: usize) -> f32 {
+        let (d, bits) = (self.d, self.bits);
+        let (per, mask) = ((32 / bits) as usize, (1u32 << bits) - 1);
+        let nb = d / self.qgroup;
+        let qi = &self.qd[h * (d / per) * (per / 4)..];
+        let slots = per / 4;
+        let mut score = 0f32;
+        let mut dot = 0i32;
+        for (wd, &word) in row.iter().enumerate() {
+            for k in 0..slots {
+                let q = qi[wd * slots + k].to_le_bytes();
+                for (j, qb) in q.iter().enumerate() {
+                    let c = (word >> (bits as usize * (j * slots + k))) & mask;
+                    dot += c as i32 * *qb as i8 as i32;
+                }
+            }
+            if ((wd + 1) * per).is_multiple_of(self.qgroup) {
+                score += self.a[h * nb + (wd * per) / self.qgroup] * dot as f32;
+                dot = 0;
+            }
+        }
+        score + self.cst[h]
+    }
+}
+
+/// Parameters `i0..i0 + out.len()` of a scale or zero section, as f32
+/// (F16C where the float ISA has it: once per key group, but a software
+/// f16 conversion per channel cost more than the group's dot products).
+fn read(isa: Isa, section: &[u32], dtype: ScaleDtype, i0: usize, out: &mut [f32]) {
+    match dtype {
+        ScaleDtype::F16 => {
+            // SAFETY: u16 has weaker alignment than u32 and the length
+            // doubles; element `i` is half `i % 2` of word `i / 2` on the
+            // little-endian targets this path runs on (the plan keeps
+            // big-endian ones off it).
+            let halves = unsafe { std::slice::from_raw_parts(section.as_ptr() as *const u16, section.len() * 2) };
+            super::simd::f16_to_f32(isa, &halves[i0..i0 + out.len()], out);
+        }
+        ScaleDtype::F32 => {
+            for (o, w) in out.iter_mut().zip(&section[i0..]) {
+                *o = f32::from_bits(*w);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+mod x86 {
+    use super::Int8Keys;
+    use std::arch::x86_64::*;
+
+    /// Byte shuffles from channel order to slot order within sixteen
+    /// channels: byte `4k + j` of a word's run is the code the slot-`k`
+    /// shift leaves in byte `j`, channel `j * slots + k` of the word.
+    const SLOTS2: [i8; 16] = [0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15];
+    const SLOTS4: [i8; 16] = [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15];
+
+    /// [`crate::quant::quantize_query`] of the folded query `w = q * s`,
+    /// eight values at a time, with the same f32 operations (products, a
+    /// maximum, `m / 127` and `127 / m`, rounding to nearest even), so
+    /// bit-identical to it, the codes written straight in slot order (`qd`,
+    /// four per dword); and `sum q z` in sixteen lanes (returned). Once per
+    /// head and key group: its cost is spread over the group's rows.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn fold_head(
+        q: &[f32],
+        s: &[f32],
+        z: &[f32],
+        group: usize,
+        bits: u32,
+        qd: &mut [i32],
+        scales: &mut [f32],
+    ) -> f32 {
+        let d = q.len();
+        assert!(group.is_multiple_of(16) && s.len() == d && z.len() == d);
+        assert!(d == 4 * qd.len() && d == scales.len() * group);
+        let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+        let shuf = _mm_loadu_si128(if bits == 2 { SLOTS2.as_ptr() } else { SLOTS4.as_ptr() } as *const __m128i);
+        let out = qd.as_mut_ptr() as *mut __m128i;
+        let (qp, sp, zp) = (q.as_ptr(), s.as_ptr(), z.as_ptr());
+        let w = |c: usize| _mm256_mul_ps(_mm256_loadu_ps(qp.add(c)), _mm256_loadu_ps(sp.add(c)));
+        let mut cz = [_mm256_setzero_ps(); 2];
+        for c in (0..d).step_by(16) {
+            cz[0] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(c)), _mm256_loadu_ps(zp.add(c)), cz[0]);
+            cz[1] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(c + 8)), _mm256_loadu_ps(zp.add(c + 8)), cz[1]);
+        }
+        for (b, a) in scales.iter_mut().enumerate() {
+            let c0 = b * group;
+            let mut mv = _mm256_setzero_ps();
+            for c in (c0..c0 + group).step_by(8) {
+                mv = _mm256_max_ps(mv, _mm256_and_ps(w(c), abs));
+            }
+            // Exact reduction of eight maxima.
+            let m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps::<1>(mv));
+            let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let m = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2)));
+            *a = m / 127.0;
+            let inv = _mm256_set1_ps(127.0 / m);
+            // `cvtps2dq` rounds by MXCSR, to nearest even (Rust never
+            // changes it), and |w * inv| <= 127 (1 + 2^-23) rounds to at
+            // most 127: the oracle's round and clamp in one instruction.
+            let code = |c: usize| _mm256_cvtps_epi32(_mm256_mul_ps(w(c), inv));
+            for c in (c0..c0 + group).step_by(16) {
+                let bytes = if m == 0.0 {
+                    _mm_setzero_si128()
+                } else {
+                    let (x0, x1) = (code(c), code(c + 8));
+                    let p0 = _mm_packs_epi32(_mm256_castsi256_si128(x0), _mm256_extracti128_si256::<1>(x0));
+                    let p1 = _mm_packs_epi32(_mm256_castsi256_si128(x1), _mm256_extracti128_si256::<1>(x1));
+                    _mm_shuffle_epi8(_mm_packs_epi16(p0, p1), shuf)
+                };
+                _mm_storeu_si128(out.add(c / 16), bytes);
+            }
+        }
+        // Sixteen partial sums, then a tree: a sequential f32 sum of the D
+        // products (zero points of both signs) lost up to 1e-5 of the output.
+        let s8 = _mm256_add_ps(cz[0], cz[1]);
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)))
+    }
+
+    /// Sixteen rows, heads `h0..h0 + NH`: see the module docs. `NH` is a
+    /// constant so that the sums stay in registers.
+    #[target_feature(enable = "avx512f,avx512vnni")]
+    pub unsafe fn vnni<const BITS: u32, const NH: usize>(
+        k: &Int8Keys,
+        rows: *const i32,
+        wpt: usize,
+        h0: usize,
+        out: &mut [f32],
+        rs: usize,
+        hs: usize,
+    ) {
+        let per = (32 / BITS) as usize;
+        let slots = per / 4;
+        let (wpg, nb) = (k.qgroup / per, k.d / k.qgroup);
+        let idx = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(wpt as i32),
+        );
+        let mask = _mm512_set1_epi32(if BITS == 2 { 0x0303_0303 } else { 0x0f0f_0f0f });
+        let qd = k.qd.as_ptr().add(h0 * wpt * slots);
+        let qa = k.a.as_ptr().add(h0 * nb);
+        // Two sets of sums (even and odd slots): more independent
+        // `vpdpbusd` chains in flight.
+        let mut ia = [[_mm512_setzero_si512(); NH]; 2];
+        let mut sa = [_mm512_setzero_ps(); NH];
+        // The gathers of up to eight words issued together, ahead of their
+        // use: one at a time, each stalled the dot products on its loads.
+        let mut zs = [_mm512_setzero_si512(); 8];
+        for w in 0..wpt {
+            if w % 8 == 0 {
+                for (j, z) in zs.iter_mut().enumerate().take((wpt - w).min(8)) {
+                    *z = _mm512_i32gather_epi32::<4>(_mm512_add_epi32(idx, _mm512_set1_epi32((w + j) as i32)), rows);
+                }
+            }
+            let z = zs[w % 8];
+            for s in 0..slots {
+                let v = _mm512_and_si512(
+                    _mm512_srlv_epi32(z, _mm512_set1_epi32((BITS as usize * s) as i32)),
+                    mask,
+                );
+                for h in 0..NH {
+                    let q = _mm512_set1_epi32(*qd.add((h * wpt + w) * slots + s));
+                    ia[s % 2][h] = _mm512_dpbusd_epi32(ia[s % 2][h], v, q);
+                }
+            }
+            if (w + 1).is_multiple_of(wpg) {
+                for h in 0..NH {
+                    let a = _mm512_set1_ps(*qa.add(h * nb + w / wpg));
+                    let sum = _mm512_add_epi32(ia[0][h], ia[1][h]);
+                    sa[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), a, sa[h]);
+                    ia[0][h] = _mm512_setzero_si512();
+                    ia[1][h] = _mm512_setzero_si512();
+                }
+            }
+        }
+        let mut tmp = [0f32; 16];
+        for h in 0..NH {
+            _mm512_storeu_ps(tmp.as_mut_ptr(), _mm512_add_ps(sa[h], _mm512_set1_ps(k.cst[h0 + h])));
+            for (r, x) in tmp.iter().enumerate() {
+                *out.get_unchecked_mut(r * rs + h * hs) = *x;
+            }
+        }
+    }
+
+    /// Eight rows, heads `h0..h0 + NH`, `vpmaddubsw` + `vpmaddwd`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn avx2<const BITS: u32, const NH: usize>(
+        k: &Int8Keys,
+        rows: *const i32,
+        wpt: usize,
+        h0: usize,
+        out: &mut [f32],
+        rs: usize,
+        hs: usize,
+    ) {
+        let per = (32 / BITS) as usize;
+        let slots = per / 4;
+        let (wpg, nb) = (k.qgroup / per, k.d / k.qgroup);
+        let idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(wpt as i32));
+        let mask = _mm256_set1_epi32(if BITS == 2 { 0x0303_0303 } else { 0x0f0f_0f0f });
+        let ones = _mm256_set1_epi16(1);
+        let qd = k.qd.as_ptr().add(h0 * wpt * slots);
+        let qa = k.a.as_ptr().add(h0 * nb);
+        let mut ia = [_mm256_setzero_si256(); NH];
+        let mut sa = [_mm256_setzero_ps(); NH];
+        let mut zs = [_mm256_setzero_si256(); 8];
+        for w in 0..wpt {
+            if w % 8 == 0 {
+                for (j, z) in zs.iter_mut().enumerate().take((wpt - w).min(8)) {
+                    *z = _mm256_i32gather_epi32::<4>(rows, _mm256_add_epi32(idx, _mm256_set1_epi32((w + j) as i32)));
+                }
+            }
+            let z = zs[w % 8];
+            for s in 0..slots {
+                let v = _mm256_and_si256(
+                    _mm256_srlv_epi32(z, _mm256_set1_epi32((BITS as usize * s) as i32)),
+                    mask,
+                );
+                for h in 0..NH {
+                    let q = _mm256_set1_epi32(*qd.add((h * wpt + w) * slots + s));
+                    // Pairs of u8 x i8 into i16 (|2 * 15 * 127| fits), then
+                    // pairs of i16 into the i32 sums.
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(v, q), ones);
+                    ia[h] = _mm256_add_epi32(ia[h], p);
+                }
+            }
+            if (w + 1).is_multiple_of(wpg) {
+                for h in 0..NH {
+                    let a = _mm256_set1_ps(*qa.add(h * nb + w / wpg));
+                    sa[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[h]), a, sa[h]);
+                    ia[h] = _mm256_setzero_si256();
+                }
+            }
+        }
+        let mut tmp = [0f32; 8];
+        for h in 0..NH {
+            _mm256_storeu_ps(tmp.as_mut_ptr(), _mm256_add_ps(sa[h], _mm256_set1_ps(k.cst[h0 + h])));
+            for (r, x) in tmp.iter().enumerate() {
+                *out.get_unchecked_mut(r * rs + h * hs) = *x;
+            }
+        }
+    }
+}
