@@ -165,6 +165,8 @@ pub fn codec_short(s: &Scheme, t: Tensor) -> String {
         Levels::Uniform => {}
         Levels::LloydMax(kivi_spec::Norm::Rms) => o += "·lm",
         Levels::LloydMax(kivi_spec::Norm::L2) => o += "·lm2",
+        Levels::Nuq(kivi_spec::Norm::Rms) => o += "·nuq",
+        Levels::Nuq(kivi_spec::Norm::L2) => o += "·nuq2",
     }
     if let Some(r) = s.rotation_of(t) {
         o += &format!("·H{}{}", r.block, if r.signs.is_some() { "s" } else { "" });

@@ -110,9 +110,11 @@ pub fn validate(s: &Scheme) -> Result<(), Invalid> {
                 return Err(Invalid::new(
                     Field::Bits(t),
                     format!(
-                        "{} bits = {} has no lloyd_max table; lloyd_max levels support 1, 2, 3 or 4 bits",
+                        "{} bits = {} has no {} table; {} levels support 1, 2, 3 or 4 bits",
                         t.name(),
-                        q.bits
+                        q.bits,
+                        q.levels.name(),
+                        q.levels.name()
                     ),
                 ));
             }
