@@ -2,6 +2,7 @@
 
 pub mod attend;
 pub mod bench;
+pub mod calibrate;
 pub mod codegen;
 pub mod eval;
 pub mod generate;
