@@ -477,11 +477,23 @@ impl Gemma3 {
     /// one per layer; each layer gets the model's sliding window and
     /// attention scale.
     pub fn new_cache(&self, schemes: &[Scheme], max_tokens: usize) -> Result<KiviKvCache> {
+        self.new_cache_calibrated(schemes, max_tokens, None)
+    }
+
+    /// [`Self::new_cache`] whose `levels = nuq` tensors decode with the
+    /// codebooks of `calibration` (made by `kivi calibrate` for this model).
+    pub fn new_cache_calibrated(
+        &self,
+        schemes: &[Scheme],
+        max_tokens: usize,
+        calibration: Option<&kivi_runtime::calib::Calibration>,
+    ) -> Result<KiviKvCache> {
         let shape = self.model_shape();
-        let mut cache = match schemes {
-            [one] => KiviKvCache::new(one, shape, max_tokens)?,
-            many => KiviKvCache::per_layer(many, shape, max_tokens)?,
+        let per: Vec<Scheme> = match schemes {
+            [one] => vec![one.clone(); shape.layers],
+            many => many.to_vec(),
         };
+        let mut cache = KiviKvCache::per_layer_calibrated(&per, shape, max_tokens, calibration)?;
         for i in 0..self.cfg.layers {
             cache.set_window(i, self.cfg.window(i))?;
         }
