@@ -122,7 +122,10 @@ fn future_fields_are_not_supported_yet() {
     let q = "quant(bits = 2, axis = token, group = 32";
     assert!(kivi::parse_scheme(&format!("S {{ key: {q}, levels = nuq), value: full }}")).is_ok());
     for (text, what) in [
-        (format!("S {{ key: {q}, levels = kmeans), value: full }}"), "levels = kmeans"),
+        (
+            format!("S {{ key: {q}, levels = kmeans), value: full }}"),
+            "levels = kmeans",
+        ),
         (
             format!("S {{ key: {q}), value: full, rotation: learned(block = 32, apply = [key]) }}"),
             "`learned` rotations",
