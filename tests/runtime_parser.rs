@@ -126,10 +126,15 @@ fn future_fields_are_not_supported_yet() {
     }
     let e = kivi::parse_scheme("S { key: full, heads: mla(q = 8) }").unwrap_err();
     assert!(e.message.contains("mla(...) is missing `latent`"), "{}", e.message);
-    // Calibrated codebooks and learned rotations come next (issue 12).
+    // Calibrated codebooks are spelled `levels = nuq` (issue 12); other
+    // spellings and learned rotations are refused.
     let q = "quant(bits = 2, axis = token, group = 32";
+    assert!(kivi::parse_scheme(&format!("S {{ key: {q}, levels = nuq), value: full }}")).is_ok());
     for (text, what) in [
-        (format!("S {{ key: {q}, levels = nuq), value: full }}"), "levels = nuq"),
+        (
+            format!("S {{ key: {q}, levels = kmeans), value: full }}"),
+            "levels = kmeans",
+        ),
         (
             format!("S {{ key: {q}), value: full, rotation: learned(block = 32, apply = [key]) }}"),
             "`learned` rotations",

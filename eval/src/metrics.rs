@@ -57,6 +57,9 @@ pub struct EvalConfig {
     /// plain forward and the per-layer study (to choose parameters on a
     /// calibration text quickly).
     pub decode: bool,
+    /// A calibration file (`kivi calibrate`) for schemes with
+    /// `levels = nuq`; its hash is reported with the results.
+    pub calibration: Option<PathBuf>,
 }
 
 impl Default for EvalConfig {
@@ -72,6 +75,7 @@ impl Default for EvalConfig {
             weights: Weights::F32,
             study: Vec::new(),
             decode: true,
+            calibration: None,
         }
     }
 }
@@ -165,6 +169,8 @@ pub fn codec_short(s: &Scheme, t: Tensor) -> String {
         Levels::Uniform => {}
         Levels::LloydMax(kivi_spec::Norm::Rms) => o += "·lm",
         Levels::LloydMax(kivi_spec::Norm::L2) => o += "·lm2",
+        Levels::Nuq(kivi_spec::Norm::Rms) => o += "·nuq",
+        Levels::Nuq(kivi_spec::Norm::L2) => o += "·nuq2",
     }
     if let Some(r) = s.rotation_of(t) {
         o += &format!("·H{}{}", r.block, if r.signs.is_some() { "s" } else { "" });
@@ -207,6 +213,20 @@ pub fn run(cfg: &EvalConfig, log: &mut dyn FnMut(&str)) -> Result<Report> {
         None => fetch::ensure_model(&fetch::models_dir(), log)?,
     };
     let (model, tok) = Gemma3::load(&path, cfg.tokens + 1, cfg.weights)?;
+    let calibration = match &cfg.calibration {
+        Some(p) => {
+            let c = kivi_runtime::calib::Calibration::load(p).map_err(kivi_runtime::Error::from)?;
+            log(&format!(
+                "calibration {} (hash {:016x}) for {}: {}",
+                p.display(),
+                c.hash(),
+                c.model,
+                c.source
+            ));
+            Some(c)
+        }
+        None => None,
+    };
     let mc = model.config().clone();
     let all_ids = tok.encode(&text, false);
     if all_ids.len() < cfg.tokens {
@@ -239,7 +259,7 @@ pub fn run(cfg: &EvalConfig, log: &mut dyn FnMut(&str)) -> Result<Report> {
     let pre = model.forward(&ids[..if cfg.decode { cfg.prefix } else { 1 }], Logits::None, true)?;
     let mut caches = schemes[..n]
         .iter()
-        .map(|s| model.new_cache(std::slice::from_ref(s), cfg.tokens))
+        .map(|s| model.new_cache_calibrated(std::slice::from_ref(s), cfg.tokens, calibration.as_ref()))
         .collect::<Result<Vec<_>>>()?;
     for c in caches.iter_mut() {
         model.fill_cache(c, &pre)?;

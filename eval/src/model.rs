@@ -490,6 +490,17 @@ impl Gemma3 {
     /// The pair convention must be `half` (Gemma rotates halves) and the
     /// scaling `none`; anything else is refused.
     pub fn new_cache(&self, schemes: &[Scheme], max_tokens: usize) -> Result<KiviKvCache> {
+        self.new_cache_calibrated(schemes, max_tokens, None)
+    }
+
+    /// [`Self::new_cache`] whose `levels = nuq` tensors decode with the
+    /// codebooks of `calibration` (made by `kivi calibrate` for this model).
+    pub fn new_cache_calibrated(
+        &self,
+        schemes: &[Scheme],
+        max_tokens: usize,
+        calibration: Option<&kivi_runtime::calib::Calibration>,
+    ) -> Result<KiviKvCache> {
         let shape = self.model_shape();
         let layers = self.cfg.layers;
         let per: Vec<Scheme> = match schemes {
@@ -512,11 +523,7 @@ impl Gemma3 {
                 Ok(s)
             })
             .collect::<Result<Vec<_>>>()?;
-        let mut cache = if per.len() == layers && per.iter().all(|s| *s == per[0]) {
-            KiviKvCache::new(&per[0], shape, max_tokens)?
-        } else {
-            KiviKvCache::per_layer(&per, shape, max_tokens)?
-        };
+        let mut cache = KiviKvCache::per_layer_calibrated(&per, shape, max_tokens, calibration)?;
         for i in 0..self.cfg.layers {
             cache.set_window(i, self.cfg.window(i))?;
         }

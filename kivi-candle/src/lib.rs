@@ -346,6 +346,19 @@ impl KiviKvCache {
     /// A scheme per layer (`schemes.len() == shape.layers`), e.g. more bits
     /// for the layers that attend over the whole context.
     pub fn per_layer(schemes: &[Scheme], shape: ModelShape, max_tokens: usize) -> Result<KiviKvCache> {
+        KiviKvCache::per_layer_calibrated(schemes, shape, max_tokens, None)
+    }
+
+    /// [`Self::per_layer`] with a calibration: layer `i` decodes its
+    /// `levels = nuq` tensors with the calibration's layer-`i` codebooks
+    /// ([`PagedCache::with_calibration`]); a scheme that needs one the
+    /// calibration lacks is an error naming the layer and tensor.
+    pub fn per_layer_calibrated(
+        schemes: &[Scheme],
+        shape: ModelShape,
+        max_tokens: usize,
+        calibration: Option<&kivi_runtime::calib::Calibration>,
+    ) -> Result<KiviKvCache> {
         if shape.layers == 0 || schemes.len() != shape.layers {
             return Err(Error::Config(format!(
                 "{} schemes for {} layers; give one per layer (and at least one layer)",
@@ -383,7 +396,11 @@ impl KiviKvCache {
                 max_blocks: max_tokens.div_ceil(block),
             };
             let attn = AttnParams::of(&bound, shape_of(shape));
-            let mut cache = PagedCache::new(bound, config).map_err(in_layer)?;
+            let mut cache = match calibration {
+                Some(c) => PagedCache::with_calibration(bound, config, c, i),
+                None => PagedCache::new(bound, config),
+            }
+            .map_err(in_layer)?;
             let seq = cache.add_sequence();
             let mut layer = Layer {
                 cache,

@@ -75,6 +75,8 @@ enum Command {
     Eval(commands::eval::Args),
     /// Generate text with Gemma 3 270M on a kivi cache
     Generate(commands::generate::Args),
+    /// Learn calibrated codebooks (levels = nuq) from Gemma 3 270M's K/V and write a calibration file
+    Calibrate(commands::calibrate::Args),
     /// Print a shell completion script, e.g. `kivi completions bash > ~/.local/share/bash-completion/completions/kivi`
     Completions(Completions),
 }
@@ -128,6 +130,7 @@ fn main() {
         Command::Bench(a) => commands::bench::run(a),
         Command::Eval(a) => commands::eval::run(a),
         Command::Generate(a) => commands::generate::run(a),
+        Command::Calibrate(a) => commands::calibrate::run(a),
         Command::Completions(a) => {
             clap_complete::generate(a.shell, &mut Cli::command(), "kivi", &mut std::io::stdout());
             Ok(())

@@ -41,7 +41,7 @@
 
 use crate::cpu::{write, CpuParams, Isa};
 use crate::error::{Error, Result};
-use crate::quant::{self, dequantize, quantize_group, GroupParams, TensorCodec};
+use crate::quant::{self, GroupParams, TensorCodec};
 use crate::reference::round_inputs;
 use kivi_spec::layout::{self, regions, BlockLayout, TensorLayout};
 use kivi_spec::{Axis, Codec, Dtype, Quant, ScaleDtype, Scheme, Shape, Tensor};
@@ -209,6 +209,9 @@ pub struct PagedCache {
     /// The sliding window of the layer this cache serves, if its blocks
     /// are evicted ([`Self::set_eviction_window`]).
     evict_window: Option<usize>,
+    /// The hash of the calibration whose codebooks the codecs decode with
+    /// ([`Self::with_calibration`]).
+    calibration: Option<u64>,
 }
 
 /// Where a token of one tensor lives.
@@ -284,7 +287,70 @@ pub fn params_at(tl: &TensorLayout, words: &[u32], q: &Quant, t: usize, d: usize
 
 impl PagedCache {
     /// A cache for a scheme with a bound shape ([`Scheme::with_shape`]).
+    ///
+    /// A scheme with `levels = nuq` is refused
+    /// ([`crate::calib::CalibError::Needed`]): its codebooks come from a
+    /// calibration, [`Self::with_calibration`].
     pub fn new(scheme: Scheme, config: CacheConfig) -> Result<Self> {
+        crate::calib::levels_for(&scheme, None, 0)?;
+        Self::build(scheme, config)
+    }
+
+    /// A cache for layer `layer` of a model, its `nuq` codecs decoding with
+    /// that layer's codebooks from `calibration` (checked against the
+    /// scheme's shape and the quantizer each was fitted for; a missing one
+    /// is an error naming the layer and tensor). The calibration's hash
+    /// joins the scheme's in [`Self::identity`]. A scheme without `nuq`
+    /// levels is built as by [`Self::new`], with the hash recorded all
+    /// the same.
+    ///
+    /// ```
+    /// use kivi_runtime::calib::{Calibration, FitOptions, LayerSamples, ModelId};
+    /// use kivi_runtime::{CacheConfig, PagedCache};
+    /// let s = kivi_spec::parse_scheme("pub N { key: quant(bits = 2, axis = channel, group = 32, levels = nuq), \
+    ///     value: quant(bits = 2, axis = token, group = 32), residual: 32, heads: mha(1), head_dim: 32 }").unwrap();
+    /// assert!(PagedCache::new(s.clone(), CacheConfig::for_tokens(64)).is_err());
+    /// let mut rng = kivi_runtime::rand::Rng::new(3);
+    /// let x = LayerSamples::new(1, 128, 1, 1, 32, rng.vec(128 * 32), rng.vec(128 * 32));
+    /// let mut cal = Calibration::new(ModelId { name: "toy".into(), layers: 2, kv_heads: 1, head_dim: 32 }, "random");
+    /// cal.fit_codebooks(&s, &[x], FitOptions::default()).unwrap();
+    /// let e = PagedCache::with_calibration(s.clone(), CacheConfig::for_tokens(64), &cal, 0).err().unwrap();
+    /// assert!(e.to_string().contains("layer 0 key"), "{e}");
+    /// let c = PagedCache::with_calibration(s, CacheConfig::for_tokens(64), &cal, 1).unwrap();
+    /// assert_eq!(c.calibration_hash(), Some(cal.hash()));
+    /// ```
+    pub fn with_calibration(
+        scheme: Scheme,
+        config: CacheConfig,
+        calibration: &crate::calib::Calibration,
+        layer: usize,
+    ) -> Result<Self> {
+        kivi_spec::validate(&scheme)?;
+        calibration.check_shape(&scheme)?;
+        let levels = crate::calib::levels_for(&scheme, Some(calibration), layer)?;
+        let mut c = Self::build(scheme, config)?;
+        for (codec, l) in c.codecs.iter_mut().zip(levels) {
+            if let (Some(codec), Some(l)) = (codec.as_mut(), l) {
+                codec.levels = l;
+            }
+        }
+        c.calibration = Some(calibration.hash());
+        Ok(c)
+    }
+
+    /// The hash of the calibration this cache was built with, if any.
+    pub fn calibration_hash(&self) -> Option<u64> {
+        self.calibration
+    }
+
+    /// This cache's identity for tuning decisions and artifacts: the scheme
+    /// hash, joined with the calibration hash when there is one
+    /// ([`crate::calib::identity`]).
+    pub fn identity(&self) -> u64 {
+        crate::calib::identity(kivi_spec::scheme_hash(&self.scheme), self.calibration)
+    }
+
+    fn build(scheme: Scheme, config: CacheConfig) -> Result<Self> {
         kivi_spec::validate(&scheme)?;
         if scheme.mla().is_some() {
             return Err(Error::Config(crate::mla::NOT_PAGED.into()));
@@ -320,6 +386,7 @@ impl PagedCache {
             write_isa: Some(CpuParams::default().isa(shape.head_dim)),
             last_write: None,
             evict_window: None,
+            calibration: None,
             scheme,
         })
     }
@@ -1317,7 +1384,7 @@ fn quantize_range(
                 for (i, v) in vals.iter_mut().enumerate() {
                     *v = rows[member(i)];
                 }
-                let (p, lo, hi) = quantize_group(&vals, &q, &mut gcodes);
+                let (p, lo, hi) = codec.quantize_group(&vals, &mut gcodes);
                 if !p.is_finite() {
                     return Err(Error::ScaleOverflow {
                         tensor: t.name(),
@@ -1367,7 +1434,7 @@ fn quantize_range(
                     let (idx, orig) = &outl[k];
                     let mut corr = Vec::with_capacity(idx.len());
                     for (&c, &o) in idx.iter().zip(orig) {
-                        let deq = dequantize(codes[k * d + c], params[k * d + c], &q);
+                        let deq = codec.dequantize(codes[k * d + c], params[k * d + c]);
                         corr.push(codec.correction(o, deq).ok_or(Error::OutlierOverflow {
                             tensor: t.name(),
                             token: sinks + j0 + k,
@@ -1447,8 +1514,9 @@ impl<'a> SeqView<'a> {
         match (q.axis, q.levels) {
             // Token-axis Lloyd–Max (the common codec case): one norm per
             // group, the table looked up once, codes unpacked word by word.
-            (Axis::Token, kivi_spec::Levels::LloydMax(_)) => {
-                let levels = kivi_spec::lloyd_max_levels(q.bits).expect("validated");
+            (Axis::Token, kivi_spec::Levels::LloydMax(_) | kivi_spec::Levels::Nuq(_)) => {
+                // The codec's table: Lloyd–Max, or this layer's codebook.
+                let levels = self.codec(t).map_or(&[][..], |c| &c.levels);
                 let (g, per, mask) = (q.group as usize, (32 / q.bits) as usize, (1u32 << q.bits) - 1);
                 for (gi, chunk) in out.chunks_mut(g).enumerate() {
                     let s = params_at(tl, part, q, off, gi * g).scale;
@@ -1460,9 +1528,10 @@ impl<'a> SeqView<'a> {
                 }
             }
             _ => {
+                let levels = self.codec(t).map_or(&[][..], |c| &c.levels);
                 for (c, o) in out.iter_mut().enumerate() {
                     let code = quant::unpack_one(row, q.bits, c);
-                    *o = dequantize(code, params_at(tl, part, q, off, c), q);
+                    *o = quant::dequantize_in(code, params_at(tl, part, q, off, c), q, levels);
                 }
             }
         }
@@ -1586,9 +1655,10 @@ impl<'a> SeqView<'a> {
                         }
                     }
                     Codec::Quant(q) => {
+                        let levels = self.cache.codec(t).map_or(&[][..], |c| &c.levels);
                         for (c, o) in out.iter_mut().enumerate() {
                             let code = quant::unpack_one(row, q.bits, c);
-                            *o = dequantize(code, params_at(tl, part, q, off, c), q);
+                            *o = quant::dequantize_in(code, params_at(tl, part, q, off, c), q, levels);
                         }
                         if let Some(codec) = self.cache.codec(t) {
                             self.add_outliers(tl, part, off, out);

@@ -76,8 +76,18 @@ pub enum Error {
     /// An error about one sequence of a batch.
     #[error("sequence {seq}: {source}")]
     InSequence { seq: usize, source: Box<Error> },
+    /// A missing, damaged or mismatched calibration (boxed: its messages
+    /// carry several names, and every `Result` of the runtime carries this).
+    #[error(transparent)]
+    Calibration(Box<crate::calib::CalibError>),
     #[error("the {backend} backend is unavailable: {reason}")]
     Unavailable { backend: &'static str, reason: String },
+}
+
+impl From<crate::calib::CalibError> for Error {
+    fn from(e: crate::calib::CalibError) -> Error {
+        Error::Calibration(Box::new(e))
+    }
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

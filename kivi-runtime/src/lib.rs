@@ -4,6 +4,8 @@
 //! - [`reference`](mod@reference) — DESIGN.md §3, plainly; the oracle for everything else.
 //! - [`quant`] — the quantization math (one copy on the host).
 //! - [`cache`] — the paged cache with exact memory accounting.
+//! - [`calib`] — calibration files (learned `nuq` codebooks) and fitting
+//!   them from K/V samples.
 //! - [`cpu`] — fused dequantize + decode attention on the CPU.
 //! - [`backend`] — the interface every backend implements: decode (one
 //!   query per sequence) and [`Backend::attend_block`] (a causal block of
@@ -15,6 +17,7 @@
 
 pub mod backend;
 pub mod cache;
+pub mod calib;
 pub mod cpu;
 pub mod cuda;
 pub mod device;

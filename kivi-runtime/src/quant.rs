@@ -352,18 +352,37 @@ pub fn lloyd_encode(y: f32, levels: &[f32]) -> u32 {
     levels.windows(2).filter(|w| y > (w[0] + w[1]) * 0.5).count() as u32
 }
 
+/// The fixed table of a quantizer's levels: the Lloyd–Max table for
+/// `lloyd_max`, empty for uniform levels and for `nuq`, whose table comes
+/// from a calibration ([`crate::calib`]) through [`TensorCodec::levels`].
+pub fn fixed_levels(q: &Quant) -> &'static [f32] {
+    match q.levels {
+        Levels::LloydMax(_) => kivi_spec::lloyd_max_levels(q.bits).unwrap_or(&[]),
+        Levels::Uniform | Levels::Nuq(_) => &[],
+    }
+}
+
 /// The stored norm of a Lloyd–Max group and its codes.
 ///
 /// `Rms`: `s = rms(x)` (f64, rounded to the scale dtype), codes of `x / s`
 /// (all codes of `0` when `s == 0`). `L2`: the same codes, then
 /// `s = ||x|| / ||L[c]||` so the decoded group keeps the input's norm.
-/// Decoding is `s * L[c]` ([`lloyd_decode`]).
+/// Decoding is `s * L[c]` ([`lloyd_decode`]). The fixed Lloyd–Max table;
+/// [`lloyd_group_in`] takes any table (a calibrated `nuq` codebook).
 pub fn lloyd_group(values: &[f32], q: &Quant, codes: &mut [u32]) -> f32 {
-    let norm = match q.levels {
-        Levels::LloydMax(n) => n,
-        Levels::Uniform => unreachable!("lloyd_group on uniform levels"),
-    };
-    let levels = kivi_spec::lloyd_max_levels(q.bits).expect("validated: lloyd_max bits have a table");
+    lloyd_group_in(values, q, fixed_levels(q), codes)
+}
+
+/// [`lloyd_group`] against the ascending table `levels` (at most 16
+/// entries). An empty table (a `nuq` quantizer given no codebook) codes
+/// every value 0 with norm 0, so it decodes to zeros rather than panicking;
+/// caches refuse to get there ([`crate::calib`]).
+pub fn lloyd_group_in(values: &[f32], q: &Quant, levels: &[f32], codes: &mut [u32]) -> f32 {
+    let norm = q.levels.norm().unwrap_or(Norm::Rms);
+    if levels.is_empty() {
+        codes.iter_mut().for_each(|c| *c = 0);
+        return 0.0;
+    }
     let ss: f64 = values.iter().map(|x| (*x as f64) * (*x as f64)).sum();
     let rms = round_to_scale((ss / values.len() as f64).sqrt() as f32, q.scale);
     // The decision thresholds of `lloyd_encode`, computed once per group
@@ -405,6 +424,13 @@ pub fn lloyd_decode(c: u32, s: f32, levels: &[f32]) -> f32 {
 /// into `codes`, returning the stored parameters (`zero` is 0 for
 /// Lloyd–Max) and the group's `(lo, hi)` for error messages.
 pub fn quantize_group(values: &[f32], q: &Quant, codes: &mut [u32]) -> (GroupParams, f32, f32) {
+    quantize_group_in(values, q, fixed_levels(q), codes)
+}
+
+/// [`quantize_group`] with the table of a table-driven quantizer given
+/// (`levels` is ignored for uniform levels): how `nuq` codebooks from a
+/// calibration are applied.
+pub fn quantize_group_in(values: &[f32], q: &Quant, levels: &[f32], codes: &mut [u32]) -> (GroupParams, f32, f32) {
     match q.levels {
         Levels::Uniform => {
             let (p, lo, hi) = group_params(values.iter().copied(), q);
@@ -413,8 +439,8 @@ pub fn quantize_group(values: &[f32], q: &Quant, codes: &mut [u32]) -> (GroupPar
             }
             (p, lo, hi)
         }
-        Levels::LloydMax(_) => {
-            let s = lloyd_group(values, q, codes);
+        Levels::LloydMax(_) | Levels::Nuq(_) => {
+            let s = lloyd_group_in(values, q, levels, codes);
             let lo = values.iter().copied().fold(f32::INFINITY, f32::min);
             let hi = values.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             (GroupParams { scale: s, zero: 0.0 }, lo, hi)
@@ -425,9 +451,16 @@ pub fn quantize_group(values: &[f32], q: &Quant, codes: &mut [u32]) -> (GroupPar
 /// Decodes one code of quantizer `q` with its group's parameters.
 #[inline]
 pub fn dequantize(c: u32, p: GroupParams, q: &Quant) -> f32 {
+    dequantize_in(c, p, q, fixed_levels(q))
+}
+
+/// [`dequantize`] with the table of a table-driven quantizer given; a code
+/// past the end of the table (only an empty `nuq` table) decodes to 0.
+#[inline]
+pub fn dequantize_in(c: u32, p: GroupParams, q: &Quant, levels: &[f32]) -> f32 {
     match q.levels {
         Levels::Uniform => decode(c, p),
-        Levels::LloydMax(_) => lloyd_decode(c, p.scale, kivi_spec::lloyd_max_levels(q.bits).expect("validated")),
+        Levels::LloydMax(_) | Levels::Nuq(_) => levels.get(c as usize).map_or(0.0, |l| p.scale * l),
     }
 }
 
@@ -444,6 +477,10 @@ pub struct TensorCodec {
     pub outliers: usize,
     /// Tokens whose mean centers this tensor, when centered.
     pub center: Option<usize>,
+    /// The table codes decode to (`s * levels[c]`): the Lloyd–Max table,
+    /// a calibrated `nuq` codebook ([`Self::with_levels`]), or empty for
+    /// uniform levels and for a `nuq` codec not yet given its codebook.
+    pub levels: Vec<f32>,
 }
 
 impl TensorCodec {
@@ -458,7 +495,32 @@ impl TensorCodec {
                 .map(|r| (r.block as usize, r.signs.map(|seed| sign_vector(seed, head_dim)))),
             outliers: s.outliers_of(t),
             center: s.center_of(t),
+            levels: fixed_levels(&quant).to_vec(),
         })
+    }
+
+    /// This codec decoding with `levels` (a calibrated `nuq` codebook of
+    /// `2^bits` ascending entries; [`crate::calib::Calibration::codebook`]
+    /// checks it).
+    pub fn with_levels(mut self, levels: Vec<f32>) -> TensorCodec {
+        self.levels = levels;
+        self
+    }
+
+    /// Whether this codec still lacks the calibrated codebook it needs.
+    pub fn needs_levels(&self) -> bool {
+        matches!(self.quant.levels, Levels::Nuq(_)) && self.levels.is_empty()
+    }
+
+    /// [`quantize_group_in`] with this codec's table.
+    pub fn quantize_group(&self, values: &[f32], codes: &mut [u32]) -> (GroupParams, f32, f32) {
+        quantize_group_in(values, &self.quant, &self.levels, codes)
+    }
+
+    /// [`dequantize_in`] with this codec's table.
+    #[inline]
+    pub fn dequantize(&self, c: u32, p: GroupParams) -> f32 {
+        dequantize_in(c, p, &self.quant, &self.levels)
     }
 
     /// Uniform levels and no pipeline step (no centering, rotation or

@@ -3,8 +3,9 @@
 //! the paged cache, the CPU kernels, the simulator, CUDA, every tuning
 //! variant — is checked against these functions.
 
+use crate::calib::{CalibError, Calibration};
 use crate::error::{Error, Result};
-use crate::quant::{channel_mean, dequantize, quantize_group, round_to_dtype, GroupParams, TensorCodec};
+use crate::quant::{channel_mean, quantize_group, round_to_dtype, GroupParams, TensorCodec};
 use kivi_spec::layout::regions;
 use kivi_spec::{Axis, Scheme, Shape, Tensor};
 
@@ -74,7 +75,27 @@ pub fn round_inputs(s: &Scheme, tensor: &'static str, x: &[f32], heads: usize, d
 /// 5. add each outlier's stored correction `x - x^` (activation dtype) at
 ///    its channel;
 /// 6. un-rotate and add the mean back.
+///
+/// A `levels = nuq` tensor needs its codebook: use
+/// [`cache_view_calibrated`].
 pub fn cache_view(s: &Scheme, t: Tensor, x: &[f32]) -> Result<Vec<f32>> {
+    cache_view_levels(s, t, x, None)
+}
+
+/// [`cache_view`] of layer `layer` with the tables of `calibration` (the
+/// `nuq` codebooks; fixed tables stay as they are).
+pub fn cache_view_calibrated(
+    s: &Scheme,
+    t: Tensor,
+    x: &[f32],
+    calibration: &Calibration,
+    layer: usize,
+) -> Result<Vec<f32>> {
+    let [k, v] = crate::calib::levels_for(s, Some(calibration), layer)?;
+    cache_view_levels(s, t, x, if t == Tensor::Key { k } else { v })
+}
+
+fn cache_view_levels(s: &Scheme, t: Tensor, x: &[f32], levels: Option<Vec<f32>>) -> Result<Vec<f32>> {
     let shape = shape_of(s)?;
     let (h, d) = (shape.kv_heads, shape.head_dim);
     if !x.len().is_multiple_of(h * d) {
@@ -87,9 +108,19 @@ pub fn cache_view(s: &Scheme, t: Tensor, x: &[f32]) -> Result<Vec<f32>> {
     let tokens = x.len() / (h * d);
     let x = round_inputs(s, t.name(), x, h, d)?;
     let mut out = x.clone();
-    let Some(codec) = TensorCodec::of(s, t, d) else {
+    let Some(mut codec) = TensorCodec::of(s, t, d) else {
         return Ok(out);
     };
+    if let Some(l) = levels {
+        codec = codec.with_levels(l);
+    }
+    if codec.needs_levels() {
+        return Err(CalibError::Needed {
+            scheme: s.name.clone(),
+            tensor: t.name(),
+        }
+        .into());
+    }
     let q = codec.quant;
     let r = regions(s, t, tokens);
     let first = r.sinks; // first quantized token
@@ -146,10 +177,10 @@ pub fn cache_view(s: &Scheme, t: Tensor, x: &[f32]) -> Result<Vec<f32>> {
                         for k in 0..g {
                             vals[k] = y[yi(j0 + k, head, ch)];
                         }
-                        let (p, lo, hi) = quantize_group(&vals, &q, &mut codes);
+                        let (p, lo, hi) = codec.quantize_group(&vals, &mut codes);
                         check(p, lo, hi, first + j0, head, ch)?;
                         for k in 0..g {
-                            y[yi(j0 + k, head, ch)] = dequantize(codes[k], p, &q);
+                            y[yi(j0 + k, head, ch)] = codec.dequantize(codes[k], p);
                         }
                     }
                 }
@@ -161,10 +192,10 @@ pub fn cache_view(s: &Scheme, t: Tensor, x: &[f32]) -> Result<Vec<f32>> {
                 for head in 0..h {
                     for c0 in (0..d).step_by(g) {
                         vals.copy_from_slice(&y[yi(j, head, c0)..yi(j, head, c0 + g)]);
-                        let (p, lo, hi) = quantize_group(&vals, &q, &mut codes);
+                        let (p, lo, hi) = codec.quantize_group(&vals, &mut codes);
                         check(p, lo, hi, first + j, head, c0)?;
                         for k in 0..g {
-                            y[yi(j, head, c0 + k)] = dequantize(codes[k], p, &q);
+                            y[yi(j, head, c0 + k)] = codec.dequantize(codes[k], p);
                         }
                     }
                 }

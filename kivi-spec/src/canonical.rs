@@ -36,6 +36,7 @@ pub(crate) fn codec_text(c: &Codec) -> String {
             match q.levels {
                 Levels::Uniform => String::new(),
                 Levels::LloydMax(n) => format!(", levels = lloyd_max, norm = {}", n.name()),
+                Levels::Nuq(n) => format!(", levels = nuq, norm = {}", n.name()),
             }
         ),
     }

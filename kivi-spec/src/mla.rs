@@ -250,6 +250,16 @@ pub(crate) fn validate_mla(s: &Scheme, m: &Mla) -> Result<(), Invalid> {
             ));
         }
     }
+    // An MlaCache takes no calibration file, so a calibrated table would
+    // have nothing to decode with: refused here rather than at run time.
+    for (codec, field) in [(s.key, Field::Levels(Tensor::Key)), (m.rope, Field::MlaRope)] {
+        if codec.quant().is_some_and(|q| matches!(q.levels, Levels::Nuq(_))) {
+            return Err(Invalid::new(
+                field,
+                "levels = nuq is not supported with mla heads yet (an mla cache takes no calibration); use uniform or lloyd_max levels",
+            ));
+        }
+    }
     if let Codec::Quant(q) = m.rope {
         if !ALLOWED_BITS.contains(&q.bits) {
             return Err(Invalid::new(

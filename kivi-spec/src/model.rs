@@ -70,7 +70,7 @@ impl ScaleDtype {
 /// decodes `s * L[c]` from a fixed table `L` (see [`lloyd_max_levels`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Quant {
-    /// Code width: 1, 2, 3, 4 or 8 (1 to 4 for Lloyd–Max levels).
+    /// Code width: 1, 2, 3, 4 or 8 (1 to 4 for Lloyd–Max and nuq levels).
     pub bits: u32,
     pub axis: Axis,
     /// Group size `G` along `axis`.
@@ -117,6 +117,32 @@ pub enum Levels {
     /// The fixed MSE-optimal levels of a unit Gaussian at `b` bits
     /// (Lloyd–Max), applied to each group after dividing it by its norm.
     LloydMax(Norm),
+    /// A `2^b`-entry codebook learned per layer and tensor from the model's
+    /// own K/V (KVQuant's non-uniform datatype), applied exactly like
+    /// `LloydMax`: each group divided by its norm, the nearest entry coded.
+    /// The table is not part of the scheme: it comes from a calibration
+    /// file (`kivi_runtime::calib`), whose hash joins the scheme's in a
+    /// cache's identity. A cache refuses to build without one.
+    Nuq(Norm),
+}
+
+impl Levels {
+    /// The name the grammar spells: `uniform`, `lloyd_max` or `nuq`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Levels::Uniform => "uniform",
+            Levels::LloydMax(_) => "lloyd_max",
+            Levels::Nuq(_) => "nuq",
+        }
+    }
+
+    /// The norm of a table-driven quantizer (`None` for uniform levels).
+    pub fn norm(self) -> Option<Norm> {
+        match self {
+            Levels::Uniform => None,
+            Levels::LloydMax(n) | Levels::Nuq(n) => Some(n),
+        }
+    }
 }
 
 /// The one parameter a Lloyd–Max group stores (in the scale dtype).

@@ -16,7 +16,7 @@
 //!                              [, scaling = none|linear(NUMBER)])
 //!           | query: int8(group = INT)
 //! codec    := full | quant(bits = INT, axis = channel|token, group = INT
-//!                          [, scale = f16|f32] [, levels = uniform|lloyd_max] [, norm = rms|l2])
+//!                          [, scale = f16|f32] [, levels = uniform|lloyd_max|nuq] [, norm = rms|l2])
 //! tensors  := [key] | [value] | [key, value]
 //! heads    := mha(INT) | gqa(q = INT, kv = INT) | mqa(q = INT)
 //!           | mla(q = INT, latent = INT, rope_dim = INT [, rope = codec])
@@ -29,7 +29,7 @@
 //! A tensor's codec is a small pipeline: center (subtract per-channel
 //! means), rotate, take out the sparse outliers, quantize the rest with
 //! `quant(...)`. Names reserved for what comes next (`codebook`,
-//! `low_rank`, `vq`, `levels = nuq`, learned rotations, ...) are
+//! `low_rank`, `vq`, learned rotations, ...) are
 //! recognised and rejected with "not supported yet" rather than ignored.
 //!
 //! `rope: pre(...)` (KVQuant) declares that the keys given to the cache are
@@ -128,6 +128,14 @@ fn expect_eq(input: ParseStream, name: &Ident) -> syn::Result<()> {
         .map(|_| ())
 }
 
+/// Which `levels = ...` a quant named.
+#[derive(Clone, Copy, PartialEq)]
+enum LevelsKind {
+    Uniform,
+    LloydMax,
+    Nuq,
+}
+
 fn parse_codec(input: ParseStream, t: Tensor, spans: &mut HashMap<Field, Span>) -> syn::Result<Codec> {
     let head: Ident = input
         .parse()
@@ -152,8 +160,8 @@ fn parse_codec(input: ParseStream, t: Tensor, spans: &mut HashMap<Field, Span>) 
     let content;
     parenthesized!(content in input);
     let (mut bits, mut axis, mut group, mut scale) = (None, None, None, None);
-    // `levels`: Some(true) for lloyd_max; `norm` with its span for errors.
-    let mut lloyd: Option<bool> = None;
+    // `levels` as named; `norm` with its span for errors.
+    let mut lloyd: Option<LevelsKind> = None;
     let mut norm: Option<(Norm, Span)> = None;
     while !content.is_empty() {
         let arg: Ident = content.parse()?;
@@ -199,18 +207,28 @@ fn parse_codec(input: ParseStream, t: Tensor, spans: &mut HashMap<Field, Span>) 
                 expect_eq(&content, &arg)?;
                 let id: Ident = content
                     .parse()
-                    .map_err(|e| syn::Error::new(e.span(), "expected levels: one of uniform, lloyd_max"))?;
+                    .map_err(|e| syn::Error::new(e.span(), "expected levels: one of uniform, lloyd_max, nuq"))?;
                 let v = id.to_string();
                 match v.as_str() {
-                    "uniform" => lloyd = Some(false),
-                    "lloyd_max" => lloyd = Some(true),
-                    "nuq" | "codebook" | "kmeans" | "learned" => {
+                    "uniform" => lloyd = Some(LevelsKind::Uniform),
+                    "lloyd_max" => lloyd = Some(LevelsKind::LloydMax),
+                    // A per-layer codebook from a calibration file
+                    // (`kivi calibrate`), applied like lloyd_max.
+                    "nuq" => lloyd = Some(LevelsKind::Nuq),
+                    "codebook" | "kmeans" | "learned" => {
                         return err(
                             id.span(),
-                            format!("levels = {v} is not supported yet (planned: calibrated codebooks); use uniform or lloyd_max"),
+                            format!(
+                                "levels = {v} is not supported yet; calibrated codebooks are spelled `levels = nuq`"
+                            ),
                         )
                     }
-                    _ => return err(id.span(), format!("unknown levels `{v}`; expected one of uniform, lloyd_max")),
+                    _ => {
+                        return err(
+                            id.span(),
+                            format!("unknown levels `{v}`; expected one of uniform, lloyd_max, nuq"),
+                        )
+                    }
                 }
                 spans.insert(Field::Levels(t), id.span());
             }
@@ -244,12 +262,13 @@ fn parse_codec(input: ParseStream, t: Tensor, spans: &mut HashMap<Field, Span>) 
     }
     let missing = |what: &str| syn::Error::new(head.span(), format!("{} quant(...) is missing `{what}`", t.name()));
     let levels = match (lloyd, norm) {
-        (Some(true), n) => Levels::LloydMax(n.map_or(Norm::Rms, |n| n.0)),
+        (Some(LevelsKind::LloydMax), n) => Levels::LloydMax(n.map_or(Norm::Rms, |n| n.0)),
+        (Some(LevelsKind::Nuq), n) => Levels::Nuq(n.map_or(Norm::Rms, |n| n.0)),
         (_, Some((n, sp))) => {
             return err(
                 sp,
                 format!(
-                    "norm = {} applies to lloyd_max levels; uniform levels store a scale and a zero point per group",
+                    "norm = {} applies to lloyd_max and nuq levels; uniform levels store a scale and a zero point per group",
                     n.name()
                 ),
             )

@@ -24,6 +24,8 @@ fn codec(c: &Codec) -> TokenStream {
                 Levels::Uniform => quote!(::kivi::spec::Levels::Uniform),
                 Levels::LloydMax(Norm::Rms) => quote!(::kivi::spec::Levels::LloydMax(::kivi::spec::Norm::Rms)),
                 Levels::LloydMax(Norm::L2) => quote!(::kivi::spec::Levels::LloydMax(::kivi::spec::Norm::L2)),
+                Levels::Nuq(Norm::Rms) => quote!(::kivi::spec::Levels::Nuq(::kivi::spec::Norm::Rms)),
+                Levels::Nuq(Norm::L2) => quote!(::kivi::spec::Levels::Nuq(::kivi::spec::Norm::L2)),
             };
             quote!(::kivi::spec::Codec::Quant(::kivi::spec::Quant {
                 bits: #bits, axis: #axis, group: #group, scale: #scale, levels: #levels

@@ -125,9 +125,11 @@ pub fn validate(s: &Scheme) -> Result<(), Invalid> {
                 return Err(Invalid::new(
                     Field::Bits(t),
                     format!(
-                        "{} bits = {} has no lloyd_max table; lloyd_max levels support 1, 2, 3 or 4 bits",
+                        "{} bits = {} has no {} table; {} levels support 1, 2, 3 or 4 bits",
                         t.name(),
-                        q.bits
+                        q.bits,
+                        q.levels.name(),
+                        q.levels.name()
                     ),
                 ));
             }
@@ -446,6 +448,14 @@ fn validate_rope(s: &Scheme, r: &Rope) -> Result<(), Invalid> {
                 format!("{what} with rope: pre(...) is not supported yet; apply it to values only or drop `rope`"),
             ));
         }
+    }
+    // Calibrated key codebooks are fitted on the keys after RoPE today;
+    // pre-RoPE keys would decode with a table fitted on other data.
+    if s.key.quant().is_some_and(|q| matches!(q.levels, Levels::Nuq(_))) {
+        return Err(Invalid::new(
+            Field::Levels(Tensor::Key),
+            "key levels = nuq with rope: pre(...) is not supported yet (key codebooks are fitted after RoPE); use lloyd_max or uniform keys, or drop `rope`",
+        ));
     }
     Ok(())
 }

@@ -458,3 +458,29 @@ fn codec_presets_fit_their_classes_and_round_trip() {
         presets::all().len() + presets::pipeline().len()
     );
 }
+
+/// `levels = nuq` (calibrated codebooks): parsed with its norm, printed
+/// back, hashed apart from its Lloyd–Max twin, held to the same widths, and
+/// other codebook spellings refused at their token.
+#[test]
+fn nuq_levels_parse_print_hash_and_refuse() {
+    let text = "N { key: quant(bits = 2, axis = channel, group = 32, levels = nuq), \
+                value: quant(bits = 3, axis = token, group = 32, levels = nuq, norm = l2) }";
+    let s = parse_scheme(text).unwrap();
+    assert_eq!(s.key.quant().unwrap().levels, Levels::Nuq(Norm::Rms));
+    assert_eq!(s.value.quant().unwrap().levels, Levels::Nuq(Norm::L2));
+    let c = canonical(&s);
+    assert!(
+        c.contains("levels = nuq, norm = rms") && c.contains("levels = nuq, norm = l2"),
+        "{c}"
+    );
+    assert_eq!(canonical(&parse_scheme(&c).unwrap()), c);
+    let twin = parse_scheme(&text.replace("nuq", "lloyd_max")).unwrap();
+    assert_ne!(scheme_hash(&s), scheme_hash(&twin));
+    assert!(s.has_pipeline(Tensor::Key));
+    let e = parse_scheme(&text.replace("bits = 2", "bits = 8")).unwrap_err();
+    assert!(e.message.contains("no nuq table"), "{}", e.message);
+    let e = parse_scheme(&text.replacen("levels = nuq", "levels = kmeans", 1)).unwrap_err();
+    assert!(e.message.contains("spelled `levels = nuq`"), "{}", e.message);
+    assert_eq!(e.column, text.find("nuq").unwrap() + 1, "the error points at `kmeans`");
+}

@@ -376,6 +376,8 @@ impl Pipe {
         let (lloyd, l2) = match q.levels {
             Levels::Uniform => (None, false),
             Levels::LloydMax(n) => (kivi_spec::lloyd_max_levels(q.bits), n == Norm::L2),
+            // Refused by `check_supported` before any source is generated.
+            Levels::Nuq(n) => (None, n == Norm::L2),
         };
         let rot = s.rotation_of(t);
         let outliers = l.tensor(t).outliers;

@@ -273,9 +273,9 @@ pub struct GenOptions {
 /// and Lloyd–Max levels (rms or l2 norms), Hadamard rotations with or
 /// without a seeded sign flip, sparse outliers and per-channel centering,
 /// on either axis, for keys and values (docs/cuda.md says what each kernel
-/// does for each). Nothing is refused today; the check stays the one place
-/// a future codec the templates cannot instantiate (calibrated codebooks,
-/// vector quantization) is refused by name — [`GenError::Unsupported`],
+/// does for each). Calibrated codebooks (`levels = nuq`) are refused today;
+/// this check is the one place a codec the templates cannot instantiate
+/// (calibrated codebooks, vector quantization) is refused by name — [`GenError::Unsupported`],
 /// which `kivi::scheme!` turns into a compile error at that field —
 /// rather than generated wrong.
 ///
@@ -298,6 +298,20 @@ pub fn check_supported(scheme: &Scheme) -> Result<(), GenError> {
             what: "mla heads with the paged-cache kernels (mla decode has its own: generate_mla_decode)".into(),
             field: kivi_spec::Field::Heads,
         });
+    }
+    // Calibrated codebooks live in a calibration file, not in the scheme:
+    // a kernel would need the table baked in or passed as an argument,
+    // which the templates do not do yet. Refused by name, never generated
+    // with a wrong table.
+    for t in [kivi_spec::Tensor::Key, kivi_spec::Tensor::Value] {
+        if let Some(q) = scheme.codec(t).quant() {
+            if let kivi_spec::Levels::Nuq(_) = q.levels {
+                return Err(GenError::Unsupported {
+                    what: format!("{} levels = nuq (calibrated codebooks)", t.name()),
+                    field: kivi_spec::Field::Levels(t),
+                });
+            }
+        }
     }
     Ok(())
 }

@@ -1,7 +1,7 @@
-// Calibrated codebooks come with calibration files (planned), not yet.
+// Learned codebooks are spelled `levels = nuq`; other names are refused.
 kivi::scheme! {
     pub S {
-        key: quant(bits = 4, axis = channel, group = 32, levels = nuq),
+        key: quant(bits = 4, axis = channel, group = 32, levels = kmeans),
         value: quant(bits = 2, axis = token, group = 32),
     }
 }

@@ -45,6 +45,9 @@ pub struct Args {
     /// Keep matmul weights quantized (candle's quantized kernels) instead of dequantizing them to f32
     #[arg(long)]
     pub quantized_weights: bool,
+    /// A calibration file (`kivi calibrate`) for schemes with levels = nuq
+    #[arg(long)]
+    pub calibration: Option<PathBuf>,
     /// Print one JSON object instead of Markdown tables
     #[arg(long)]
     pub json: bool,
@@ -81,6 +84,7 @@ pub fn run(args: Args) -> super::Result {
         } else {
             Weights::F32
         },
+        calibration: args.calibration,
         ..EvalConfig::default()
     };
     let report = run(&cfg, &mut |line| eprintln!("kivi eval: {line}"))?;

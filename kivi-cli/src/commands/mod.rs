@@ -3,6 +3,7 @@
 pub mod attend;
 pub mod attend_mla;
 pub mod bench;
+pub mod calibrate;
 pub mod codegen;
 pub mod eval;
 pub mod generate;

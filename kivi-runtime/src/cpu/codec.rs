@@ -82,7 +82,9 @@ impl CodecRows {
     /// The plan for tensor `t` of scheme `s`, if this path decodes it:
     /// token-axis codes of 1 to 4 bits in groups of a multiple of 16
     /// channels (little-endian targets; the generic path takes the rest).
-    pub fn of(s: &Scheme, t: Tensor, tl: TensorLayout, d: usize, isa: Isa) -> Option<CodecRows> {
+    /// `levels` is the codec's table ([`crate::quant::TensorCodec::levels`]:
+    /// Lloyd–Max, or a calibrated `nuq` codebook; ignored for uniform codes).
+    pub fn of(s: &Scheme, t: Tensor, tl: TensorLayout, d: usize, isa: Isa, levels: &[f32]) -> Option<CodecRows> {
         let Codec::Quant(q) = s.codec(t) else {
             return None;
         };
@@ -102,7 +104,9 @@ impl CodecRows {
                 *x = c as f32;
             }
         } else {
-            let levels = kivi_spec::lloyd_max_levels(q.bits)?;
+            if levels.len() != 1 << q.bits {
+                return None;
+            }
             table[..levels.len()].copy_from_slice(levels);
         }
         let per = (32 / q.bits) as usize;

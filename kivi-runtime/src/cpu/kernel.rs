@@ -197,7 +197,8 @@ impl Plan {
             codec_rows: (s.has_pipeline(Tensor::Key) && rope.is_none()) || s.has_pipeline(Tensor::Value),
             codec: [Tensor::Key, Tensor::Value].map(|t| {
                 if kinds[ti(t)] == Kind::Codec {
-                    CodecRows::of(s, t, *l.tensor(t), shape.head_dim, isa)
+                    let levels = cache.codec(t).map_or(&[][..], |c| &c.levels);
+                    CodecRows::of(s, t, *l.tensor(t), shape.head_dim, isa, levels)
                 } else {
                     None
                 }

@@ -22,7 +22,7 @@ use super::simd::{self, F32Rows, Isa};
 use crate::cache::{params_at, Loc, SeqView};
 use crate::quant::{dequantize, unpack_one, GroupParams};
 use kivi_spec::layout::TensorLayout;
-use kivi_spec::{Axis, Quant, Rope, Scheme, Tensor};
+use kivi_spec::{Axis, Levels, Quant, Rope, Scheme, Tensor};
 use std::sync::atomic::{AtomicU8, Ordering};
 
 /// Which side of the dot product turns (`KIVI_CPU_ROPE=query` or
@@ -124,7 +124,13 @@ impl RopeKeys {
     /// values are those of the row reader, bit for bit (the same
     /// `params_at` and `dequantize`).
     pub fn with_key_layout(mut self, s: &Scheme, tl: TensorLayout) -> RopeKeys {
-        if let Some(q) = s.key.quant().filter(|q| q.axis == Axis::Channel) {
+        // A calibrated (`nuq`) table lives in the cache, not the scheme: those
+        // keys take the cache's own row reader.
+        if let Some(q) = s
+            .key
+            .quant()
+            .filter(|q| q.axis == Axis::Channel && !matches!(q.levels, Levels::Nuq(_)))
+        {
             self.chan = Some((*q, tl));
         }
         self

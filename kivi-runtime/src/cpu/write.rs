@@ -1526,6 +1526,7 @@ mod tests {
                 rotation: None,
                 outliers: k,
                 center: None,
+                levels: Vec::new(),
             };
             for n in [k, 17, 40, 64, 256] {
                 for case in 0..6 {
