@@ -388,7 +388,7 @@ fn pipeline_body<L: Lanes>(
                 }
             } else {
                 for c0 in (0..d).step_by(g) {
-                    let s = lloyd_group::<L>(q, &r[c0..c0 + g], &mut codes[c0..c0 + g]);
+                    let s = lloyd_group::<L>(q, &codec.levels, &r[c0..c0 + g], &mut codes[c0..c0 + g]);
                     if !s.is_finite() {
                         return false;
                     }
@@ -500,12 +500,19 @@ fn take_outliers<L: Lanes>(
 /// The codes depend only on the stored `rms` (`y = x / rms`, an IEEE
 /// division in every lane, compared with the thresholds exactly).
 #[inline(always)]
-fn lloyd_group<L: Lanes>(q: &Quant, x: &[f32], codes: &mut [u8]) -> f32 {
-    let Levels::LloydMax(norm) = q.levels else {
+fn lloyd_group<L: Lanes>(q: &Quant, levels: &[f32], x: &[f32], codes: &mut [u8]) -> f32 {
+    let Some(norm) = q.levels.norm() else {
         unreachable!("lloyd_group on uniform levels")
     };
-    let levels = kivi_spec::lloyd_max_levels(q.bits).expect("validated: lloyd_max bits have a table");
     let g = x.len();
+    // The codec's own table: Lloyd–Max's fixed one or a calibrated `nuq`
+    // codebook (ascending, at most 16 entries: table levels are 1 to 4 bits
+    // by validation). An empty one (a `nuq` codec given no codebook, which
+    // caches refuse to build) codes zeros, as `quant::lloyd_group_in` does.
+    if levels.is_empty() {
+        codes[..g].fill(0);
+        return 0.0;
+    }
     let nt = levels.len() - 1;
     let mut thresholds = [0f32; 15];
     for (t, w) in thresholds.iter_mut().zip(levels.windows(2)) {
@@ -1434,6 +1441,9 @@ mod tests {
         v
     }
 
+    fn lm(q: &Quant) -> &'static [f32] {
+        kivi_spec::lloyd_max_levels(q.bits).unwrap()
+    }
     fn lloyd_on(isa: Isa, q: &Quant, x: &[f32], codes: &mut [u8]) -> f32 {
         match isa {
             #[cfg(target_arch = "x86_64")]
@@ -1442,18 +1452,18 @@ mod tests {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
             Isa::Avx2 => unsafe { lloyd_avx2(q, x, codes) },
-            _ => lloyd_group::<Scalar>(q, x, codes),
+            _ => lloyd_group::<Scalar>(q, lm(q), x, codes),
         }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
     unsafe fn lloyd_avx512(q: &Quant, x: &[f32], codes: &mut [u8]) -> f32 {
-        lloyd_group::<Avx512>(q, x, codes)
+        lloyd_group::<Avx512>(q, lm(q), x, codes)
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn lloyd_avx2(q: &Quant, x: &[f32], codes: &mut [u8]) -> f32 {
-        lloyd_group::<Avx2>(q, x, codes)
+        lloyd_group::<Avx2>(q, lm(q), x, codes)
     }
 
     /// Groups whose stored norm sits exactly on a rounding boundary (the
