@@ -1011,3 +1011,84 @@ fn l2_limit_in_the_cache_both_sides() {
         }
     }
 }
+
+/// A calibrated `nuq` table sets its own L2 limit, through the cache's
+/// codebook (not the scheme's, which has none): with a level of -0.05
+/// nearest -1, a lone negative value's scale is 20 |x|, so about 3276 is
+/// the most an f16 scale allows. Refused at 1 ulp past it by append and by
+/// extend; accepted at it, and the sequence keeps working past its window.
+#[test]
+fn a_calibrated_nuq_table_sets_its_own_l2_limit() {
+    use kivi_runtime::calib::{fit_key, Calibration, Entry, Kind, ModelId, Stage};
+    let s = kivi_spec::parse_scheme(
+        "n { key: quant(bits = 2, axis = token, group = 1, scale = f16, levels = nuq, norm = l2),
+             value: full, residual: 16, heads: mha(2), head_dim: 32, dtype: f32 }",
+    )
+    .unwrap();
+    let table = vec![-3.0f32, -0.05, 0.02, 0.9];
+    let mut cal = Calibration::new(
+        ModelId {
+            name: "toy".into(),
+            layers: 1,
+            kv_heads: 2,
+            head_dim: 32,
+        },
+        "lopsided",
+    );
+    cal.insert(Entry {
+        layer: 0,
+        tensor: Tensor::Key,
+        stage: Stage::PostRope,
+        kind: Kind::Codebook,
+        fit: fit_key(&s, Tensor::Key).unwrap(),
+        shape: vec![4],
+        data: table.clone(),
+    })
+    .unwrap();
+    let q = *s.codec(Tensor::Key).quant().unwrap();
+    let lim = kivi_runtime::quant::storable_limit_in(&q, &table);
+    assert!((lim - 65520.0 * 0.05).abs() < 0.01, "{lim}");
+    let over = f32::from_bits(lim.to_bits() + 1);
+    let width = 64;
+    let row = vec![0.5f32; width];
+    for extend in [false, true] {
+        let mut c = PagedCache::with_calibration(s.clone(), CacheConfig::for_tokens(1000), &cal, 0).unwrap();
+        let id = c.add_sequence();
+        let mut k = row.repeat(40);
+        let v = row.repeat(40);
+        k[21 * width + 5] = -over;
+        let e = if extend {
+            c.extend(id, &k, &v).unwrap_err()
+        } else {
+            (0..40)
+                .find_map(|t| c.append(id, &k[t * width..][..width], &row).err())
+                .unwrap()
+        };
+        assert!(
+            matches!(
+                e,
+                Error::OutOfRange {
+                    tensor: "key",
+                    token: 21,
+                    channel: 5,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert_eq!(c.len(id).unwrap(), if extend { 0 } else { 21 });
+        k[21 * width + 5] = -lim;
+        if extend {
+            c.extend(id, &k, &v).unwrap();
+        } else {
+            for t in 21..40 {
+                c.append(id, &k[t * width..][..width], &row).unwrap();
+            }
+        }
+        for t in 0..40 {
+            c.append(id, &row, &row)
+                .unwrap_or_else(|e| panic!("append {t} after the largest value: {e}"));
+        }
+        assert_eq!(c.len(id).unwrap(), 80);
+    }
+}
