@@ -58,6 +58,36 @@ pub fn storable_limit_in(q: &Quant, levels: &[f32]) -> f32 {
         // codes everything 0 with norm 0: nothing to overflow.)
         return max;
     }
+    // Every append checks its values against this limit: remembered per
+    // thread for the last few (table, group, scale dtype) (the bound below
+    // takes microseconds, an append of one token about as long).
+    /// A table, a group size, a scale dtype and their limit.
+    type Memo = (Vec<f32>, u32, ScaleDtype, f32);
+    thread_local! {
+        static MEMO: std::cell::RefCell<Vec<Memo>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let hit = MEMO.with(|m| {
+        m.borrow()
+            .iter()
+            .find(|e| e.1 == q.group && e.2 == q.scale && e.0 == levels)
+            .map(|e| e.3)
+    });
+    if let Some(lim) = hit {
+        return lim;
+    }
+    let lim = l2_limit(q, levels, max);
+    MEMO.with(|m| {
+        let mut m = m.borrow_mut();
+        if m.len() >= 8 {
+            m.remove(0);
+        }
+        m.push((levels.to_vec(), q.group, q.scale, lim));
+    });
+    lim
+}
+
+/// [`storable_limit_in`] for L2 norms, computed.
+fn l2_limit(q: &Quant, levels: &[f32], max: f32) -> f32 {
     // The largest `s` (the f64 the codec computes) whose roundings to f32
     // and then to the scale dtype are finite: just below the midpoint
     // between the largest finite value and the next power of two (that
