@@ -672,7 +672,7 @@ impl PagedCache {
         [Tensor::Key, Tensor::Value].iter().all(|&t| {
             let x = x[ti(t)];
             // Elements from `from` on are range-checked too.
-            let (limit, from) = match storable_bound(&self.scheme, t) {
+            let (limit, from) = match storable_bound(&self.scheme, t, self.codec(t).map(|c| &c.levels[..])) {
                 Some((limit, first)) => (limit, first.saturating_sub(old_tokens) * row),
                 None => (f32::MAX, x.len()),
             };
@@ -895,7 +895,8 @@ impl PagedCache {
         // A value that some group could not quantize is refused by the append
         // that brings it: refused later, when it leaves the window, it would
         // wedge the sequence (every later append would fail on it).
-        check_storable(&self.scheme, [k, v], [&inputs[0], &inputs[1]], old_tokens, h, d)?;
+        let levels = [Tensor::Key, Tensor::Value].map(|t| self.codec(t).map(|c| &c.levels[..]));
+        check_storable(&self.scheme, [k, v], [&inputs[0], &inputs[1]], old_tokens, h, d, levels)?;
         let new_tokens = old_tokens + n;
         let target = [
             regions(&self.scheme, Tensor::Key, new_tokens).quantized,
@@ -1675,14 +1676,15 @@ impl<'a> SeqView<'a> {
 }
 
 /// The largest magnitude a (rounded) value of tensor `t` may have, and the
-/// first position held to it; `None` for a `full` tensor.
-pub(crate) fn storable_bound(scheme: &Scheme, t: Tensor) -> Option<(f32, usize)> {
+/// first position held to it; `None` for a `full` tensor. `levels`: the
+/// tensor's table when it is a calibrated one (`nuq`), else its fixed one.
+pub(crate) fn storable_bound(scheme: &Scheme, t: Tensor, levels: Option<&[f32]>) -> Option<(f32, usize)> {
     let q = scheme.codec(t).quant()?;
     // A pipeline transforms values before quantizing them: an orthonormal
     // rotation of `n` channels can grow one by up to sqrt(n), centering
     // subtracts a mean of up to the limit (and that mean may come from sink
     // tokens, so those are checked too). Bound the raw values accordingly.
-    let mut limit = quant::storable_limit(q);
+    let mut limit = quant::storable_limit_in(q, levels.unwrap_or(quant::fixed_levels(q)));
     if let Some(r) = scheme.rotation.filter(|r| r.apply.has(t)) {
         limit /= (r.block as f32).sqrt();
     }
@@ -1699,7 +1701,9 @@ pub(crate) fn storable_bound(scheme: &Scheme, t: Tensor) -> Option<(f32, usize)>
 /// the sequence. `given` are the caller's values (for the message),
 /// `rounded` the same rounded to the activation dtype, `[tokens][Hkv][D]`,
 /// the first of them at position `old_tokens`. The host cache and the
-/// device cache both call it, so both refuse the same appends.
+/// device cache both call it, so both refuse the same appends. `levels`:
+/// each tensor's table, where the cache holds one (a calibrated `nuq`).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn check_storable(
     scheme: &Scheme,
     given: [&[f32]; 2],
@@ -1707,9 +1711,10 @@ pub(crate) fn check_storable(
     old_tokens: usize,
     h: usize,
     d: usize,
+    levels: [Option<&[f32]>; 2],
 ) -> Result<()> {
     for (t, given) in [(Tensor::Key, given[0]), (Tensor::Value, given[1])] {
-        if let (Codec::Quant(q), Some((limit, first))) = (scheme.codec(t), storable_bound(scheme, t)) {
+        if let (Codec::Quant(q), Some((limit, first))) = (scheme.codec(t), storable_bound(scheme, t, levels[ti(t)])) {
             for (i, x) in rounded[ti(t)].iter().enumerate() {
                 let token = old_tokens + i / (h * d);
                 if token >= first && x.abs() > limit {

@@ -25,15 +25,176 @@ pub fn round_to_scale(x: f32, dtype: ScaleDtype) -> f32 {
 }
 
 /// The largest magnitude that every group of `q` can hold, whatever the
-/// other values in it: the zero point `z = lo` must fit the scale dtype, so
-/// must `s = (hi - lo) / (2^b - 1)` for any `lo`, `hi` within ±limit, and
-/// `hi - lo` must not overflow f32. (f16 scales: 32752 at 1 bit, 65504 above.)
+/// other values in it, for the fixed table of `q` ([`fixed_levels`]; see
+/// [`storable_limit_in`] for a calibrated `nuq` codebook).
 pub fn storable_limit(q: &Quant) -> f32 {
+    storable_limit_in(q, fixed_levels(q))
+}
+
+/// [`storable_limit`] for quantizer `q` decoding with the ascending table
+/// `levels` (ignored for uniform levels).
+///
+/// Uniform levels: the zero point `z = lo` must fit the scale dtype, so
+/// must `s = (hi - lo) / (2^b - 1)` for any `lo`, `hi` within ±limit, and
+/// `hi - lo` must not overflow f32. (f16 scales: 32752 at 1 bit, 65504
+/// above.) Lloyd–Max and `nuq` with `norm = rms` store `s = rms(x)`, at
+/// most the largest `|x|`: the scale dtype's largest value. With `norm = l2` the stored
+/// `s = ||x|| / ||L[c]||` can exceed every `|x|` of its group (a lone `x`
+/// codes to the level nearest `±1`, and `s = |x| / |L|`), so the limit is
+/// the largest scale divided by [`l2_scale_ratio`]: a value past it is
+/// refused by the append that brings it rather than by the flush that
+/// would quantize it (and wedge the sequence).
+pub fn storable_limit_in(q: &Quant, levels: &[f32]) -> f32 {
     let max = match q.scale {
         ScaleDtype::F16 => half::f16::MAX.to_f32(),
         ScaleDtype::F32 => f32::MAX,
     };
-    max.min(max * (q.max_code() as f32 / 2.0)).min(f32::MAX / 2.0)
+    if q.levels == Levels::Uniform {
+        return max.min(max * (q.max_code() as f32 / 2.0)).min(f32::MAX / 2.0);
+    }
+    if q.levels.norm() != Some(Norm::L2) || levels.len() < 2 {
+        // rms(x) <= max|x|, and its rounding to the scale dtype stays
+        // finite below the dtype's largest value. (An empty `nuq` table
+        // codes everything 0 with norm 0: nothing to overflow.)
+        return max;
+    }
+    // Every append checks its values against this limit: remembered per
+    // thread for the last few (table, group, scale dtype) (the bound below
+    // takes microseconds, an append of one token about as long).
+    /// A table, a group size, a scale dtype and their limit.
+    type Memo = (Vec<f32>, u32, ScaleDtype, f32);
+    thread_local! {
+        static MEMO: std::cell::RefCell<Vec<Memo>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let hit = MEMO.with(|m| {
+        m.borrow()
+            .iter()
+            .find(|e| e.1 == q.group && e.2 == q.scale && e.0 == levels)
+            .map(|e| e.3)
+    });
+    if let Some(lim) = hit {
+        return lim;
+    }
+    let lim = l2_limit(q, levels, max);
+    MEMO.with(|m| {
+        let mut m = m.borrow_mut();
+        if m.len() >= 8 {
+            m.remove(0);
+        }
+        m.push((levels.to_vec(), q.group, q.scale, lim));
+    });
+    lim
+}
+
+/// [`storable_limit_in`] for L2 norms, computed.
+fn l2_limit(q: &Quant, levels: &[f32], max: f32) -> f32 {
+    // The largest `s` (the f64 the codec computes) whose roundings to f32
+    // and then to the scale dtype are finite: just below the midpoint
+    // between the largest finite value and the next power of two (that
+    // midpoint rounds to even, infinity). For f16: f32 values below 65520
+    // round to 65504, and f64 ones below 65520 - 2^-9 to such an f32.
+    let edge = match q.scale {
+        ScaleDtype::F16 => 65520.0 - 2f64.powi(-9),
+        ScaleDtype::F32 => f32::MAX as f64 + 2f64.powi(103),
+    };
+    let top = f64::from_bits(edge.to_bits() - 1);
+    let ratio = l2_scale_ratio(levels, q.group.max(1) as usize, q.scale);
+    // The largest f32 `x` with `x * ratio <= top`; nudged by ulps because
+    // the f64 quotient may land a rounding either side of it.
+    let mut lim = ((top / ratio) as f32).min(max);
+    while lim > 0.0 && lim as f64 * ratio > top {
+        lim = f32::from_bits(lim.to_bits() - 1);
+    }
+    while lim < max && (f32::from_bits(lim.to_bits() + 1) as f64) * ratio <= top {
+        lim = f32::from_bits(lim.to_bits() + 1);
+    }
+    lim
+}
+
+/// An upper bound on `s / max|x|` over every group of `n` values of an L2
+/// table-driven quantizer with the ascending table `levels`: how far the
+/// stored scale `s = ||x|| / ||L[c]||` can exceed the group's largest
+/// magnitude. Exact for `n = 1` (`1 / |L|` of the level that `±1` codes
+/// to; `x / rms` is `±1` up to the rounding of the rms to `scale`).
+///
+/// Why it bounds every group: write `y = x / rms` (so `sum y^2 = n rho`,
+/// `rho` within the rms's rounding of 1) and `Y = max|y|`; then
+/// `(s / max|x|)^2 = sum y^2 / (Y^2 sum L[c]^2)`. Each `y` lies in the
+/// cell of its level, so at most that cell's outer edge and at most `Y`.
+/// Relaxing the counts of values per cell to fractions `p` (at least `1/n`
+/// at `Y`, which is at most `n rho`) leaves a linear program whose optimum
+/// uses at most two cells: one holding `Y`, one at its outer edge below
+/// `Y`. The bound is the best such pair (or single cell) at the best `Y`,
+/// found in closed form per pair. For larger groups it is the limit of
+/// large `n` pulled in by `Y^2 <= n rho` (within about half a percent of
+/// the exact integer optimum for the fixed tables).
+pub fn l2_scale_ratio(levels: &[f32], n: usize, scale: ScaleDtype) -> f64 {
+    let k = levels.len();
+    // The decision thresholds exactly as the codec computes them (f32).
+    let t: Vec<f64> = levels.windows(2).map(|w| ((w[0] + w[1]) * 0.5) as f64).collect();
+    // Magnitudes a value coded to level i can have: (inner, outer].
+    let cells: Vec<(f64, f64, f64)> = (0..k)
+        .map(|i| {
+            let lo = if i == 0 { f64::NEG_INFINITY } else { t[i - 1] };
+            let hi = if i + 1 == k { f64::INFINITY } else { t[i] };
+            let (inner, outer) = if lo >= 0.0 {
+                (lo, hi)
+            } else if hi <= 0.0 {
+                (-hi, -lo)
+            } else {
+                (0.0, hi.max(-lo))
+            };
+            (inner * inner, outer * outer, (levels[i] as f64).powi(2))
+        })
+        .collect();
+    // The rms is rounded to the scale dtype (half an ulp relative), so
+    // `sum y^2 / n` is 1 only up to twice that; both ends are tried.
+    let eps = match scale {
+        ScaleDtype::F16 => 2f64.powi(-10),
+        ScaleDtype::F32 => 2f64.powi(-23),
+    } * 1.01;
+    let n = n as f64;
+    let mut best = 0f64;
+    for rho in [1.0 - eps, 1.0 + eps] {
+        let umax = n * rho;
+        for &(bin, bout, lb) in &cells {
+            // Y in cell b: u = Y^2 in [max(inner_b, rho), min(outer_b, n rho)].
+            let ulo = bin.max(rho);
+            let uhi = bout.min(umax);
+            if ulo > uhi || lb == 0.0 {
+                continue;
+            }
+            // b alone: D = u L_b^2, least at the least u.
+            best = best.max(rho / (ulo * lb));
+            for &(_, ea, la) in &cells {
+                // a at its outer edge below Y: a share p_b = (rho - e_a) /
+                // (u - e_a) of the values at Y, the rest at e_a; worth it
+                // only when a is the cheaper level.
+                if !(ea < rho && la < lb) {
+                    continue;
+                }
+                let lo = ulo.max(ea);
+                // p_b >= 1/n: u <= e_a + n (rho - e_a).
+                let hi = uhi.min(ea + n * (rho - ea));
+                if lo > hi || lo <= ea {
+                    continue;
+                }
+                let kk = (rho - ea) * (lb - la);
+                let d = |u: f64| u * la + kk * u / (u - ea);
+                // D is convex in u on (e_a, inf): its least value is at the
+                // stationary point, clamped to [lo, hi].
+                let stat = if la > 0.0 {
+                    ea + (kk * ea / la).sqrt()
+                } else {
+                    f64::INFINITY
+                };
+                let u = stat.clamp(lo, hi);
+                let dmin = if u.is_finite() { d(u) } else { kk };
+                best = best.max(rho / dmin);
+            }
+        }
+    }
+    best.sqrt()
 }
 
 /// The stored parameters of one group.
@@ -734,6 +895,133 @@ mod tests {
         // an all-zero group decodes to zero
         let (pz, _, _) = quantize_group(&[0.0; 4], &q2, &mut c);
         assert_eq!(dequantize(c[0], pz, &q2), 0.0);
+    }
+
+    fn l2(bits: u32, group: u32, scale: ScaleDtype, nuq: bool) -> Quant {
+        Quant {
+            bits,
+            axis: kivi_spec::Axis::Token,
+            group,
+            scale,
+            levels: if nuq {
+                Levels::Nuq(Norm::L2)
+            } else {
+                Levels::LloydMax(Norm::L2)
+            },
+        }
+    }
+
+    /// A calibrated-looking table with a level near 0 on one side only: a
+    /// lone negative value codes to -0.05, so its scale is 20 |x|.
+    const LOPSIDED: [f32; 4] = [-3.0, -0.05, 0.02, 0.9];
+
+    fn scale_of(values: &[f32], q: &Quant, levels: &[f32]) -> f32 {
+        let mut c = vec![0; values.len()];
+        quantize_group_in(values, q, levels, &mut c).0.scale
+    }
+
+    /// Group of 1: the limit is exact, both sides of it, for every fixed
+    /// table, both scale dtypes, and a lopsided `nuq` table (both signs).
+    #[test]
+    fn l2_limit_is_exact_for_a_lone_value() {
+        let mut cases: Vec<(Quant, Vec<f32>)> = Vec::new();
+        for bits in 1..=4 {
+            for scale in [ScaleDtype::F16, ScaleDtype::F32] {
+                let q = l2(bits, 1, scale, false);
+                cases.push((q, fixed_levels(&q).to_vec()));
+            }
+        }
+        cases.push((l2(2, 1, ScaleDtype::F16, true), LOPSIDED.to_vec()));
+        cases.push((l2(2, 1, ScaleDtype::F32, true), LOPSIDED.to_vec()));
+        for (q, levels) in cases {
+            let lim = storable_limit_in(&q, &levels);
+            let up = f32::from_bits(lim.to_bits() + 1);
+            let fits = |x: f32| scale_of(&[x], &q, &levels).is_finite();
+            assert!(fits(lim) && fits(-lim), "{q:?}: {lim} must fit");
+            // (Capped, like every codec, at the scale dtype's largest value:
+            // at 2 bits `±1` codes to ±1.51, so `s < |x|`.)
+            let cap = if q.scale == ScaleDtype::F16 { 65504.0 } else { f32::MAX };
+            let ratio = l2_scale_ratio(&levels, 1, q.scale);
+            assert_eq!(lim == cap, ratio <= 1.0, "{q:?} {lim} {ratio}");
+            if lim < cap {
+                assert!(!fits(up) || !fits(-up), "{q:?}: {up} fits, so {lim} is not the limit");
+            }
+        }
+        // The lopsided table: only negative values are held to it.
+        let q = l2(2, 1, ScaleDtype::F16, true);
+        let lim = storable_limit_in(&q, &LOPSIDED);
+        assert!((lim - 65520.0 * 0.05).abs() < 0.01, "{lim}");
+        assert!(scale_of(&[-f32::from_bits(lim.to_bits() + 1)], &q, &LOPSIDED).is_infinite());
+        // Rms norm and uniform levels keep their rule.
+        let rms = Quant {
+            levels: Levels::LloydMax(Norm::Rms),
+            ..l2(4, 1, ScaleDtype::F16, false)
+        };
+        assert_eq!(storable_limit(&rms), 65504.0);
+    }
+
+    /// Larger groups: no group (structured worst cases and random ones
+    /// climbing towards them) gets `s / max|x|` past [`l2_scale_ratio`],
+    /// and the structured ones come close to it (the bound is not loose).
+    #[test]
+    fn l2_ratio_bounds_every_group_and_is_nearly_reached() {
+        let mut rng = crate::rand::Rng::new(0x12_3457);
+        let mut tables: Vec<(Quant, Vec<f32>)> = (1..=4)
+            .map(|bits| {
+                let q = l2(bits, 1, ScaleDtype::F32, false);
+                (q, fixed_levels(&q).to_vec())
+            })
+            .collect();
+        tables.push((l2(2, 1, ScaleDtype::F32, true), LOPSIDED.to_vec()));
+        for (q0, levels) in &tables {
+            for n in [2usize, 3, 4, 5, 8, 32, 128] {
+                let q = Quant { group: n as u32, ..*q0 };
+                let bound = l2_scale_ratio(levels, n, q.scale);
+                let ratio = |x: &[f32]| {
+                    let m = x.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+                    scale_of(x, &q, levels) as f64 / m
+                };
+                // Edge magnitudes: each threshold, just inside either cell.
+                let t: Vec<f32> = levels.windows(2).map(|w| (w[0] + w[1]) * 0.5).collect();
+                let mut edges: Vec<f32> = t.iter().flat_map(|t| [t * (1.0 - 1e-5), t * (1.0 + 1e-5)]).collect();
+                edges.push(0.0);
+                let mut best = 0f64;
+                let mut x = vec![0f32; n];
+                for &e in &edges {
+                    for m in 1..=n {
+                        for sign in [1.0f32, -1.0] {
+                            // n - m values at the edge, m at whatever makes sum y^2 = n.
+                            let rest = (n - m) as f32 * e * e;
+                            if rest >= n as f32 {
+                                continue;
+                            }
+                            let y = ((n as f32 - rest) / m as f32).sqrt() * sign;
+                            x[..m].fill(y);
+                            x[m..].fill(e);
+                            let r = ratio(&x);
+                            assert!(r <= bound * (1.0 + 1e-6), "{q:?}: {x:?} {r} > {bound}");
+                            best = best.max(r);
+                            // and a few random nudges from there
+                            for _ in 0..8 {
+                                let mut z = x.clone();
+                                for v in z.iter_mut() {
+                                    *v *= 1.0 + (rng.next_u32() % 2001) as f32 * 1e-4 - 0.1;
+                                }
+                                let r = ratio(&z);
+                                assert!(r <= bound * (1.0 + 1e-6), "{q:?}: {z:?} {r} > {bound}");
+                                best = best.max(r);
+                            }
+                        }
+                    }
+                }
+                for _ in 0..2000 {
+                    let z: Vec<f32> = (0..n).map(|_| (rng.next_u32() % 20001) as f32 * 1e-3 - 10.0).collect();
+                    let r = ratio(&z);
+                    assert!(r <= bound * (1.0 + 1e-6), "{q:?}: {z:?} {r} > {bound}");
+                }
+                assert!(best >= bound * 0.97, "{q:?} n {n}: reached {best}, bound {bound}");
+            }
+        }
     }
 
     /// The butterflies stage by stage, as the transform is defined.

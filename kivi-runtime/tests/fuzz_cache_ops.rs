@@ -212,9 +212,6 @@ struct Model {
     seqs: BTreeMap<SeqId, (Vec<f32>, Vec<f32>)>,
     evicted: BTreeMap<SeqId, usize>,
     window: Option<usize>,
-    /// Sequences that accepted a huge value into an L2 Lloyd–Max tensor:
-    /// see [`known_wedge`].
-    wedgeable: std::collections::BTreeSet<SeqId>,
 }
 
 impl Model {
@@ -249,22 +246,6 @@ impl Model {
         let tokens = self.seqs[&id].0.len() / width;
         (fb > 0).then(|| tokens.saturating_sub(s.sinks as usize + fb * bt))
     }
-}
-
-/// A known bug, left to the owner of `quant::storable_limit`: an L2
-/// Lloyd–Max group stores `s = ||x|| / ||L[c]||`, which exceeds `||x||`
-/// (a lone 65504 in a group of 1 at 4 bits: 65504 / 0.94), so a value
-/// within the f16 limit is accepted into the window and then cannot be
-/// quantized when it leaves it: later appends of ordinary values fail with
-/// `ScaleOverflow` (`lloyd_max_l2_huge_value_is_refused_when_appended`).
-/// Until it is fixed, writes after such a value may fail on that sequence.
-fn known_wedge(s: &Scheme, k: &[f32], v: &[f32]) -> bool {
-    [(Tensor::Key, k), (Tensor::Value, v)].iter().any(|(t, x)| {
-        s.codec(*t)
-            .quant()
-            .is_some_and(|q| q.levels == Levels::LloydMax(Norm::L2) && q.scale == ScaleDtype::F16)
-            && x.iter().any(|x| x.abs() > 1e3)
-    })
 }
 
 /// A random eviction window: tiny, a block give or take a token, any size
@@ -636,7 +617,6 @@ fn session(rng: &mut Rng, ops: &mut usize) -> Result<(), String> {
                 let id = target(rng);
                 let r = c.free_sequence(id);
                 m.evicted.remove(&id);
-                m.wedgeable.remove(&id);
                 let e = if m.seqs.remove(&id).is_some() {
                     Expect::Ok
                 } else {
@@ -696,7 +676,7 @@ fn session(rng: &mut Rng, ops: &mut usize) -> Result<(), String> {
                     let need = blocks_for(&s, bt, old + n).saturating_sub(blocks_for(&s, bt, old));
                     if need > before.free {
                         Expect::OutOfBlocks
-                    } else if poison || k.iter().chain(&v).any(|x| x.abs() > 1e3) || m.wedgeable.contains(&id) {
+                    } else if poison || k.iter().chain(&v).any(|x| x.abs() > 1e3) {
                         Expect::MayFail
                     } else {
                         Expect::Ok
@@ -710,9 +690,6 @@ fn session(rng: &mut Rng, ops: &mut usize) -> Result<(), String> {
                     e.0.extend(&k);
                     e.1.extend(&v);
                     m.evict(&s, bt, width, id);
-                    if known_wedge(&s, &k, &v) {
-                        m.wedgeable.insert(id);
-                    }
                 }
                 (
                     r,
@@ -895,10 +872,11 @@ fn a_huge_sink_value_cannot_wedge_a_centered_tensor() {
     assert_eq!(c.len(id).unwrap(), 40);
 }
 
-/// The known bug of [`known_wedge`], as it should behave: refused when
-/// appended (or stored), not when it leaves the window.
+/// An L2 Lloyd–Max group stores `s = ||x|| / ||L[c]||`, which exceeds
+/// `||x||` (a lone 65504 in a group of 1 at 4 bits: 65504 / 0.94): such a
+/// value is refused when appended, not when it leaves the window (where
+/// refusing it would wedge the sequence).
 #[test]
-#[ignore = "known bug: quant::storable_limit ignores the L2 Lloyd–Max norm ratio"]
 fn lloyd_max_l2_huge_value_is_refused_when_appended() {
     let s = kivi_spec::parse_scheme(
         "w { key: quant(bits = 4, axis = token, group = 1, scale = f16, levels = lloyd_max, norm = l2),
@@ -951,4 +929,166 @@ fn fuzz_cache_ops() {
     // Every kind of refusal was exercised (and checked to change nothing).
     // (Not on a one-case replay: a single session need not meet them all.)
     assert!(want < 1000 || o.iter().chain(&ev).all(|n| *n > 0), "{o:?} {ev:?}");
+}
+
+/// The L2 limit, both sides of it, in the cache: the largest value that
+/// fits is accepted (by one append or by a long vectorised extend) and
+/// leaves the window without wedging anything; the next value up is
+/// refused by the call that brings it, which changes nothing. For every
+/// Lloyd–Max width, f16 and f32 activations, groups of 1 and of 32.
+#[test]
+fn l2_limit_in_the_cache_both_sides() {
+    for bits in 1..=4u32 {
+        for (dtype, group) in [("f32", 1u32), ("f16", 1), ("f32", 32)] {
+            let s = kivi_spec::parse_scheme(&format!(
+                "w {{ key: quant(bits = {bits}, axis = token, group = {group}, scale = f16, levels = lloyd_max, norm = l2),
+                     value: full, residual: 16, heads: mha(2), head_dim: 32, dtype: {dtype} }}"
+            ))
+            .unwrap();
+            let q = *s.codec(Tensor::Key).quant().unwrap();
+            let lim = kivi_runtime::quant::storable_limit(&q);
+            // The largest value of the activation dtype within the limit, and the next.
+            let (fit, over) = if dtype == "f16" {
+                let h = half::f16::from_f32(lim);
+                let h = if h.to_f32() > lim {
+                    half::f16::from_bits(h.to_bits() - 1)
+                } else {
+                    h
+                };
+                (h.to_f32(), half::f16::from_bits(h.to_bits() + 1).to_f32())
+            } else {
+                (lim, f32::from_bits(lim.to_bits() + 1))
+            };
+            let what = format!("{bits} bits, {dtype}, group {group}: limit {lim}");
+            assert!(fit <= lim && over > lim, "{what}");
+            let width = 2 * 32;
+            let row = vec![0.5f32; width];
+            for extend in [false, true] {
+                let mut c = PagedCache::new(s.clone(), CacheConfig::for_tokens(1000)).unwrap();
+                let id = c.add_sequence();
+                // 100 tokens, token 57 holding the value at channel 11 (negative:
+                // the worst sign is not assumed).
+                let mut k = row.repeat(100);
+                let v = row.repeat(100);
+                k[57 * width + 11] = -over;
+                let e = if extend {
+                    c.extend(id, &k, &v).unwrap_err()
+                } else {
+                    (0..100)
+                        .find_map(|t| c.append(id, &k[t * width..][..width], &row).err())
+                        .unwrap()
+                };
+                // (Past 65504 an f16 activation is infinite: refused as such.)
+                assert!(
+                    matches!(
+                        e,
+                        Error::OutOfRange {
+                            tensor: "key",
+                            token: 57,
+                            channel: 11,
+                            ..
+                        }
+                    ) || (over.is_infinite() && e.to_string().contains("at token 57, head 0, channel 11")),
+                    "{what}: {e}"
+                );
+                assert_eq!(c.len(id).unwrap(), if extend { 0 } else { 57 }, "{what}");
+                k[57 * width + 11] = -fit;
+                if extend {
+                    c.extend(id, &k, &v).unwrap_or_else(|e| panic!("{what}: {e}"));
+                } else {
+                    for t in 57..100 {
+                        c.append(id, &k[t * width..][..width], &row)
+                            .unwrap_or_else(|e| panic!("{what}: append {t}: {e}"));
+                    }
+                }
+                // The value leaves the window: ordinary appends keep working.
+                for t in 0..40 {
+                    c.append(id, &row, &row)
+                        .unwrap_or_else(|e| panic!("{what}: append {t} after the largest value: {e}"));
+                }
+                assert_eq!(c.len(id).unwrap(), 140, "{what}");
+            }
+        }
+    }
+}
+
+/// A calibrated `nuq` table sets its own L2 limit, through the cache's
+/// codebook (not the scheme's, which has none): with a level of -0.05
+/// nearest -1, a lone negative value's scale is 20 |x|, so about 3276 is
+/// the most an f16 scale allows. Refused at 1 ulp past it by append and by
+/// extend; accepted at it, and the sequence keeps working past its window.
+#[test]
+fn a_calibrated_nuq_table_sets_its_own_l2_limit() {
+    use kivi_runtime::calib::{fit_key, Calibration, Entry, Kind, ModelId, Stage};
+    let s = kivi_spec::parse_scheme(
+        "n { key: quant(bits = 2, axis = token, group = 1, scale = f16, levels = nuq, norm = l2),
+             value: full, residual: 16, heads: mha(2), head_dim: 32, dtype: f32 }",
+    )
+    .unwrap();
+    let table = vec![-3.0f32, -0.05, 0.02, 0.9];
+    let mut cal = Calibration::new(
+        ModelId {
+            name: "toy".into(),
+            layers: 1,
+            kv_heads: 2,
+            head_dim: 32,
+        },
+        "lopsided",
+    );
+    cal.insert(Entry {
+        layer: 0,
+        tensor: Tensor::Key,
+        stage: Stage::PostRope,
+        kind: Kind::Codebook,
+        fit: fit_key(&s, Tensor::Key).unwrap(),
+        shape: vec![4],
+        data: table.clone(),
+    })
+    .unwrap();
+    let q = *s.codec(Tensor::Key).quant().unwrap();
+    let lim = kivi_runtime::quant::storable_limit_in(&q, &table);
+    assert!((lim - 65520.0 * 0.05).abs() < 0.01, "{lim}");
+    let over = f32::from_bits(lim.to_bits() + 1);
+    let width = 64;
+    let row = vec![0.5f32; width];
+    for extend in [false, true] {
+        let mut c = PagedCache::with_calibration(s.clone(), CacheConfig::for_tokens(1000), &cal, 0).unwrap();
+        let id = c.add_sequence();
+        let mut k = row.repeat(40);
+        let v = row.repeat(40);
+        k[21 * width + 5] = -over;
+        let e = if extend {
+            c.extend(id, &k, &v).unwrap_err()
+        } else {
+            (0..40)
+                .find_map(|t| c.append(id, &k[t * width..][..width], &row).err())
+                .unwrap()
+        };
+        assert!(
+            matches!(
+                e,
+                Error::OutOfRange {
+                    tensor: "key",
+                    token: 21,
+                    channel: 5,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert_eq!(c.len(id).unwrap(), if extend { 0 } else { 21 });
+        k[21 * width + 5] = -lim;
+        if extend {
+            c.extend(id, &k, &v).unwrap();
+        } else {
+            for t in 21..40 {
+                c.append(id, &k[t * width..][..width], &row).unwrap();
+            }
+        }
+        for t in 0..40 {
+            c.append(id, &row, &row)
+                .unwrap_or_else(|e| panic!("append {t} after the largest value: {e}"));
+        }
+        assert_eq!(c.len(id).unwrap(), 80);
+    }
 }

@@ -38,6 +38,20 @@ pub struct CpuTarget {
     /// Timing methodology.
     pub method: Method,
     peak: OnceLock<Option<f64>>,
+    /// The calibration (and layer) the tuning caches are built with.
+    calibration: Option<Calib>,
+}
+
+/// A calibration and the layer whose codebooks a tuning cache uses.
+type Calib = (std::sync::Arc<kivi_runtime::calib::Calibration>, usize);
+
+/// A host cache for `scheme`, with `calib`'s codebooks when given.
+fn new_cache(scheme: &Scheme, config: CacheConfig, calib: Option<&Calib>) -> Result<PagedCache, String> {
+    match calib {
+        Some((c, layer)) => PagedCache::with_calibration(scheme.clone(), config, c, *layer),
+        None => PagedCache::new(scheme.clone(), config),
+    }
+    .map_err(|e| e.to_string())
 }
 
 impl CpuTarget {
@@ -59,7 +73,27 @@ impl CpuTarget {
             max_copies: 32,
             method: Method::default(),
             peak: OnceLock::new(),
+            calibration: None,
         })
+    }
+
+    /// A target whose tuning caches decode `nuq` tensors with the codebooks
+    /// of `layer` in `calibration` (so a `levels = nuq` scheme can be
+    /// tuned), its decisions keyed by the scheme hash joined with the
+    /// calibration's ([`crate::tune::decision_hash`]): a decision made
+    /// under one calibration is not served under another. The calibration
+    /// is checked against the scheme now (shape, every codebook the scheme
+    /// needs at `layer`), so a wrong one fails here, not mid-tuning.
+    pub fn with_calibration(
+        scheme: &Scheme,
+        calibration: &kivi_runtime::calib::Calibration,
+        layer: usize,
+    ) -> Result<CpuTarget, String> {
+        let mut t = CpuTarget::new(scheme)?;
+        calibration.check_shape(scheme).map_err(|e| e.to_string())?;
+        kivi_runtime::calib::levels_for(scheme, Some(calibration), layer).map_err(|e| e.to_string())?;
+        t.calibration = Some((std::sync::Arc::new(calibration.clone()), layer));
+        Ok(t)
     }
 
     /// The parameters behind a candidate name, if it is one of ours.
@@ -208,6 +242,9 @@ impl Target for CpuTarget {
     fn peak_gbps(&self) -> Option<f64> {
         *self.peak.get_or_init(|| measure_peak_gbps(self.device.llc_bytes()))
     }
+    fn calibration_hash(&self) -> Option<u64> {
+        self.calibration.as_ref().map(|(c, _)| c.hash())
+    }
 }
 
 struct CpuWorkload<'a> {
@@ -239,11 +276,12 @@ impl<'a> CpuWorkload<'a> {
         let want = llc.map_or(1, |l| (2 * l).div_ceil(probe_bytes.max(1)) as usize);
         let by_mem = (target.max_rotate_bytes / probe_bytes.max(1)).max(1) as usize;
         let copies = want.min(by_mem).clamp(1, target.max_copies);
-        let mut cache = PagedCache::new(
-            scheme.clone(),
+        let calib = target.calibration.as_ref();
+        let mut cache = new_cache(
+            scheme,
             CacheConfig::for_tokens(tokens * copies + 64 * lengths.len() * copies),
-        )
-        .map_err(|e| e.to_string())?;
+            calib,
+        )?;
         let mut sets = Vec::with_capacity(copies);
         for c in 0..copies {
             // Extra copies only while the preparation budget lasts.
@@ -271,7 +309,7 @@ impl<'a> CpuWorkload<'a> {
             q,
             attn,
             want,
-            check: check_inputs(scheme, bucket)?,
+            check: check_inputs_in(scheme, bucket, calib)?,
             next: 0,
             bytes,
             llc,
@@ -331,7 +369,7 @@ pub type Inputs = (PagedCache, Vec<SeqId>, Vec<f32>, AttnParams, Vec<f32>);
 /// the attention parameters and the reference output (for backends that
 /// keep their own copy, such as CUDA).
 pub fn build_inputs(scheme: &Scheme, bucket: &Bucket) -> Result<Inputs, String> {
-    inputs_of(scheme, bucket_data(scheme, bucket)?)
+    inputs_of(scheme, bucket_data(scheme, bucket)?, None)
 }
 
 /// A second, small input set for the correctness gate: the bucket's batch
@@ -340,6 +378,11 @@ pub fn build_inputs(scheme: &Scheme, bucket: &Bucket) -> Result<Inputs, String> 
 /// match the reference on it as well as on the bucket's own inputs, so a
 /// kernel that is right only at the tuned lengths is caught.
 pub fn check_inputs(scheme: &Scheme, bucket: &Bucket) -> Result<Inputs, String> {
+    check_inputs_in(scheme, bucket, None)
+}
+
+/// [`check_inputs`] in a cache built with `calib`'s codebooks.
+fn check_inputs_in(scheme: &Scheme, bucket: &Bucket, calib: Option<&Calib>) -> Result<Inputs, String> {
     const EDGES: [usize; 6] = [1, 31, 33, 127, 65, 255];
     let top = (bucket.context as usize).max(1);
     let lengths: Vec<usize> = (0..bucket.batch as usize)
@@ -348,14 +391,14 @@ pub fn check_inputs(scheme: &Scheme, bucket: &Bucket) -> Result<Inputs, String> 
     inputs_of(
         scheme,
         bucket_data_with(scheme, bucket, &lengths, 0x005e_ed0f_c4ec_u64 ^ bucket.context as u64)?,
+        calib,
     )
 }
 
-fn inputs_of(scheme: &Scheme, (lengths, data, q): BucketData) -> Result<Inputs, String> {
+fn inputs_of(scheme: &Scheme, (lengths, data, q): BucketData, calib: Option<&Calib>) -> Result<Inputs, String> {
     let shape = scheme.shape().ok_or("unbound scheme")?;
     let tokens: usize = lengths.iter().sum();
-    let mut cache = PagedCache::new(scheme.clone(), CacheConfig::for_tokens(tokens + 64 * lengths.len()))
-        .map_err(|e| e.to_string())?;
+    let mut cache = new_cache(scheme, CacheConfig::for_tokens(tokens + 64 * lengths.len()), calib)?;
     let mut seqs = Vec::new();
     for (k, v) in &data {
         let id = cache.add_sequence();

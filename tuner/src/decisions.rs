@@ -125,7 +125,8 @@ pub struct CandidateRecord {
 pub struct Entry {
     /// Scheme name when tuned (informational; the hash is the key).
     pub scheme: String,
-    /// `kivi_spec::scheme_hash` of the bound scheme, hex.
+    /// `kivi_spec::scheme_hash` of the bound scheme, joined with the
+    /// calibration's hash when tuned with one ([`crate::tune::decision_hash`]), hex.
     pub scheme_hash: String,
     pub bucket: Bucket,
     /// The variant to run.

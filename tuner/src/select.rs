@@ -148,7 +148,7 @@ pub fn select_with(
     let dir = cache_dir(opts.cache_dir.as_deref())?;
     let store = Store::new(dir, target.device(), target.toolchain());
     let file = store.load(&mut sel.warnings);
-    let key = entry_key(kivi_spec::scheme_hash(scheme), &bucket);
+    let key = entry_key(tune::decision_hash(target, scheme), &bucket);
     if let Some(e) = file.entries.get(&key) {
         // Re-validation of a hit: the stored hashes must match what would
         // run now, and the choice must still pass the static checks.

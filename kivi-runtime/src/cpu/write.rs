@@ -140,8 +140,11 @@ pub(crate) struct Pipeline<'a> {
 /// Whether the writes take a pipeline tensor: token-axis groups (a row is
 /// quantized on its own, so no buffer of `G` rows) and at most
 /// [`quant::TOP_K_SMALL`] outliers a token (found without allocating).
+/// Not a calibrated `nuq` table: the vectorised Lloyd–Max groups here code
+/// against the fixed tables only, so those take `quant.rs`'s path.
 pub(crate) fn pipeline_fits(codec: &TensorCodec, d: usize) -> bool {
-    codec.quant.axis == Axis::Token
+    !matches!(codec.quant.levels, Levels::Nuq(_))
+        && codec.quant.axis == Axis::Token
         && codec.outliers <= quant::TOP_K_SMALL
         && codec.outliers <= d
         && d <= MAX_D

@@ -485,6 +485,8 @@ impl DeviceCache {
                 self.lens[b],
                 h,
                 d,
+                // (The device cache has no calibrated tables: fixed ones.)
+                [None, None],
             )
             .map_err(|e| Error::InSequence {
                 seq: b,

@@ -84,6 +84,22 @@ pub trait Target: Sync {
     fn peak_gbps(&self) -> Option<f64> {
         None
     }
+    /// The content hash of the calibration the tuning inputs are built
+    /// with (issue #12: it joins the scheme hash in the cache's identity),
+    /// `None` for none.
+    fn calibration_hash(&self) -> Option<u64> {
+        None
+    }
+}
+
+/// The hash decisions for `scheme` on `target` are keyed by: the scheme
+/// hash joined with the target's calibration hash
+/// ([`kivi_runtime::calib::identity`], the cache's
+/// [`kivi_runtime::PagedCache::identity`]), so a decision made under one
+/// calibration is never served under another. Without a calibration it is
+/// the scheme hash itself, so every decision saved before stays valid.
+pub fn decision_hash(target: &dyn Target, scheme: &Scheme) -> u64 {
+    kivi_runtime::calib::identity(kivi_spec::scheme_hash(scheme), target.calibration_hash())
 }
 
 /// Tuning inputs for one bucket.
@@ -234,7 +250,7 @@ pub fn run(
     progress: &mut dyn Progress,
     warnings: &mut Vec<String>,
 ) -> Vec<Outcome> {
-    let shash = kivi_spec::scheme_hash(scheme);
+    let shash = decision_hash(target, scheme);
     let file = store.load(warnings);
     let mut todo = Vec::new();
     let mut outcomes: Vec<Option<Outcome>> = vec![None; buckets.len()];
@@ -725,7 +741,7 @@ pub fn tune_bucket(
     };
     let entry = Entry {
         scheme: scheme.name.clone(),
-        scheme_hash: hex(kivi_spec::scheme_hash(scheme)),
+        scheme_hash: hex(decision_hash(target, scheme)),
         bucket,
         chosen,
         default,
