@@ -31,7 +31,7 @@ use super::simd::Isa;
 use crate::cache::RawRows;
 use crate::quant::{self, GroupParams, TensorCodec};
 use kivi_spec::layout::TensorLayout;
-use kivi_spec::{Axis, Dtype, Levels, Norm, Quant, ScaleDtype};
+use kivi_spec::{Axis, Dtype, Norm, Quant, ScaleDtype};
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -140,11 +140,10 @@ pub(crate) struct Pipeline<'a> {
 /// Whether the writes take a pipeline tensor: token-axis groups (a row is
 /// quantized on its own, so no buffer of `G` rows) and at most
 /// [`quant::TOP_K_SMALL`] outliers a token (found without allocating).
-/// Not a calibrated `nuq` table: the vectorised Lloyd–Max groups here code
-/// against the fixed tables only, so those take `quant.rs`'s path.
+/// Lloyd–Max and calibrated `nuq` tables alike ([`lloyd_group`] codes
+/// against the codec's own table).
 pub(crate) fn pipeline_fits(codec: &TensorCodec, d: usize) -> bool {
-    !matches!(codec.quant.levels, Levels::Nuq(_))
-        && codec.quant.axis == Axis::Token
+    codec.quant.axis == Axis::Token
         && codec.outliers <= quant::TOP_K_SMALL
         && codec.outliers <= d
         && d <= MAX_D
