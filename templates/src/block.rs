@@ -154,8 +154,10 @@ pub(crate) fn generate_block(s: &Scheme, l: &BlockLayout) -> Result<Generated, G
         o.push('\n');
     }
     let _ = writeln!(o, "// ===== generated configuration =====");
-    levels_table(&mut o, "KeyCfg", s, Tensor::Key, l);
-    levels_table(&mut o, "ValueCfg", s, Tensor::Value, l);
+    // `nuq` schemes are refused before this (`check_supported`), so the
+    // tables here are the fixed Lloyd–Max ones.
+    levels_table(&mut o, "KeyCfg", s, Tensor::Key, &crate::Codebooks::default());
+    levels_table(&mut o, "ValueCfg", s, Tensor::Value, &crate::Codebooks::default());
     // The per-tensor structs of the other kernels (load width 1: the block
     // kernel decodes channel by channel).
     let v = Variant {

@@ -31,7 +31,8 @@ fn act_bytes(dtype: Dtype, x: &[f32]) -> Vec<u8> {
 }
 
 /// The block kernel of `scheme`, loaded on `dev`. A codec the generator
-/// refuses by name (none today; a future one it cannot instantiate) is
+/// refuses by name (calibrated `nuq` codebooks, whose tables the block
+/// kernel does not take yet; pre-RoPE keys; int8 queries) is
 /// [`Error::Unavailable`]: the device has no many-query kernel for it.
 fn block_module(dev: &Arc<dyn Device>, scheme: &Scheme, opts: GenOptions) -> Result<Arc<Module>> {
     let g = generate_block(scheme, opts).map_err(|e| match e {
