@@ -141,7 +141,10 @@ pub(crate) struct Pipeline<'a> {
 /// quantized on its own, so no buffer of `G` rows) and at most
 /// [`quant::TOP_K_SMALL`] outliers a token (found without allocating).
 pub(crate) fn pipeline_fits(codec: &TensorCodec, d: usize) -> bool {
-    codec.quant.axis == Axis::Token
+    // `lloyd_group` here codes against the fixed Lloyd–Max table only: a
+    // calibrated `nuq` table takes `quant.rs`'s path, which reads the codec's.
+    !matches!(codec.quant.levels, kivi_spec::Levels::Nuq(_))
+        && codec.quant.axis == Axis::Token
         && codec.outliers <= quant::TOP_K_SMALL
         && codec.outliers <= d
         && d <= MAX_D
