@@ -48,7 +48,11 @@ fn schemes() -> Vec<Scheme> {
 
 /// Both schemes on GQA 8:2, MQA 4:1 and MHA 3 (head_dim 64).
 fn cases() -> Vec<Scheme> {
-    let layouts = [(Heads::Gqa { q: 8, kv: 2 }, 64), (Heads::Mqa(4), 64), (Heads::Mha(3), 64)];
+    let layouts = [
+        (Heads::Gqa { q: 8, kv: 2 }, 64),
+        (Heads::Mqa(4), 64),
+        (Heads::Mha(3), 64),
+    ];
     schemes()
         .iter()
         .flat_map(|s| layouts.iter().map(move |(h, d)| s.with_shape(*h, *d).unwrap()))
@@ -89,7 +93,10 @@ fn calibration(s: &Scheme) -> Calibration {
     let mut cal = Calibration::new(model, "random");
     let samples: Vec<LayerSamples> = (0..2)
         .map(|l| {
-            let (k, v) = (inputs(&mut rng, 256, h * d, true, l), inputs(&mut rng, 256, h * d, false, l));
+            let (k, v) = (
+                inputs(&mut rng, 256, h * d, true, l),
+                inputs(&mut rng, 256, h * d, false, l),
+            );
             LayerSamples::new(l, 256, shape.q_heads, h, d, k, v)
         })
         .collect();
@@ -198,7 +205,12 @@ fn nuq_decode_matches_reference() {
                 let want = oracle_batch(s, &cal, 0, &f, &q, attn);
                 let got = backend.decode(&f.cache, &f.ids, &q, attn).unwrap();
                 let e = rel_error(&got, &want);
-                assert!(e <= TOL, "{} {:?} window {window:?}: relative error {e}", s.name, s.heads.unwrap());
+                assert!(
+                    e <= TOL,
+                    "{} {:?} window {window:?}: relative error {e}",
+                    s.name,
+                    s.heads.unwrap()
+                );
                 worst = worst.max(e);
                 n += 1;
             }
@@ -233,18 +245,35 @@ fn assert_same(s: &Scheme, host: &PagedCache, ids: &[u64], dev: &DeviceCache, wh
         let slots = kivi_spec::layout::window_capacity(s, t).max(1);
         let ns = s.sinks as usize;
         for (b, &id) in ids.iter().enumerate() {
-            assert_eq!(dev.table(b), host.block_table(id).unwrap(), "{}: block table {when}", s.name);
+            assert_eq!(
+                dev.table(b),
+                host.block_table(id).unwrap(),
+                "{}: block table {when}",
+                s.name
+            );
             let v = host.view(id).unwrap();
             let r = kivi_spec::layout::regions(s, t, v.tokens());
             for hh in 0..h {
                 for p in 0..ns.min(v.tokens()) {
                     v.row(t, p, hh, &mut want);
-                    assert_eq!(&sinks[((b * ns + p) * h + hh) * d..][..d], &want[..], "{}: sink {p} {when}", s.name);
+                    assert_eq!(
+                        &sinks[((b * ns + p) * h + hh) * d..][..d],
+                        &want[..],
+                        "{}: sink {p} {when}",
+                        s.name
+                    );
                 }
                 for j in r.quantized..r.quantized + r.window {
                     v.row(t, r.sinks + j, hh, &mut want);
                     let got = &rings[((b * slots + j % slots) * h + hh) * d..][..d];
-                    assert_eq!(got, &want[..], "{}: {} window token {} {when}", s.name, t.name(), r.sinks + j);
+                    assert_eq!(
+                        got,
+                        &want[..],
+                        "{}: {} window token {} {when}",
+                        s.name,
+                        t.name(),
+                        r.sinks + j
+                    );
                 }
             }
         }
@@ -338,7 +367,10 @@ fn another_table_changes_the_source_and_the_output() {
             assert!(e <= TOL, "layer {layer}: relative error {e} against its own oracle");
         }
         let apart = rel_error(&want[1], &want[0]);
-        assert!(apart > 100.0 * TOL, "the two tables give nearly the same attention ({apart:.2e})");
+        assert!(
+            apart > 100.0 * TOL,
+            "the two tables give nearly the same attention ({apart:.2e})"
+        );
         let e = rel_error(&got[1], &want[0]);
         assert!(e > 10.0 * TOL, "layer 1's decode matches layer 0's oracle ({e:.2e})");
     }
@@ -355,26 +387,51 @@ fn nuq_device_cache_needs_a_matching_calibration() {
         Ok(_) => panic!("a nuq device cache was built without its codebooks"),
     }
     let cal = calibration(s);
-    let e = DeviceCache::with_calibration(dev.clone(), s, 1, 256, cfg, &cal, 5).err().unwrap();
-    assert!(matches!(&e, Error::Calibration(c) if matches!(**c, CalibError::Missing { .. })), "{e}");
+    let e = DeviceCache::with_calibration(dev.clone(), s, 1, 256, cfg, &cal, 5)
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&e, Error::Calibration(c) if matches!(**c, CalibError::Missing { .. })),
+        "{e}"
+    );
     assert!(e.to_string().contains("layer 5"), "{e}");
     // fitted for another shape (MHA 3 has 3 KV heads, MQA 1)
     let other = calibration(&cases()[2]);
-    let e = DeviceCache::with_calibration(dev.clone(), s, 1, 256, cfg, &other, 0).err().unwrap();
-    assert!(matches!(&e, Error::Calibration(c) if matches!(**c, CalibError::ModelMismatch { .. })), "{e}");
+    let e = DeviceCache::with_calibration(dev.clone(), s, 1, 256, cfg, &other, 0)
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&e, Error::Calibration(c) if matches!(**c, CalibError::ModelMismatch { .. })),
+        "{e}"
+    );
     let dc = DeviceCache::with_calibration(dev.clone(), s, 1, 256, cfg, &cal, 1).unwrap();
     assert_eq!(dc.calibration_hash(), Some(cal.hash()));
     assert_eq!(dc.codebooks(), &codebooks(s, &cal, 1));
     // the generator refuses a table that does not fit, by type
     let mut bad = codebooks(s, &cal, 0);
     bad.value.as_mut().unwrap().pop();
-    let e = generate_calibrated(s, Kernel::Decode, &default_variant(s, Kernel::Decode), Default::default(), &bad)
-        .unwrap_err();
-    assert!(matches!(e, kivi_templates::GenError::Codebook { tensor: "value", .. }), "{e}");
+    let e = generate_calibrated(
+        s,
+        Kernel::Decode,
+        &default_variant(s, Kernel::Decode),
+        Default::default(),
+        &bad,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(e, kivi_templates::GenError::Codebook { tensor: "value", .. }),
+        "{e}"
+    );
     // the many-query kernel does not take tables yet: refused by name
     let e = kivi_templates::generate_block(s, Default::default()).unwrap_err();
     assert!(
-        matches!(e, kivi_templates::GenError::Unsupported { field: kivi_spec::Field::Levels(_), .. }),
+        matches!(
+            e,
+            kivi_templates::GenError::Unsupported {
+                field: kivi_spec::Field::Levels(_),
+                ..
+            }
+        ),
         "{e}"
     );
 }

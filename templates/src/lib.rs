@@ -553,7 +553,13 @@ pub fn generate_with(
 ) -> Result<Generated, GenError> {
     let layout = layout_of(scheme, opts)?;
     variant.check(kernel, scheme, &layout)?;
-    Ok(generate::generate(scheme, &layout, kernel, variant, &Codebooks::default()))
+    Ok(generate::generate(
+        scheme,
+        &layout,
+        kernel,
+        variant,
+        &Codebooks::default(),
+    ))
 }
 
 /// [`generate_with`] for a scheme whose `levels = nuq` tensors decode with

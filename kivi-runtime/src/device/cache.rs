@@ -746,7 +746,8 @@ impl DeviceCache {
     /// The decode kernel and its combine step for `variant` (default when `None`).
     pub fn decode_module(&self, variant: Option<Variant>) -> Result<Arc<Module>> {
         let v = variant.unwrap_or_else(|| default_variant(&self.scheme, Kernel::Decode));
-        let g = generate_calibrated(&self.scheme, Kernel::Decode, &v, self.gen_opts(), &self.codebooks).map_err(gen_err)?;
+        let g =
+            generate_calibrated(&self.scheme, Kernel::Decode, &v, self.gen_opts(), &self.codebooks).map_err(gen_err)?;
         self.dev.load(&g)
     }
 
@@ -755,7 +756,9 @@ impl DeviceCache {
     pub fn decode_modules(&self, variants: &[Variant]) -> Result<Vec<Arc<Module>>> {
         let gens: Vec<Generated> = variants
             .iter()
-            .map(|v| generate_calibrated(&self.scheme, Kernel::Decode, v, self.gen_opts(), &self.codebooks).map_err(gen_err))
+            .map(|v| {
+                generate_calibrated(&self.scheme, Kernel::Decode, v, self.gen_opts(), &self.codebooks).map_err(gen_err)
+            })
             .collect::<Result<_>>()?;
         let refs: Vec<&Generated> = gens.iter().collect();
         self.dev.load_many(&refs)
