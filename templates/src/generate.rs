@@ -250,7 +250,9 @@ pub(crate) fn tensor_cfg(
             "bool",
             "LLOYD",
             pipe.lloyd.to_string(),
-            "table levels (Lloyd–Max or calibrated nuq): x^ = s * level(c)",
+            // (also calibrated nuq tables; the text is kept so that every
+            // existing source, and its hash, stays byte for byte the same)
+            "Lloyd–Max levels: x^ = s * level(c)",
         ),
         (
             "bool",
