@@ -659,6 +659,14 @@ pub const BLOCK_TEMPLATE: &str = include_str!("../cuda/kivi_block.cuh");
 /// assert!(kivi_templates::generate_block(&r, Default::default()).is_ok()); // rotated, centered
 /// ```
 pub fn generate_block(scheme: &Scheme, opts: GenOptions) -> Result<Generated, GenError> {
+    check_supported(scheme)?;
+    generate_block_calibrated(scheme, opts, &Codebooks::default())
+}
+
+/// [`generate_block`] for a scheme whose `levels = nuq` tensors decode with
+/// the calibrated tables `cb`, baked in as [`generate_calibrated`] bakes
+/// them (the source, its hash and its name change with the tables).
+pub fn generate_block_calibrated(scheme: &Scheme, opts: GenOptions, cb: &Codebooks) -> Result<Generated, GenError> {
     if scheme.rope.is_some() {
         // The block kernel decodes stored rows once per tile for many
         // queries at different positions; turning them is not written yet.
@@ -667,8 +675,9 @@ pub fn generate_block(scheme: &Scheme, opts: GenOptions) -> Result<Generated, Ge
             field: kivi_spec::Field::Rope,
         });
     }
-    let layout = layout_of(scheme, opts)?;
-    block::generate_block(scheme, &layout)
+    check_calibrated(scheme, cb)?;
+    let layout = layout_unchecked(scheme, opts)?;
+    block::generate_block(scheme, &layout, cb)
 }
 
 /// The launch shape [`generate_block`] uses for `scheme`'s shape (`None`
