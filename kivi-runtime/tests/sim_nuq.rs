@@ -512,8 +512,12 @@ fn nvrtc_compiles_the_nuq_kernels() {
     // one case of each scheme: every axis of both tensors
     for s in [&cases()[0], &cases()[4]] {
         let cb = codebooks(s, &calibration(s), 0);
-        for k in Kernel::ALL {
-            let g = generate_calibrated(s, k, &default_variant(s, k), Default::default(), &cb).unwrap();
+        let mut gens: Vec<Generated> = Kernel::ALL
+            .iter()
+            .map(|&k| generate_calibrated(s, k, &default_variant(s, k), Default::default(), &cb).unwrap())
+            .collect();
+        gens.push(generate_block_calibrated(s, Default::default(), &cb).unwrap());
+        for g in gens {
             let c = compiler
                 .compile(&g.name, &g.source, &opts)
                 .unwrap_or_else(|e| panic!("{}: {e}", g.name));
