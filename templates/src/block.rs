@@ -115,7 +115,7 @@ pub(crate) fn block_params() -> Vec<Param> {
     ]
 }
 
-pub(crate) fn generate_block(s: &Scheme, l: &BlockLayout) -> Result<Generated, GenError> {
+pub(crate) fn generate_block(s: &Scheme, l: &BlockLayout, cb: &crate::Codebooks) -> Result<Generated, GenError> {
     // The block kernel scores stored keys with the f32 query: refused for
     // an integer-domain query rather than generated with other numbers
     // (backends run such blocks as decodes, `Backend::attend_block`).
@@ -135,7 +135,11 @@ pub(crate) fn generate_block(s: &Scheme, l: &BlockLayout) -> Result<Generated, G
             why: format!("head_dim {d} leaves no room for a tile of tokens in 48 KiB of shared memory"),
         });
     }
-    let tag = scheme_tag(s, Some(l.block_tokens));
+    let mut tag = scheme_tag(s, Some(l.block_tokens));
+    if let Some(h) = cb.tag() {
+        // as `generate::generate` names a calibrated source
+        let _ = write!(tag, ".cb{:08x}", h as u32);
+    }
     let name = format!("{tag}/block/{}", bs.name());
     let (act, _) = crate::generate::act_types(s.dtype);
     let mut o = String::new();
@@ -154,8 +158,10 @@ pub(crate) fn generate_block(s: &Scheme, l: &BlockLayout) -> Result<Generated, G
         o.push('\n');
     }
     let _ = writeln!(o, "// ===== generated configuration =====");
-    levels_table(&mut o, "KeyCfg", s, Tensor::Key, l);
-    levels_table(&mut o, "ValueCfg", s, Tensor::Value, l);
+    // Lloyd–Max tables, or the calibrated `nuq` ones (`check_calibrated`
+    // has seen them): the kernel decodes rows with `T::level` either way.
+    levels_table(&mut o, "KeyCfg", s, Tensor::Key, cb);
+    levels_table(&mut o, "ValueCfg", s, Tensor::Value, cb);
     // The per-tensor structs of the other kernels (load width 1: the block
     // kernel decodes channel by channel).
     let v = Variant {

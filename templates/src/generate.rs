@@ -3,7 +3,7 @@
 //! else is generated except the `extern "C"` entry points.
 
 use crate::variant::cpw;
-use crate::{EntryLaunch, Generated, Kernel, LaunchInfo, Param, ParamTy, Variant, TEMPLATES};
+use crate::{Codebooks, EntryLaunch, Generated, Kernel, LaunchInfo, Param, ParamTy, Variant, TEMPLATES};
 use kivi_spec::layout::{default_block_tokens, window_capacity, BlockLayout, TensorLayout};
 use kivi_spec::{Axis, Codec, Dtype, Flush, Heads, Levels, Norm, RopeStyle, Scheme, Tensor};
 use std::fmt::Write;
@@ -41,8 +41,12 @@ pub(crate) fn team_of(wpt: usize, width: usize) -> Team {
 fn pipe_tag(s: &Scheme, t: Tensor) -> String {
     let mut o = String::new();
     let Codec::Quant(q) = s.codec(t) else { return o };
-    if let Levels::LloydMax(n) = q.levels {
-        o.push_str(if n == Norm::L2 { ".lml2" } else { ".lm" });
+    match q.levels {
+        Levels::LloydMax(n) => o.push_str(if n == Norm::L2 { ".lml2" } else { ".lm" }),
+        // The table itself is named by the `.cb` tag of the shape part
+        // (`generate`): the scheme only says that it is calibrated.
+        Levels::Nuq(n) => o.push_str(if n == Norm::L2 { ".nuql2" } else { ".nuq" }),
+        Levels::Uniform => {}
     }
     if let Some(r) = s.rotation_of(t) {
         let _ = write!(o, ".h{}", r.block);
@@ -245,7 +249,9 @@ pub(crate) fn tensor_cfg(
         (
             "bool",
             "LLOYD",
-            pipe.lloyd.is_some().to_string(),
+            pipe.lloyd.to_string(),
+            // (also calibrated nuq tables; the text is kept so that every
+            // existing source, and its hash, stays byte for byte the same)
             "Lloyd–Max levels: x^ = s * level(c)",
         ),
         (
@@ -332,7 +338,7 @@ pub(crate) fn tensor_cfg(
         let decl = format!("static constexpr {ty} {field} = {value};");
         let _ = writeln!(o, "  {decl:<44} // {what}");
     }
-    if pipe.lloyd.is_some() {
+    if pipe.lloyd {
         let _ = writeln!(
             o,
             "  __device__ __forceinline__ static float level(unsigned int c) {{ return {name}_levels[c]; }}"
@@ -344,7 +350,9 @@ pub(crate) fn tensor_cfg(
 /// The codec pipeline of one tensor as the templates see it (all off for a
 /// `full` tensor: the oracle runs no pipeline on those either).
 pub(crate) struct Pipe {
-    pub lloyd: Option<&'static [f32]>,
+    /// Codes index a table (`{name}_levels`): Lloyd–Max or a calibrated
+    /// `nuq` codebook — the same kernels, only the baked table differs.
+    pub lloyd: bool,
     pub l2: bool,
     pub rot_block: Option<usize>,
     pub signs: Option<u32>,
@@ -363,7 +371,7 @@ impl Pipe {
         let d = l.shape.head_dim;
         let Codec::Quant(q) = s.codec(t) else {
             return Pipe {
-                lloyd: None,
+                lloyd: false,
                 l2: false,
                 rot_block: None,
                 signs: None,
@@ -374,10 +382,10 @@ impl Pipe {
             };
         };
         let (lloyd, l2) = match q.levels {
-            Levels::Uniform => (None, false),
-            Levels::LloydMax(n) => (kivi_spec::lloyd_max_levels(q.bits), n == Norm::L2),
-            // Refused by `check_supported` before any source is generated.
-            Levels::Nuq(n) => (None, n == Norm::L2),
+            Levels::Uniform => (false, false),
+            // A nuq table is given to `generate` (`Codebooks`); without one
+            // the public entry points refuse the scheme before generating.
+            Levels::LloydMax(n) | Levels::Nuq(n) => (true, n == Norm::L2),
         };
         let rot = s.rotation_of(t);
         let outliers = l.tensor(t).outliers;
@@ -401,7 +409,7 @@ impl Pipe {
         p
     }
     pub fn any(&self) -> bool {
-        self.lloyd.is_some() || self.rot_block.is_some() || self.center.is_some() || self.outliers > 0
+        self.lloyd || self.rot_block.is_some() || self.center.is_some() || self.outliers > 0
     }
 }
 
@@ -411,10 +419,19 @@ pub(crate) fn work_floats(s: &Scheme, l: &BlockLayout) -> usize {
     Pipe::of(s, Tensor::Key, l).work.max(Pipe::of(s, Tensor::Value, l).work)
 }
 
-/// The Lloyd–Max table of a tensor as a constant-memory array, from the
-/// values `kivi_spec::lloyd_max_levels` gives the oracle (not retyped).
-pub(crate) fn levels_table(o: &mut String, name: &str, s: &Scheme, t: Tensor, l: &BlockLayout) {
-    if let Some(levels) = Pipe::of(s, t, l).lloyd {
+/// The level table of a tensor as a constant-memory array: the Lloyd–Max
+/// values `kivi_spec::lloyd_max_levels` gives the oracle (not retyped), or
+/// the calibrated `nuq` codebook of `cb` (checked by `lib::check_codebooks`
+/// before any source is generated). Written with `{:?}`, which prints the
+/// shortest text that reads back as the same f32, so the device decodes
+/// with exactly the oracle's numbers.
+pub(crate) fn levels_table(o: &mut String, name: &str, s: &Scheme, t: Tensor, cb: &Codebooks) {
+    let table = match s.codec(t).quant().map(|q| (q.levels, q.bits)) {
+        Some((Levels::LloydMax(_), bits)) => kivi_spec::lloyd_max_levels(bits),
+        Some((Levels::Nuq(_), _)) => cb.get(t),
+        _ => None,
+    };
+    if let Some(levels) = table {
         let vals: Vec<String> = levels.iter().map(|x| format!("{x:?}f")).collect();
         let _ = writeln!(
             o,
@@ -632,11 +649,15 @@ pub(crate) fn cfg_prelude(o: &mut String, s: &Scheme, l: &BlockLayout) {
     let _ = writeln!(o, "  static constexpr int HEAD_WORDS = {};", l.head_words);
 }
 
-pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant) -> Generated {
+pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant, cb: &Codebooks) -> Generated {
     let shape = l.shape;
     let d = shape.head_dim;
     let group = shape.group_size();
-    let tag = scheme_tag(s, Some(l.block_tokens));
+    let mut tag = scheme_tag(s, Some(l.block_tokens));
+    if let Some(h) = cb.tag() {
+        // Two calibrations give two names as well as two source hashes.
+        let _ = write!(tag, ".cb{:08x}", h as u32);
+    }
     let name = format!("{tag}/{}/{}", kernel.name(), v.name());
     let (act, _) = act_types(s.dtype);
     let mut o = String::new();
@@ -669,8 +690,8 @@ pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant)
         }
     }
     let _ = writeln!(o, "// ===== generated configuration =====");
-    levels_table(&mut o, "KeyCfg", s, Tensor::Key, l);
-    levels_table(&mut o, "ValueCfg", s, Tensor::Value, l);
+    levels_table(&mut o, "KeyCfg", s, Tensor::Key, cb);
+    levels_table(&mut o, "ValueCfg", s, Tensor::Value, cb);
     tensor_cfg(&mut o, "KeyCfg", Tensor::Key, s, l, v, kernel);
     tensor_cfg(&mut o, "ValueCfg", Tensor::Value, s, l, v, kernel);
     let cthreads = combine_threads(d);

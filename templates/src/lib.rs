@@ -131,6 +131,10 @@ pub enum GenError {
     /// A codec the templates cannot instantiate yet (see [`check_supported`]):
     /// what it is, and the part of the scheme that asks for it.
     Unsupported { what: String, field: kivi_spec::Field },
+    /// A calibrated codebook ([`Codebooks`]) that does not fit the scheme:
+    /// missing for a `levels = nuq` tensor, given for one that is not, the
+    /// wrong length, not finite or not ascending.
+    Codebook { tensor: &'static str, why: String },
 }
 
 impl fmt::Display for GenError {
@@ -155,6 +159,7 @@ impl fmt::Display for GenError {
                 f,
                 "the CUDA templates cannot generate {what} yet; the CPU backend and the reference run it"
             ),
+            GenError::Codebook { tensor, why } => write!(f, "the {tensor} codebook given to the generator {why}"),
         }
     }
 }
@@ -267,17 +272,67 @@ pub struct GenOptions {
     pub block_tokens: Option<usize>,
 }
 
-/// Whether the templates can instantiate every part of `scheme`'s codecs.
+/// The calibrated `nuq` codebooks one source is generated with: for each
+/// tensor with `levels = nuq`, its `2^bits` ascending levels for one
+/// (layer, tensor) of a calibration (what `kivi_runtime::calib::levels_for`
+/// returns); `None` for every other tensor.
+///
+/// The table is baked into the source as a `__constant__` array, exactly as
+/// the fixed Lloyd–Max table is, rather than passed as a kernel argument:
+/// the kernels, their arguments and their launch code stay the same for
+/// every table-driven codec (no extra pointer threaded through the decode,
+/// append, prefill and simulator paths), the table sits in constant memory
+/// with no per-launch copy, and the source hash — the kernel cache key and
+/// artifact identity — then covers the calibration, so a module compiled
+/// for one calibration can never run with another's table. The cost is one
+/// compile per distinct (layer, tensor) table, cached by that hash.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Codebooks {
+    /// The key's codebook (`levels = nuq` keys only).
+    pub key: Option<Vec<f32>>,
+    /// The value's codebook (`levels = nuq` values only).
+    pub value: Option<Vec<f32>>,
+}
+
+impl Codebooks {
+    /// The codebook of tensor `t`, if any.
+    pub fn get(&self, t: kivi_spec::Tensor) -> Option<&[f32]> {
+        match t {
+            kivi_spec::Tensor::Key => self.key.as_deref(),
+            kivi_spec::Tensor::Value => self.value.as_deref(),
+        }
+    }
+
+    /// FNV-1a of the tables' f32 bits (`None` without any): names the
+    /// calibration in kernel names (`.cb` + 8 hex digits).
+    pub fn tag(&self) -> Option<u64> {
+        if self.key.is_none() && self.value.is_none() {
+            return None;
+        }
+        let mut bytes = Vec::new();
+        for (mark, t) in [(b'k', &self.key), (b'v', &self.value)] {
+            if let Some(t) = t {
+                bytes.push(mark);
+                bytes.extend(t.iter().flat_map(|x| x.to_bits().to_le_bytes()));
+            }
+        }
+        Some(kivi_spec::fnv1a64(&bytes))
+    }
+}
+
+/// Whether the templates can instantiate every part of `scheme`'s codecs
+/// without a calibration.
 ///
 /// They implement the whole codec pipeline of the scheme language: uniform
 /// and Lloyd–Max levels (rms or l2 norms), Hadamard rotations with or
 /// without a seeded sign flip, sparse outliers and per-channel centering,
 /// on either axis, for keys and values (docs/cuda.md says what each kernel
-/// does for each). Calibrated codebooks (`levels = nuq`) are refused today;
-/// this check is the one place a codec the templates cannot instantiate
-/// (calibrated codebooks, vector quantization) is refused by name — [`GenError::Unsupported`],
-/// which `kivi::scheme!` turns into a compile error at that field —
-/// rather than generated wrong.
+/// does for each). Calibrated codebooks (`levels = nuq`) are generated too,
+/// but only with their tables ([`generate_calibrated`],
+/// [`check_calibrated`]): the table lives in a calibration file, not in
+/// the scheme, so here they are refused by name — [`GenError::Unsupported`],
+/// which `kivi::scheme!` turns into a compile error at that field (the
+/// macro cannot embed a calibration) — rather than generated without one.
 ///
 /// ```
 /// use kivi_spec::{parse_scheme, presets};
@@ -290,6 +345,84 @@ pub struct GenOptions {
 /// assert!(kivi_templates::check_supported(&s).is_ok());
 /// ```
 pub fn check_supported(scheme: &Scheme) -> Result<(), GenError> {
+    check_codecs(scheme)?;
+    for t in [kivi_spec::Tensor::Key, kivi_spec::Tensor::Value] {
+        if let Some(q) = scheme.codec(t).quant() {
+            if let kivi_spec::Levels::Nuq(_) = q.levels {
+                return Err(GenError::Unsupported {
+                    what: format!(
+                        "{} levels = nuq (calibrated codebooks) without the calibration's table \
+                         (generate_calibrated bakes it in)",
+                        t.name()
+                    ),
+                    field: kivi_spec::Field::Levels(t),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// [`check_supported`] with the calibrated tables `cb`: every `nuq` tensor
+/// must have its codebook (`2^bits` finite, ascending levels — what
+/// `lloyd_encode`'s thresholds assume), and no other tensor may have one
+/// (a table that would be silently ignored is a mistake upstream).
+///
+/// ```
+/// use kivi_templates::{check_calibrated, Codebooks};
+/// let s = kivi_spec::parse_scheme("N { key: quant(bits = 2, axis = channel, group = 32, levels = nuq), \
+///     value: quant(bits = 2, axis = token, group = 32), residual: 32 }").unwrap();
+/// assert!(check_calibrated(&s, &Codebooks::default()).is_err());
+/// let cb = Codebooks { key: Some(vec![-1.5, -0.4, 0.3, 1.2]), value: None };
+/// assert!(check_calibrated(&s, &cb).is_ok());
+/// let bad = Codebooks { key: Some(vec![-1.5, 0.3, -0.4, 1.2]), value: None };
+/// assert!(check_calibrated(&s, &bad).unwrap_err().to_string().contains("ascending"));
+/// ```
+pub fn check_calibrated(scheme: &Scheme, cb: &Codebooks) -> Result<(), GenError> {
+    check_codecs(scheme)?;
+    for t in [kivi_spec::Tensor::Key, kivi_spec::Tensor::Value] {
+        let err = |why: String| GenError::Codebook { tensor: t.name(), why };
+        let nuq = scheme
+            .codec(t)
+            .quant()
+            .filter(|q| matches!(q.levels, kivi_spec::Levels::Nuq(_)));
+        match (nuq, cb.get(t)) {
+            (None, None) => {}
+            (None, Some(_)) => {
+                return Err(err(format!(
+                    "is for a tensor that scheme `{}` does not quantize with levels = nuq",
+                    scheme.name
+                )))
+            }
+            (Some(_), None) => {
+                return Err(err(format!(
+                    "is missing: scheme `{}` uses levels = nuq there",
+                    scheme.name
+                )))
+            }
+            (Some(q), Some(table)) => {
+                let want = 1usize << q.bits;
+                if table.len() != want {
+                    return Err(err(format!(
+                        "has {} entries; {}-bit codes need {want}",
+                        table.len(),
+                        q.bits
+                    )));
+                }
+                if table.iter().any(|x| !x.is_finite()) {
+                    return Err(err("has a level that is not finite".into()));
+                }
+                if table.windows(2).any(|w| w[0] > w[1]) {
+                    return Err(err("is not ascending".into()));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What no table can fix: caches the paged-cache kernels have no layout for.
+fn check_codecs(scheme: &Scheme) -> Result<(), GenError> {
     // Every codec of the grammar is generated (see above), and the
     // integer-domain query (`query: int8(...)`) by the decode template;
     // MLA caches have their own layout (kivi_spec::mla) and no template yet.
@@ -299,26 +432,20 @@ pub fn check_supported(scheme: &Scheme) -> Result<(), GenError> {
             field: kivi_spec::Field::Heads,
         });
     }
-    // Calibrated codebooks live in a calibration file, not in the scheme:
-    // a kernel would need the table baked in or passed as an argument,
-    // which the templates do not do yet. Refused by name, never generated
-    // with a wrong table.
-    for t in [kivi_spec::Tensor::Key, kivi_spec::Tensor::Value] {
-        if let Some(q) = scheme.codec(t).quant() {
-            if let kivi_spec::Levels::Nuq(_) = q.levels {
-                return Err(GenError::Unsupported {
-                    what: format!("{} levels = nuq (calibrated codebooks)", t.name()),
-                    field: kivi_spec::Field::Levels(t),
-                });
-            }
-        }
-    }
     Ok(())
 }
 
 fn layout_of(scheme: &Scheme, opts: GenOptions) -> Result<BlockLayout, GenError> {
     kivi_spec::validate(scheme).map_err(|e| GenError::Scheme(e.message))?;
     check_supported(scheme)?;
+    layout_unchecked(scheme, opts)
+}
+
+/// The layout without the codebook check: variants and scratch sizes do
+/// not depend on a `nuq` table, so they are the same with any calibration.
+fn layout_unchecked(scheme: &Scheme, opts: GenOptions) -> Result<BlockLayout, GenError> {
+    kivi_spec::validate(scheme).map_err(|e| GenError::Scheme(e.message))?;
+    check_codecs(scheme)?;
     let shape = scheme.shape().ok_or_else(|| GenError::Unbound(scheme.name.clone()))?;
     let bt = opts.block_tokens.unwrap_or_else(|| default_block_tokens(scheme));
     kivi_spec::layout::check_block_tokens(scheme, bt).map_err(GenError::BlockTokens)?;
@@ -333,7 +460,9 @@ pub fn variants(scheme: &Scheme, kernel: Kernel) -> Vec<Variant> {
 
 /// [`variants`] for a non-default layout.
 pub fn variants_with(scheme: &Scheme, kernel: Kernel, opts: GenOptions) -> Vec<Variant> {
-    let Ok(layout) = layout_of(scheme, opts) else {
+    // The same for every calibration (and without one): a `nuq` scheme
+    // tunes over the variants its Lloyd–Max twin has.
+    let Ok(layout) = layout_unchecked(scheme, opts) else {
         return Vec::new();
     };
     let mut out: Vec<Variant> = Vec::new();
@@ -424,7 +553,43 @@ pub fn generate_with(
 ) -> Result<Generated, GenError> {
     let layout = layout_of(scheme, opts)?;
     variant.check(kernel, scheme, &layout)?;
-    Ok(generate::generate(scheme, &layout, kernel, variant))
+    Ok(generate::generate(
+        scheme,
+        &layout,
+        kernel,
+        variant,
+        &Codebooks::default(),
+    ))
+}
+
+/// [`generate_with`] for a scheme whose `levels = nuq` tensors decode with
+/// the calibrated tables `cb` ([`check_calibrated`]), baked into the source
+/// as `__constant__` arrays (see [`Codebooks`] for why), so the source, its
+/// hash and its name (`.cb` + 8 hex digits after the shape) change with
+/// the tables. With no `nuq` tensor and no tables it is [`generate_with`].
+///
+/// ```
+/// use kivi_templates::{default_variant, generate_calibrated, Codebooks, Kernel};
+/// let s = kivi_spec::parse_scheme("N { key: quant(bits = 2, axis = channel, group = 32, levels = nuq), \
+///     value: quant(bits = 2, axis = token, group = 32), residual: 32, heads: mha(2), head_dim: 64 }").unwrap();
+/// let v = default_variant(&s, Kernel::Decode);
+/// let cb = |x: f32| Codebooks { key: Some(vec![-1.5, -0.4, x, 1.2]), value: None };
+/// let a = generate_calibrated(&s, Kernel::Decode, &v, Default::default(), &cb(0.3)).unwrap();
+/// let b = generate_calibrated(&s, Kernel::Decode, &v, Default::default(), &cb(0.25)).unwrap();
+/// assert_ne!(a.hash, b.hash);
+/// assert!(kivi_templates::generate(&s, Kernel::Decode, &v).is_err()); // no table: refused
+/// ```
+pub fn generate_calibrated(
+    scheme: &Scheme,
+    kernel: Kernel,
+    variant: &Variant,
+    opts: GenOptions,
+    cb: &Codebooks,
+) -> Result<Generated, GenError> {
+    check_calibrated(scheme, cb)?;
+    let layout = layout_unchecked(scheme, opts)?;
+    variant.check(kernel, scheme, &layout)?;
+    Ok(generate::generate(scheme, &layout, kernel, variant, cb))
 }
 
 /// Floats of scratch the prefill/append kernels need per (sequence,
@@ -432,7 +597,8 @@ pub fn generate_with(
 /// channels and values); 0 without a pipeline. The `work` argument holds
 /// `batch * 2 * kv_heads` such regions.
 pub fn extend_work_floats(scheme: &Scheme, opts: GenOptions) -> Result<usize, GenError> {
-    let layout = layout_of(scheme, opts)?;
+    // Independent of any `nuq` table: the same with every calibration.
+    let layout = layout_unchecked(scheme, opts)?;
     Ok(generate::work_floats(scheme, &layout))
 }
 
@@ -493,6 +659,14 @@ pub const BLOCK_TEMPLATE: &str = include_str!("../cuda/kivi_block.cuh");
 /// assert!(kivi_templates::generate_block(&r, Default::default()).is_ok()); // rotated, centered
 /// ```
 pub fn generate_block(scheme: &Scheme, opts: GenOptions) -> Result<Generated, GenError> {
+    check_supported(scheme)?;
+    generate_block_calibrated(scheme, opts, &Codebooks::default())
+}
+
+/// [`generate_block`] for a scheme whose `levels = nuq` tensors decode with
+/// the calibrated tables `cb`, baked in as [`generate_calibrated`] bakes
+/// them (the source, its hash and its name change with the tables).
+pub fn generate_block_calibrated(scheme: &Scheme, opts: GenOptions, cb: &Codebooks) -> Result<Generated, GenError> {
     if scheme.rope.is_some() {
         // The block kernel decodes stored rows once per tile for many
         // queries at different positions; turning them is not written yet.
@@ -501,8 +675,9 @@ pub fn generate_block(scheme: &Scheme, opts: GenOptions) -> Result<Generated, Ge
             field: kivi_spec::Field::Rope,
         });
     }
-    let layout = layout_of(scheme, opts)?;
-    block::generate_block(scheme, &layout)
+    check_calibrated(scheme, cb)?;
+    let layout = layout_unchecked(scheme, opts)?;
+    block::generate_block(scheme, &layout, cb)
 }
 
 /// The launch shape [`generate_block`] uses for `scheme`'s shape (`None`

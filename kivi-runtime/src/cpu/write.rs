@@ -143,7 +143,10 @@ pub(crate) struct Pipeline<'a> {
 /// Lloyd–Max and calibrated `nuq` tables alike ([`lloyd_group`] codes
 /// against the codec's own table).
 pub(crate) fn pipeline_fits(codec: &TensorCodec, d: usize) -> bool {
-    codec.quant.axis == Axis::Token
+    // `lloyd_group` here codes against the fixed Lloyd–Max table only: a
+    // calibrated `nuq` table takes `quant.rs`'s path, which reads the codec's.
+    !matches!(codec.quant.levels, kivi_spec::Levels::Nuq(_))
+        && codec.quant.axis == Axis::Token
         && codec.outliers <= quant::TOP_K_SMALL
         && codec.outliers <= d
         && d <= MAX_D

@@ -16,7 +16,7 @@ use crate::quant;
 use crate::reference::{round_inputs, AttnParams};
 use kivi_spec::layout::{self, regions, BlockLayout};
 use kivi_spec::{Dtype, Scheme, Shape, Tensor};
-use kivi_templates::{default_variant, generate_with, GenOptions, Generated, Kernel, Variant};
+use kivi_templates::{default_variant, generate_calibrated, Codebooks, GenOptions, Generated, Kernel, Variant};
 use std::sync::Arc;
 
 mod block;
@@ -149,11 +149,36 @@ pub struct DeviceCache {
     free: Vec<u32>,
     /// Set when a failed append could not be undone; every later call errors.
     poisoned: bool,
+    /// The calibrated tables of the scheme's `nuq` tensors, baked into
+    /// every kernel this cache generates (empty without `nuq`).
+    codebooks: Codebooks,
+    /// The hash of the calibration they came from, if any.
+    calibration: Option<u64>,
+}
+
+/// The `nuq` tables of `levels` ([`crate::calib::levels_for`]'s answer):
+/// the fixed Lloyd–Max tables are the templates' own and are left out.
+fn nuq_codebooks(scheme: &Scheme, levels: [Option<Vec<f32>>; 2]) -> Codebooks {
+    let [k, v] = levels;
+    let nuq = |t: Tensor| {
+        scheme
+            .codec(t)
+            .quant()
+            .is_some_and(|q| matches!(q.levels, kivi_spec::Levels::Nuq(_)))
+    };
+    Codebooks {
+        key: k.filter(|_| nuq(Tensor::Key)),
+        value: v.filter(|_| nuq(Tensor::Value)),
+    }
 }
 
 impl DeviceCache {
     /// An empty batch of `batch` sequences, each able to hold `max_tokens`
     /// tokens, with `config.max_blocks` blocks in the pool.
+    ///
+    /// A scheme with `levels = nuq` is refused
+    /// ([`crate::calib::CalibError::Needed`], as [`PagedCache::new`] does):
+    /// its codebooks come from a calibration, [`Self::with_calibration`].
     pub fn new(
         dev: Arc<dyn Device>,
         scheme: &Scheme,
@@ -162,9 +187,46 @@ impl DeviceCache {
         config: CacheConfig,
     ) -> Result<DeviceCache> {
         kivi_spec::validate(scheme)?;
-        // A codec the templates cannot generate is refused here, not at the
-        // first launch.
-        kivi_templates::check_supported(scheme).map_err(gen_err)?;
+        crate::calib::levels_for(scheme, None, 0)?;
+        Self::build(dev, scheme, batch, max_tokens, config, Codebooks::default(), None)
+    }
+
+    /// [`Self::new`] for layer `layer` of a model: the scheme's `nuq`
+    /// tensors decode with that layer's codebooks from `calibration`,
+    /// checked as [`PagedCache::with_calibration`] checks them (model shape,
+    /// layer count, the quantizer each was fitted for; a missing one is an
+    /// error naming the layer and tensor). The tables are baked into the
+    /// generated kernels ([`kivi_templates::Codebooks`]), so the device
+    /// writes and decodes exactly the words a host cache built with the same
+    /// calibration does.
+    pub fn with_calibration(
+        dev: Arc<dyn Device>,
+        scheme: &Scheme,
+        batch: usize,
+        max_tokens: usize,
+        config: CacheConfig,
+        calibration: &crate::calib::Calibration,
+        layer: usize,
+    ) -> Result<DeviceCache> {
+        kivi_spec::validate(scheme)?;
+        calibration.check_shape(scheme)?;
+        let levels = crate::calib::levels_for(scheme, Some(calibration), layer)?;
+        let cb = nuq_codebooks(scheme, levels);
+        Self::build(dev, scheme, batch, max_tokens, config, cb, Some(calibration.hash()))
+    }
+
+    fn build(
+        dev: Arc<dyn Device>,
+        scheme: &Scheme,
+        batch: usize,
+        max_tokens: usize,
+        config: CacheConfig,
+        codebooks: Codebooks,
+        calibration: Option<u64>,
+    ) -> Result<DeviceCache> {
+        // A codec the templates cannot generate (or a table that does not
+        // fit) is refused here, not at the first launch.
+        kivi_templates::check_calibrated(scheme, &codebooks).map_err(gen_err)?;
         let shape = scheme.shape().ok_or_else(|| Error::Unbound(scheme.name.clone()))?;
         if batch == 0 {
             return Err(Error::Config("a device cache needs at least one sequence".into()));
@@ -213,6 +275,8 @@ impl DeviceCache {
             lens: vec![0; batch],
             free: (0..config.max_blocks as u32).rev().collect(),
             poisoned: false,
+            codebooks,
+            calibration,
         })
     }
 
@@ -223,7 +287,11 @@ impl DeviceCache {
             return Err(Error::Config("no sequences to upload".into()));
         }
         let scheme = cache.scheme().clone();
-        kivi_templates::check_supported(&scheme).map_err(gen_err)?;
+        // The host cache's `nuq` tables (from its calibration) are the ones
+        // the kernels bake in.
+        let levels = [Tensor::Key, Tensor::Value].map(|t| cache.codec(t).map(|c| c.levels.clone()));
+        let codebooks = nuq_codebooks(&scheme, levels);
+        kivi_templates::check_calibrated(&scheme, &codebooks).map_err(gen_err)?;
         let shape = cache.shape();
         let layout = *cache.layout();
         let views: Vec<_> = seqs.iter().map(|&s| cache.view(s)).collect::<Result<_>>()?;
@@ -293,6 +361,8 @@ impl DeviceCache {
             // fail for want of free blocks.
             max_tokens: i32::MAX as usize,
             poisoned: false,
+            codebooks,
+            calibration: cache.calibration_hash(),
         })
     }
 
@@ -310,6 +380,19 @@ impl DeviceCache {
     }
     pub fn layout(&self) -> &BlockLayout {
         &self.layout
+    }
+    /// The calibrated `nuq` tables baked into this cache's kernels.
+    pub fn codebooks(&self) -> &Codebooks {
+        &self.codebooks
+    }
+    /// The hash of the calibration this cache was built with, if any.
+    pub fn calibration_hash(&self) -> Option<u64> {
+        self.calibration
+    }
+    /// This cache's identity ([`PagedCache::identity`]): the scheme hash
+    /// joined with the calibration hash when there is one.
+    pub fn identity(&self) -> u64 {
+        crate::calib::identity(kivi_spec::scheme_hash(&self.scheme), self.calibration)
     }
     /// Block table of sequence `b`.
     pub fn table(&self, b: usize) -> &[u32] {
@@ -562,7 +645,7 @@ impl DeviceCache {
         }
         let kernel = if max_new > 1 { Kernel::Prefill } else { Kernel::Append };
         let v = variant.unwrap_or_else(|| default_variant(&self.scheme, kernel));
-        let g = generate_with(&self.scheme, kernel, &v, self.gen_opts()).map_err(gen_err)?;
+        let g = generate_calibrated(&self.scheme, kernel, &v, self.gen_opts(), &self.codebooks).map_err(gen_err)?;
         let module = self.dev.load(&g)?;
         let mut flat = vec![0u32; self.batch * self.table_stride];
         for (b, t) in tables.iter().enumerate() {
@@ -665,7 +748,8 @@ impl DeviceCache {
     /// The decode kernel and its combine step for `variant` (default when `None`).
     pub fn decode_module(&self, variant: Option<Variant>) -> Result<Arc<Module>> {
         let v = variant.unwrap_or_else(|| default_variant(&self.scheme, Kernel::Decode));
-        let g = generate_with(&self.scheme, Kernel::Decode, &v, self.gen_opts()).map_err(gen_err)?;
+        let g =
+            generate_calibrated(&self.scheme, Kernel::Decode, &v, self.gen_opts(), &self.codebooks).map_err(gen_err)?;
         self.dev.load(&g)
     }
 
@@ -674,7 +758,9 @@ impl DeviceCache {
     pub fn decode_modules(&self, variants: &[Variant]) -> Result<Vec<Arc<Module>>> {
         let gens: Vec<Generated> = variants
             .iter()
-            .map(|v| generate_with(&self.scheme, Kernel::Decode, v, self.gen_opts()).map_err(gen_err))
+            .map(|v| {
+                generate_calibrated(&self.scheme, Kernel::Decode, v, self.gen_opts(), &self.codebooks).map_err(gen_err)
+            })
             .collect::<Result<_>>()?;
         let refs: Vec<&Generated> = gens.iter().collect();
         self.dev.load_many(&refs)

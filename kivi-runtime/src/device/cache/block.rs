@@ -19,7 +19,7 @@ use crate::quant;
 use crate::reference::{round_inputs, stored_tokens, AttnParams};
 use kivi_spec::layout::{self, regions};
 use kivi_spec::{Dtype, Scheme, Tensor};
-use kivi_templates::{generate_block, GenError, GenOptions};
+use kivi_templates::{generate_block_calibrated, Codebooks, GenError, GenOptions};
 use std::sync::Arc;
 
 /// Activation values as the bytes a device buffer of that dtype holds.
@@ -30,11 +30,12 @@ fn act_bytes(dtype: Dtype, x: &[f32]) -> Vec<u8> {
     }
 }
 
-/// The block kernel of `scheme`, loaded on `dev`. A codec the generator
-/// refuses by name (none today; a future one it cannot instantiate) is
-/// [`Error::Unavailable`]: the device has no many-query kernel for it.
-fn block_module(dev: &Arc<dyn Device>, scheme: &Scheme, opts: GenOptions) -> Result<Arc<Module>> {
-    let g = generate_block(scheme, opts).map_err(|e| match e {
+/// The block kernel of `scheme`, loaded on `dev`, with the calibrated
+/// `nuq` tables `cb` baked in. A codec the generator refuses by name
+/// (pre-RoPE keys, int8 queries) is [`Error::Unavailable`]: the device has
+/// no many-query kernel for it.
+fn block_module(dev: &Arc<dyn Device>, scheme: &Scheme, opts: GenOptions, cb: &Codebooks) -> Result<Arc<Module>> {
+    let g = generate_block_calibrated(scheme, opts, cb).map_err(|e| match e {
         e @ GenError::Unsupported { .. } => Error::Unavailable {
             backend: dev.kind().name(),
             reason: e.to_string(),
@@ -156,7 +157,7 @@ impl DeviceCache {
             });
         }
         let qr = round_inputs(&self.scheme, "query", q, hq, d)?;
-        let module = block_module(&self.dev, &self.scheme, self.gen_opts())?;
+        let module = block_module(&self.dev, &self.scheme, self.gen_opts(), &self.codebooks)?;
         let bshape =
             kivi_templates::block_shape(&self.scheme).ok_or_else(|| Error::Unbound(self.scheme.name.clone()))?;
         let max_n = counts.iter().copied().max().unwrap_or(0);
@@ -294,7 +295,9 @@ pub(super) fn attend_block(
     let opts = GenOptions {
         block_tokens: Some(cache.layout().block_tokens),
     };
-    block_module(be.device(), &scheme, opts)?;
+    // the host cache's `nuq` tables (its calibration's), as `upload` takes them
+    let levels = [Tensor::Key, Tensor::Value].map(|t| cache.codec(t).map(|c| c.levels.clone()));
+    block_module(be.device(), &scheme, opts, &super::nuq_codebooks(&scheme, levels))?;
     if blocks.is_empty() {
         return Ok(Vec::new());
     }
