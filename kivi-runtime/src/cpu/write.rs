@@ -143,10 +143,7 @@ pub(crate) struct Pipeline<'a> {
 /// Lloyd–Max and calibrated `nuq` tables alike ([`lloyd_group`] codes
 /// against the codec's own table).
 pub(crate) fn pipeline_fits(codec: &TensorCodec, d: usize) -> bool {
-    // `lloyd_group` here codes against the fixed Lloyd–Max table only: a
-    // calibrated `nuq` table takes `quant.rs`'s path, which reads the codec's.
-    !matches!(codec.quant.levels, kivi_spec::Levels::Nuq(_))
-        && codec.quant.axis == Axis::Token
+    codec.quant.axis == Axis::Token
         && codec.outliers <= quant::TOP_K_SMALL
         && codec.outliers <= d
         && d <= MAX_D
@@ -1430,7 +1427,7 @@ impl Lanes for Avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kivi_spec::Axis;
+    use kivi_spec::{Axis, Levels};
 
     fn isas() -> Vec<Isa> {
         let mut v = vec![Isa::Scalar];
