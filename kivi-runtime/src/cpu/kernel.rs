@@ -213,7 +213,13 @@ impl Plan {
     /// codec pipeline (rotation, Lloyd–Max, outliers, centering) sends a
     /// tensor through the generic row reader, else the ISA's name.
     pub fn path_name(&self) -> &'static str {
-        if self.rope.is_some() {
+        if let Some(rk) = &self.rope {
+            if rk.vector(self.isa) {
+                return match self.isa {
+                    Isa::Avx512 => "avx512-vec+rope",
+                    _ => "avx2-vec+rope",
+                };
+            }
             return match self.isa {
                 Isa::Avx512 => "avx512+rope",
                 Isa::Avx2 => "avx2+rope",

@@ -17,12 +17,29 @@
 //! per-plan table of `r * f_i` (`r` below the tile size), also in f64, so a
 //! tile costs `D/2` sine/cosine pairs rather than `n * D/2`; each result is
 //! rounded to f32 once, as [`kivi_spec::Rope::cos_sin`] does.
+//!
+//! The vector path (`avx512-vec+rope` / `avx2-vec+rope`: channel-axis
+//! uniform 1/2/4-bit keys, no codec pipeline, `D % 16 == 0`, key strategy)
+//! does the same arithmetic in vectors, tile by tile:
+//! - the tile's table is built four f64 pairs at a time (the same
+//!   multiplies and subtractions, so the same f32 cosines and sines) and
+//!   stored expanded, one cosine and one signed sine per channel, so that
+//!   a row turns as `x * cos + partner(x) * sin`, `partner` being the other
+//!   half (`half`) or the neighbour in the pair (`interleaved`, a lane swap);
+//! - a key row is decoded eight channels at a time: its word broadcast,
+//!   shifted per lane, masked and converted, then `c * s + z` with the group's
+//!   per-channel parameters (a multiply and an add, as [`crate::quant::decode`]:
+//!   bit for bit the row reader's values);
+//! - the turned rows are scored by the ISA's dot product, shared by the
+//!   query heads of the group.
+//! The row reader took a bounds-checked unpack, a parameter copy and a call
+//! per element, and the scalar turn a match per pair: that was the 13-35x.
 
 use super::simd::{self, F32Rows, Isa};
 use crate::cache::{params_at, Loc, SeqView};
 use crate::quant::{dequantize, unpack_one, GroupParams};
 use kivi_spec::layout::TensorLayout;
-use kivi_spec::{Axis, Levels, Quant, Rope, Scheme, Tensor};
+use kivi_spec::{Axis, Levels, Quant, Rope, RopeStyle, Scheme, Tensor};
 use std::sync::atomic::{AtomicU8, Ordering};
 
 /// Which side of the dot product turns (`KIVI_CPU_ROPE=query` or
@@ -83,6 +100,11 @@ pub(crate) struct RopeKeys {
     /// block's rows are decoded with each group's parameters read once
     /// (the row reader reads and widens them for every element).
     chan: Option<(Quant, TensorLayout)>,
+    /// Code bits of keys the vector path decodes (see the module comment).
+    vec_bits: Option<u32>,
+    /// `step` split into cosines and sines (`[r][i]`), for vector loads.
+    step_c: Vec<f64>,
+    step_s: Vec<f64>,
 }
 
 /// Scratch of one task: decoded rows, the tile's cosines and sines, and
@@ -93,6 +115,16 @@ pub(crate) struct RopeScratch {
     cs: Vec<(f32, f32)>,
     params: Vec<GroupParams>,
     group: Option<(u32, usize)>,
+    /// Vector path: the group's scales and zero points per channel, the
+    /// tile's expanded cosines and signed sines `[r][D]`, one decoded row,
+    /// and the tile the table holds (`p0`, `n`).
+    scales: Vec<f32>,
+    zeros: Vec<f32>,
+    cosx: Vec<f32>,
+    sinx: Vec<f32>,
+    tmp: Vec<f32>,
+    table_of: Option<(usize, usize)>,
+    vgroup: Option<(u32, usize)>,
 }
 
 impl RopeKeys {
@@ -109,6 +141,8 @@ impl RopeKeys {
                 step.push((c, s));
             }
         }
+        let step_c = step.iter().map(|x| x.0).collect();
+        let step_s = step.iter().map(|x| x.1).collect();
         Some(RopeKeys {
             rope,
             d,
@@ -117,6 +151,9 @@ impl RopeKeys {
             tile,
             strategy: Strategy::current(),
             chan: None,
+            vec_bits: None,
+            step_c,
+            step_s,
         })
     }
 
@@ -132,8 +169,22 @@ impl RopeKeys {
             .filter(|q| q.axis == Axis::Channel && !matches!(q.levels, Levels::Nuq(_)))
         {
             self.chan = Some((*q, tl));
+            // The vector decode: eight channels lie in one word (1, 2, 4
+            // bits), plain `c * s + z` levels, halves of whole vectors.
+            if q.levels == Levels::Uniform
+                && matches!(q.bits, 1 | 2 | 4)
+                && !s.has_pipeline(Tensor::Key)
+                && self.d.is_multiple_of(16)
+            {
+                self.vec_bits = Some(q.bits);
+            }
         }
         self
+    }
+
+    /// Whether [`RopeKeys::score`] takes the vector path on `isa`.
+    pub fn vector(&self, isa: Isa) -> bool {
+        self.vec_bits.is_some() && self.strategy == Strategy::Key && isa != Isa::Scalar && simd_ok()
     }
 
     /// Key row of token `p`, KV head `h`, into `out`.
@@ -204,12 +255,18 @@ impl RopeKeys {
         out: &mut [f32],
         sc: &mut RopeScratch,
     ) {
+        #[cfg(target_arch = "x86_64")]
+        if n <= self.tile && self.vector(isa) {
+            self.score_vec(isa, view, h, p0, n, q, g, out, sc);
+            return;
+        }
         let d = self.d;
         let RopeScratch {
             rows,
             cs,
             params,
             group,
+            ..
         } = sc;
         rows.resize(n * d, 0.0);
         for r in 0..n {
@@ -246,6 +303,101 @@ impl RopeKeys {
         }
     }
 
+    /// The vector path of [`RopeKeys::score`] (its conditions: [`RopeKeys::vector`], `n <= tile`).
+    #[cfg(target_arch = "x86_64")]
+    #[allow(clippy::too_many_arguments)]
+    fn score_vec(
+        &self,
+        isa: Isa,
+        view: &SeqView,
+        h: usize,
+        p0: usize,
+        n: usize,
+        q: &[f32],
+        g: usize,
+        out: &mut [f32],
+        sc: &mut RopeScratch,
+    ) {
+        let d = self.d;
+        let half = d / 2;
+        let (Some(bits), Some((qz, tl))) = (self.vec_bits, &self.chan) else {
+            unreachable!("checked by `vector`")
+        };
+        let interleaved = self.rope.style == RopeStyle::Interleaved;
+        // The table depends on the tile only: a task's tiles of several KV
+        // heads (or a repeated tile) build it once.
+        if sc.table_of != Some((p0, n)) {
+            sc.cosx.resize(n * d, 0.0);
+            sc.sinx.resize(n * d, 0.0);
+            let (bc, bs): (Vec<f64>, Vec<f64>) = self
+                .inv_freq
+                .iter()
+                .map(|f| (p0 as f64 * f).sin_cos())
+                .map(|(s, c)| (c, s))
+                .unzip();
+            assert!(self.step_c.len() >= n * half && self.step_s.len() >= n * half && bc.len() == half);
+            // SAFETY: `vector` checked AVX2 + FMA; the asserts above and the
+            // resizes bound every index (`r < n`, `i < half`, `half % 4 == 0`).
+            unsafe {
+                vecs::table(
+                    &bc,
+                    &bs,
+                    &self.step_c,
+                    &self.step_s,
+                    n,
+                    half,
+                    interleaved,
+                    &mut sc.cosx,
+                    &mut sc.sinx,
+                )
+            };
+            sc.table_of = Some((p0, n));
+        }
+        sc.rows.resize(n * d, 0.0);
+        sc.tmp.resize(d, 0.0);
+        sc.scales.resize(d, 0.0);
+        sc.zeros.resize(d, 0.0);
+        for r in 0..n {
+            let p = p0 + r;
+            match view.locate(Tensor::Key, p) {
+                Loc::Block(b, off) => {
+                    let part = view.block_part(b, h, Tensor::Key);
+                    let key = (b, off / qz.group as usize);
+                    if sc.vgroup != Some(key) {
+                        for c in 0..d {
+                            let gp = params_at(tl, part, qz, off, c);
+                            sc.scales[c] = gp.scale;
+                            sc.zeros[c] = gp.zero;
+                        }
+                        sc.vgroup = Some(key);
+                    }
+                    let row = &part[off * tl.words_per_token..][..tl.words_per_token];
+                    assert!(row.len() * (32 / bits as usize) >= d);
+                    // SAFETY: AVX2 checked by `vector`; the row holds `d`
+                    // codes (assert), the parameter vectors and `tmp` `d`.
+                    unsafe { vecs::decode_row(row, bits, &sc.scales, &sc.zeros, &mut sc.tmp) };
+                }
+                _ => view.row(Tensor::Key, p, h, &mut sc.tmp),
+            }
+            // SAFETY: AVX2 checked; all four slices hold `d` floats.
+            unsafe {
+                vecs::turn(
+                    &sc.tmp,
+                    &sc.cosx[r * d..(r + 1) * d],
+                    &sc.sinx[r * d..(r + 1) * d],
+                    interleaved,
+                    &mut sc.rows[r * d..(r + 1) * d],
+                )
+            };
+        }
+        let kr = F32Rows {
+            data: &sc.rows,
+            base: 0,
+            stride: d,
+        };
+        simd::dot(isa, &kr, n, d, q, g, out, g);
+    }
+
     /// Rotates one row by the angles of `cs` (`D/2` pairs), or by their
     /// opposites when `back`.
     fn turn(&self, x: &mut [f32], cs: &[(f32, f32)], back: bool) {
@@ -277,6 +429,126 @@ impl RopeKeys {
                     self.turn(x, &cs[r * d / 2..(r + 1) * d / 2], false);
                 }
             }
+        }
+    }
+}
+
+/// AVX2 + FMA are there (the vector path's intrinsics; an `Isa` above
+/// scalar implies them, checked again because the path is unsafe code).
+fn simd_ok() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The vector path's loops, eight f32 (or four f64) lanes: AVX2 on both
+/// ISAs (the scoring dot product is the ISA's own). Callers check AVX2 +
+/// FMA and the slice lengths each function names.
+#[cfg(target_arch = "x86_64")]
+mod vecs {
+    use std::arch::x86_64::*;
+
+    /// The expanded table of tokens `p0..p0 + n` from the cosines and sines
+    /// of `p0`'s angles (`bc`, `bs`, `[half]`) and of `r * f_i` (`sc`, `ss`,
+    /// `[r][half]`): `cos(p0 + r) = cb cr - sb sr`, `sin = sb cr + cb sr` in
+    /// f64 (the scalar `table`'s operations, so the same f32 results),
+    /// rounded once. Per row, channel `j` gets its pair's cosine and the
+    /// sine signed for its side (`-s` on the pair's first channel).
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn table(
+        bc: &[f64],
+        bs: &[f64],
+        sc: &[f64],
+        ss: &[f64],
+        n: usize,
+        half: usize,
+        interleaved: bool,
+        cosx: &mut [f32],
+        sinx: &mut [f32],
+    ) {
+        let d = 2 * half;
+        debug_assert!(half.is_multiple_of(4) && cosx.len() >= n * d && sinx.len() >= n * d);
+        let neg = _mm_set1_ps(-0.0);
+        for r in 0..n {
+            let (co, so) = (cosx.as_mut_ptr().add(r * d), sinx.as_mut_ptr().add(r * d));
+            for i in (0..half).step_by(4) {
+                let cb = _mm256_loadu_pd(bc.as_ptr().add(i));
+                let sb = _mm256_loadu_pd(bs.as_ptr().add(i));
+                let cr = _mm256_loadu_pd(sc.as_ptr().add(r * half + i));
+                let sr = _mm256_loadu_pd(ss.as_ptr().add(r * half + i));
+                let c = _mm256_sub_pd(_mm256_mul_pd(cb, cr), _mm256_mul_pd(sb, sr));
+                let s = _mm256_add_pd(_mm256_mul_pd(sb, cr), _mm256_mul_pd(cb, sr));
+                let (c, s) = (_mm256_cvtpd_ps(c), _mm256_cvtpd_ps(s));
+                let ns = _mm_xor_ps(s, neg);
+                if interleaved {
+                    // Channels 2i, 2i + 1: (c, -s), (c, s).
+                    let cc = _mm256_set_m128(_mm_unpackhi_ps(c, c), _mm_unpacklo_ps(c, c));
+                    let sx = _mm256_set_m128(_mm_unpackhi_ps(ns, s), _mm_unpacklo_ps(ns, s));
+                    _mm256_storeu_ps(co.add(2 * i), cc);
+                    _mm256_storeu_ps(so.add(2 * i), sx);
+                } else {
+                    // Channels i and i + half.
+                    _mm_storeu_ps(co.add(i), c);
+                    _mm_storeu_ps(co.add(half + i), c);
+                    _mm_storeu_ps(so.add(i), ns);
+                    _mm_storeu_ps(so.add(half + i), s);
+                }
+            }
+        }
+    }
+
+    /// `out = c * s + z` per channel of one packed row (channel `c` in word
+    /// `c / per`, slot `c % per`): the word broadcast, shifted per lane by
+    /// its slot, masked, converted; then a multiply and an add (no FMA: the
+    /// row reader's rounding).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn decode_row(row: &[u32], bits: u32, s: &[f32], z: &[f32], out: &mut [f32]) {
+        let d = out.len();
+        let per = (32 / bits) as usize;
+        debug_assert!(d.is_multiple_of(8) && per >= 8 && row.len() * per >= d && s.len() >= d && z.len() >= d);
+        let mask = _mm256_set1_epi32(((1u32 << bits) - 1) as i32);
+        let lane = _mm256_mullo_epi32(
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            _mm256_set1_epi32(bits as i32),
+        );
+        for c in (0..d).step_by(8) {
+            let w = _mm256_set1_epi32(*row.get_unchecked(c / per) as i32);
+            let sh = _mm256_add_epi32(lane, _mm256_set1_epi32(((c % per) * bits as usize) as i32));
+            let x = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, sh), mask));
+            let v = _mm256_add_ps(
+                _mm256_mul_ps(x, _mm256_loadu_ps(s.as_ptr().add(c))),
+                _mm256_loadu_ps(z.as_ptr().add(c)),
+            );
+            _mm256_storeu_ps(out.as_mut_ptr().add(c), v);
+        }
+    }
+
+    /// `out_j = x_j cos_j + partner(x)_j sin_j` (two multiplies and an add:
+    /// the scalar turn's `xa c - xb s` and `xb c + xa s`, bit for bit),
+    /// `partner` the other half's channel or the pair's neighbour.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn turn(x: &[f32], cos: &[f32], sin: &[f32], interleaved: bool, out: &mut [f32]) {
+        let d = x.len();
+        let half = d / 2;
+        debug_assert!(d.is_multiple_of(16) && cos.len() >= d && sin.len() >= d && out.len() >= d);
+        for j in (0..d).step_by(8) {
+            let v = _mm256_loadu_ps(x.as_ptr().add(j));
+            let p = if interleaved {
+                _mm256_permute_ps(v, 0b10_11_00_01)
+            } else {
+                _mm256_loadu_ps(x.as_ptr().add((j + half) % d))
+            };
+            let r = _mm256_add_ps(
+                _mm256_mul_ps(v, _mm256_loadu_ps(cos.as_ptr().add(j))),
+                _mm256_mul_ps(p, _mm256_loadu_ps(sin.as_ptr().add(j))),
+            );
+            _mm256_storeu_ps(out.as_mut_ptr().add(j), r);
         }
     }
 }
