@@ -40,7 +40,7 @@ use crate::cache::{params_at, Loc, SeqView};
 use crate::quant::{dequantize, unpack_one, GroupParams};
 use kivi_spec::layout::TensorLayout;
 use kivi_spec::{Axis, Levels, Quant, Rope, RopeStyle, Scheme, Tensor};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 /// Which side of the dot product turns (`KIVI_CPU_ROPE=query` or
 /// [`set_strategy`] picks the query).
@@ -85,6 +85,18 @@ impl Strategy {
 #[doc(hidden)]
 pub fn set_strategy(rotate_query: bool) {
     STRATEGY.store(if rotate_query { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+/// `false` turns the vector path off for plans made from now on (the row
+/// reader's path, kept as the benchmark's baseline).
+static VECTOR: AtomicBool = AtomicBool::new(true);
+
+/// Whether plans made from now on may take the vector path (default
+/// `true`); `false` keeps the row reader's key path, for the benchmark that
+/// compares the two. Results agree to f32 rounding either way.
+#[doc(hidden)]
+pub fn set_vector(on: bool) {
+    VECTOR.store(on, Ordering::Relaxed);
 }
 
 /// Per-call RoPE state of a plan.
@@ -175,6 +187,7 @@ impl RopeKeys {
                 && matches!(q.bits, 1 | 2 | 4)
                 && !s.has_pipeline(Tensor::Key)
                 && self.d.is_multiple_of(16)
+                && VECTOR.load(Ordering::Relaxed)
             {
                 self.vec_bits = Some(q.bits);
             }
