@@ -56,6 +56,9 @@ fn main() {
         let mut paths = [""; 4];
         for _ in 0..reps {
             for j in 0..4 {
+                if std::env::var("ONLY").is_ok_and(|o| o != j.to_string()) {
+                    continue;
+                }
                 let (c, id) = if j == 0 { (&cpost, ipost) } else { (&cpre, ipre) };
                 kivi_runtime::cpu::set_rope_strategy(j == 3);
                 kivi_runtime::cpu::set_rope_vector(j != 2);
@@ -72,7 +75,7 @@ fn main() {
             v.iter_mut()
                 .map(|x| {
                     x.sort_by(f64::total_cmp);
-                    x[x.len() / 2]
+                    x.get(x.len() / 2).copied().unwrap_or(0.0)
                 })
                 .collect()
         };

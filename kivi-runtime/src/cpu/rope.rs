@@ -114,7 +114,8 @@ pub(crate) struct RopeKeys {
     chan: Option<(Quant, TensorLayout)>,
     /// Code bits of keys the vector path decodes (see the module comment).
     vec_bits: Option<u32>,
-    /// `step` split into cosines and sines (`[r][i]`), for vector loads.
+    /// `step` split into cosines and sines (`[r][i]`, `r <= tile`), for
+    /// vector loads.
     step_c: Vec<f64>,
     step_s: Vec<f64>,
 }
@@ -137,7 +138,17 @@ pub(crate) struct RopeScratch {
     tmp: Vec<f32>,
     table_of: Option<(usize, usize)>,
     vgroup: Option<(u32, usize)>,
+    /// The f64 cosines and sines of the next tile's first angles, that
+    /// position and how many tiles carried them since a `sin_cos`.
+    bc: Vec<f64>,
+    bs: Vec<f64>,
+    next: Option<(usize, u32)>,
 }
+
+/// Tiles whose first angles are carried by angle addition before they are
+/// computed afresh: each addition adds a few f64 ulps, so after `CHAIN` the
+/// angles are still ~1e-14 from exact, far below an f32 ulp (6e-8).
+const CHAIN: u32 = 16;
 
 impl RopeKeys {
     /// The state for `s` when it declares `rope: pre(...)`.
@@ -153,8 +164,13 @@ impl RopeKeys {
                 step.push((c, s));
             }
         }
-        let step_c = step.iter().map(|x| x.0).collect();
-        let step_s = step.iter().map(|x| x.1).collect();
+        // The vector path's step table has one more row, `r = tile`, which
+        // carries a tile's first angles to the next tile's.
+        let last = inv_freq.iter().map(|f| {
+            let (s, c) = (tile as f64 * f).sin_cos();
+            (c, s)
+        });
+        let (step_c, step_s) = step.iter().copied().chain(last).unzip();
         Some(RopeKeys {
             rope,
             d,
@@ -337,24 +353,34 @@ impl RopeKeys {
             unreachable!("checked by `vector`")
         };
         let interleaved = self.rope.style == RopeStyle::Interleaved;
-        // The table depends on the tile only: a task's tiles of several KV
-        // heads (or a repeated tile) build it once.
+        // The table depends on the tile only: a repeated tile builds it once.
         if sc.table_of != Some((p0, n)) {
             sc.cosx.resize(n * d, 0.0);
             sc.sinx.resize(n * d, 0.0);
-            let (bc, bs): (Vec<f64>, Vec<f64>) = self
-                .inv_freq
-                .iter()
-                .map(|f| (p0 as f64 * f).sin_cos())
-                .map(|(s, c)| (c, s))
-                .unzip();
-            assert!(self.step_c.len() >= n * half && self.step_s.len() >= n * half && bc.len() == half);
+            // The tile's first angles: carried from the previous tile of the
+            // task by one more angle addition (`r = n` of the step table)
+            // where that tile ended at `p0`, else (and every `CHAIN` tiles,
+            // so that the f64 error stays near 1e-15) from `sin_cos`, which
+            // cost as much as the rest of the table.
+            let chained = matches!(sc.next, Some((p, k)) if p == p0 && k < CHAIN);
+            if !chained {
+                sc.bc.clear();
+                sc.bs.clear();
+                for f in &self.inv_freq {
+                    let (s, c) = (p0 as f64 * f).sin_cos();
+                    sc.bc.push(c);
+                    sc.bs.push(s);
+                }
+            }
+            let k = if chained { sc.next.map_or(0, |x| x.1) } else { 0 };
+            assert!(self.step_c.len() > n * half && self.step_s.len() > n * half && sc.bc.len() == half);
+            assert!(sc.bs.len() == half && half.is_multiple_of(4));
             // SAFETY: `vector` checked AVX2 + FMA; the asserts above and the
             // resizes bound every index (`r < n`, `i < half`, `half % 4 == 0`).
             unsafe {
                 vecs::table(
-                    &bc,
-                    &bs,
+                    &sc.bc,
+                    &sc.bs,
                     &self.step_c,
                     &self.step_s,
                     n,
@@ -364,6 +390,13 @@ impl RopeKeys {
                     &mut sc.sinx,
                 )
             };
+            for i in 0..half {
+                let (cb, sb) = (sc.bc[i], sc.bs[i]);
+                let (cr, sr) = (self.step_c[n * half + i], self.step_s[n * half + i]);
+                sc.bc[i] = cb * cr - sb * sr;
+                sc.bs[i] = sb * cr + cb * sr;
+            }
+            sc.next = Some((p0 + n, k + 1));
             sc.table_of = Some((p0, n));
         }
         sc.rows.resize(n * d, 0.0);
@@ -372,6 +405,8 @@ impl RopeKeys {
         sc.zeros.resize(d, 0.0);
         for r in 0..n {
             let p = p0 + r;
+            let (cos, sin) = (&sc.cosx[r * d..(r + 1) * d], &sc.sinx[r * d..(r + 1) * d]);
+            let out = &mut sc.rows[r * d..(r + 1) * d];
             match view.locate(Tensor::Key, p) {
                 Loc::Block(b, off) => {
                     let part = view.block_part(b, h, Tensor::Key);
@@ -387,21 +422,15 @@ impl RopeKeys {
                     let row = &part[off * tl.words_per_token..][..tl.words_per_token];
                     assert!(row.len() * (32 / bits as usize) >= d);
                     // SAFETY: AVX2 checked by `vector`; the row holds `d`
-                    // codes (assert), the parameter vectors and `tmp` `d`.
-                    unsafe { vecs::decode_row(row, bits, &sc.scales, &sc.zeros, &mut sc.tmp) };
+                    // codes (assert); the other slices hold `d` floats.
+                    unsafe { vecs::decode_turn(row, bits, &sc.scales, &sc.zeros, cos, sin, interleaved, out) };
                 }
-                _ => view.row(Tensor::Key, p, h, &mut sc.tmp),
+                _ => {
+                    view.row(Tensor::Key, p, h, &mut sc.tmp);
+                    // SAFETY: AVX2 checked; all four slices hold `d` floats.
+                    unsafe { vecs::turn(&sc.tmp, cos, sin, interleaved, out) };
+                }
             }
-            // SAFETY: AVX2 checked; all four slices hold `d` floats.
-            unsafe {
-                vecs::turn(
-                    &sc.tmp,
-                    &sc.cosx[r * d..(r + 1) * d],
-                    &sc.sinx[r * d..(r + 1) * d],
-                    interleaved,
-                    &mut sc.rows[r * d..(r + 1) * d],
-                )
-            };
         }
         let kr = F32Rows {
             data: &sc.rows,
@@ -516,29 +545,81 @@ mod vecs {
         }
     }
 
-    /// `out = c * s + z` per channel of one packed row (channel `c` in word
-    /// `c / per`, slot `c % per`): the word broadcast, shifted per lane by
-    /// its slot, masked, converted; then a multiply and an add (no FMA: the
-    /// row reader's rounding).
+    /// `c * s + z` of eight channels from `c` of one packed row (channel `c`
+    /// in word `c / per`, slot `c % per`): the word broadcast, shifted per
+    /// lane by its slot, masked, converted; then a multiply and an add (no
+    /// FMA: the row reader's rounding).
+    #[inline(always)]
+    unsafe fn decode8(
+        row: &[u32],
+        bits: u32,
+        per: usize,
+        lane: __m256i,
+        mask: __m256i,
+        s: &[f32],
+        z: &[f32],
+        c: usize,
+    ) -> __m256 {
+        let w = _mm256_set1_epi32(*row.get_unchecked(c / per) as i32);
+        let sh = _mm256_add_epi32(lane, _mm256_set1_epi32(((c % per) * bits as usize) as i32));
+        let x = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, sh), mask));
+        _mm256_add_ps(
+            _mm256_mul_ps(x, _mm256_loadu_ps(s.as_ptr().add(c))),
+            _mm256_loadu_ps(z.as_ptr().add(c)),
+        )
+    }
+
+    /// A packed row decoded ([`decode8`]) and turned as [`turn`] does, without
+    /// the row's round trip through memory: `half` pairs decode channels `j` and `j + D/2` together,
+    /// `interleaved` ones swap lanes.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn decode_row(row: &[u32], bits: u32, s: &[f32], z: &[f32], out: &mut [f32]) {
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn decode_turn(
+        row: &[u32],
+        bits: u32,
+        s: &[f32],
+        z: &[f32],
+        cos: &[f32],
+        sin: &[f32],
+        interleaved: bool,
+        out: &mut [f32],
+    ) {
         let d = out.len();
+        let half = d / 2;
         let per = (32 / bits) as usize;
-        debug_assert!(d.is_multiple_of(8) && per >= 8 && row.len() * per >= d && s.len() >= d && z.len() >= d);
+        debug_assert!(d.is_multiple_of(16) && per >= 8 && row.len() * per >= d && s.len() >= d && z.len() >= d);
+        debug_assert!(cos.len() >= d && sin.len() >= d);
         let mask = _mm256_set1_epi32(((1u32 << bits) - 1) as i32);
         let lane = _mm256_mullo_epi32(
             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
             _mm256_set1_epi32(bits as i32),
         );
-        for c in (0..d).step_by(8) {
-            let w = _mm256_set1_epi32(*row.get_unchecked(c / per) as i32);
-            let sh = _mm256_add_epi32(lane, _mm256_set1_epi32(((c % per) * bits as usize) as i32));
-            let x = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, sh), mask));
-            let v = _mm256_add_ps(
-                _mm256_mul_ps(x, _mm256_loadu_ps(s.as_ptr().add(c))),
-                _mm256_loadu_ps(z.as_ptr().add(c)),
-            );
-            _mm256_storeu_ps(out.as_mut_ptr().add(c), v);
+        let (co, si, o) = (cos.as_ptr(), sin.as_ptr(), out.as_mut_ptr());
+        if interleaved {
+            for c in (0..d).step_by(8) {
+                let v = decode8(row, bits, per, lane, mask, s, z, c);
+                let p = _mm256_permute_ps(v, 0b10_11_00_01);
+                let r = _mm256_add_ps(
+                    _mm256_mul_ps(v, _mm256_loadu_ps(co.add(c))),
+                    _mm256_mul_ps(p, _mm256_loadu_ps(si.add(c))),
+                );
+                _mm256_storeu_ps(o.add(c), r);
+            }
+        } else {
+            for j in (0..half).step_by(8) {
+                let a = decode8(row, bits, per, lane, mask, s, z, j);
+                let b = decode8(row, bits, per, lane, mask, s, z, j + half);
+                let ra = _mm256_add_ps(
+                    _mm256_mul_ps(a, _mm256_loadu_ps(co.add(j))),
+                    _mm256_mul_ps(b, _mm256_loadu_ps(si.add(j))),
+                );
+                let rb = _mm256_add_ps(
+                    _mm256_mul_ps(b, _mm256_loadu_ps(co.add(j + half))),
+                    _mm256_mul_ps(a, _mm256_loadu_ps(si.add(j + half))),
+                );
+                _mm256_storeu_ps(o.add(j), ra);
+                _mm256_storeu_ps(o.add(j + half), rb);
+            }
         }
     }
 
