@@ -21,6 +21,10 @@ use kivi_runtime::*;
 use kivi_spec::*;
 
 const LENS: [usize; 5] = [1, 31, 33, 127, 1000];
+
+/// The RoPE strategy is process-wide: tests that set it or assert the path
+/// it picks hold this lock (the test harness runs tests on threads).
+static STRATEGY: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// Gemma 3's RoPE bases: local (sliding) layers and global layers.
 const BASES: [f64; 2] = [10_000.0, 1_000_000.0];
 const STYLES: [RopeStyle; 2] = [RopeStyle::Half, RopeStyle::Interleaved];
@@ -159,6 +163,7 @@ fn cpu_matches_the_oracle_on_quantized_pre_rope_keys() {
     .unwrap();
     let int8 = presets::int8();
     let bases = [kivi2, kivi4_window, lloyd, int8];
+    let _lock = STRATEGY.lock().unwrap_or_else(|e| e.into_inner());
     let backends = [
         CpuBackend::default(),
         CpuBackend::new(CpuParams {
@@ -257,6 +262,7 @@ fn vector_path_matches_the_oracle_on_avx512_and_avx2() {
         (mk(false, 0, 64), "avx2-vec+rope"),
         (mk(false, 3, 16), "avx2-vec+rope"),
     ];
+    let _lock = STRATEGY.lock().unwrap_or_else(|e| e.into_inner());
     kivi_runtime::cpu::set_rope_strategy(false);
     let mut case = 0usize;
     for theta in BASES {

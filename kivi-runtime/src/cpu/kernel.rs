@@ -170,6 +170,31 @@ impl Plan {
             }
             _ => None,
         };
+        // Pre-RoPE keys on the vector path: `rope.rs` scores a tile and the
+        // fused path's second half (softmax, values) takes it from there, as
+        // for the int8 query; the same conditions on values and tiles.
+        let rope_bits = rope.as_ref().filter(|r| r.vector(isa)).and_then(|r| r.vector_bits());
+        let fast = match (fast, rope_bits, kinds[1], s.key.quant()) {
+            (None, Some(kbits), Kind::Tok { bits: vbits, gshift }, Some(kq))
+                if fused::values_fit(isa, vbits, gshift, shape.head_dim)
+                    && scale[1] == ScaleDtype::F16
+                    && heads.is_multiple_of(4)
+                    && tile.is_multiple_of(ROWS)
+                    && l.block_tokens.is_multiple_of(ROWS) =>
+            {
+                Some(Fast {
+                    kbits,
+                    keys: fused::Keys::Channel {
+                        group: kq.group as usize,
+                    },
+                    vbits,
+                    gshift,
+                    isa,
+                    bw: isa == Isa::Avx512 && simd::avx512bw_available(),
+                })
+            }
+            (fast, ..) => fast,
+        };
         let int8 = match (s.query, kinds[0]) {
             (
                 Some(qq),
@@ -829,6 +854,14 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
         let n = end.min(z) - t0;
         if let (Some(f), Some(st)) = (plan.fast, fs.as_mut()) {
             if let Some(t) = fast_tile(plan, view, h, t0, n) {
+                if let Some(rk) = &plan.rope {
+                    let rs = &mut sc.rope;
+                    fused::tile_scored(f, st, &t, &mut m, &mut l, &mut acc, |p| {
+                        rk.score_heads_major(plan.isa, view, h, t0, n, q, g, p, rs)
+                    });
+                    t0 += n;
+                    continue;
+                }
                 if let (Some(k8), fused::Keys::Channel { group }) = (sc.int8.as_mut(), f.keys) {
                     fused::tile_scored(f, st, &t, &mut m, &mut l, &mut acc, |p| int8_tile(k8, &t, group, p));
                     t0 += n;

@@ -143,6 +143,8 @@ pub(crate) struct RopeScratch {
     bc: Vec<f64>,
     bs: Vec<f64>,
     next: Option<(usize, u32)>,
+    /// `[n][g]` scores on their way to `[g][n]`.
+    scores: Vec<f32>,
 }
 
 /// Tiles whose first angles are carried by angle addition before they are
@@ -214,6 +216,37 @@ impl RopeKeys {
     /// Whether [`RopeKeys::score`] takes the vector path on `isa`.
     pub fn vector(&self, isa: Isa) -> bool {
         self.vec_bits.is_some() && self.strategy == Strategy::Key && isa != Isa::Scalar && simd_ok()
+    }
+
+    /// Code bits of the keys the vector path decodes, where it may.
+    pub fn vector_bits(&self) -> Option<u32> {
+        self.vec_bits
+    }
+
+    /// [`RopeKeys::score`] with the scores laid out `[g][n]` (head-major, as
+    /// the fused path's softmax reads them) rather than `[n][g]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn score_heads_major(
+        &self,
+        isa: Isa,
+        view: &SeqView,
+        h: usize,
+        p0: usize,
+        n: usize,
+        q: &[f32],
+        g: usize,
+        out: &mut [f32],
+        sc: &mut RopeScratch,
+    ) {
+        let mut s = std::mem::take(&mut sc.scores);
+        s.resize(n * g, 0.0);
+        self.score(isa, view, h, p0, n, q, g, &mut s, sc);
+        for (r, row) in s.chunks_exact(g).enumerate() {
+            for (hh, &x) in row.iter().enumerate() {
+                out[hh * n + r] = x;
+            }
+        }
+        sc.scores = s;
     }
 
     /// Key row of token `p`, KV head `h`, into `out`.
