@@ -442,14 +442,26 @@ impl RopeKeys {
         sc.tmp.resize(d, 0.0);
         sc.scales.resize(d, 0.0);
         sc.zeros.resize(d, 0.0);
-        for r in 0..n {
+        let (gsz, wpt) = (qz.group as usize, tl.words_per_token);
+        assert!(wpt * (32 / bits as usize) >= d);
+        let mut r = 0;
+        while r < n {
             let p = p0 + r;
-            let (cos, sin) = (&sc.cosx[r * d..(r + 1) * d], &sc.sinx[r * d..(r + 1) * d]);
-            let out = &mut sc.rows[r * d..(r + 1) * d];
             match view.locate(Tensor::Key, p) {
                 Loc::Block(b, off) => {
+                    // A run of rows in one block and key group: located,
+                    // sliced and given their parameters once. Its last row in
+                    // the same block at the matching offset means every row
+                    // between is (a block holds consecutive positions); else
+                    // (a block or window boundary inside) one row at a time.
+                    let mut len = (n - r).min(gsz - off % gsz);
+                    if len > 1
+                        && !matches!(view.locate(Tensor::Key, p + len - 1), Loc::Block(b2, o2) if b2 == b && o2 == off + len - 1)
+                    {
+                        len = 1;
+                    }
                     let part = view.block_part(b, h, Tensor::Key);
-                    let key = (b, off / qz.group as usize);
+                    let key = (b, off / gsz);
                     if sc.vgroup != Some(key) {
                         for c in 0..d {
                             let gp = params_at(tl, part, qz, off, c);
@@ -458,16 +470,39 @@ impl RopeKeys {
                         }
                         sc.vgroup = Some(key);
                     }
-                    let row = &part[off * tl.words_per_token..][..tl.words_per_token];
-                    assert!(row.len() * (32 / bits as usize) >= d);
-                    // SAFETY: AVX2 checked by `vector`; the row holds `d`
-                    // codes (assert); the other slices hold `d` floats.
-                    unsafe { vecs::decode_turn(row, bits, &sc.scales, &sc.zeros, cos, sin, interleaved, out) };
+                    let words = &part[off * wpt..(off + len) * wpt];
+                    for (i, row) in words.chunks_exact(wpt).enumerate() {
+                        let rr = r + i;
+                        // SAFETY: AVX2 checked by `vector`; the row holds `d`
+                        // codes (assert above); the other slices `d` floats.
+                        unsafe {
+                            vecs::decode_turn(
+                                row,
+                                bits,
+                                &sc.scales,
+                                &sc.zeros,
+                                &sc.cosx[rr * d..(rr + 1) * d],
+                                &sc.sinx[rr * d..(rr + 1) * d],
+                                interleaved,
+                                &mut sc.rows[rr * d..(rr + 1) * d],
+                            )
+                        };
+                    }
+                    r += len;
                 }
                 _ => {
                     view.row(Tensor::Key, p, h, &mut sc.tmp);
                     // SAFETY: AVX2 checked; all four slices hold `d` floats.
-                    unsafe { vecs::turn(&sc.tmp, cos, sin, interleaved, out) };
+                    unsafe {
+                        vecs::turn(
+                            &sc.tmp,
+                            &sc.cosx[r * d..(r + 1) * d],
+                            &sc.sinx[r * d..(r + 1) * d],
+                            interleaved,
+                            &mut sc.rows[r * d..(r + 1) * d],
+                        )
+                    };
+                    r += 1;
                 }
             }
         }
