@@ -13,6 +13,7 @@
 //! it, `<isa>+rope`), pre-RoPE with the query turned. Each is the median of
 //! wall time and of process CPU time (all threads' run time from
 //! `/proc/self/task/*/schedstat`, which a loaded machine inflates less).
+//! `ONLY=j` runs column `j` alone (0-3; for `perf record`).
 
 use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, PagedCache};
 use kivi_spec::{presets, Heads, Rope, RopeStyle};

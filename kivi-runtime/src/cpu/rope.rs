@@ -21,18 +21,25 @@
 //! The vector path (`avx512-vec+rope` / `avx2-vec+rope`: channel-axis
 //! uniform 1/2/4-bit keys, no codec pipeline, `D % 16 == 0`, key strategy)
 //! does the same arithmetic in vectors, tile by tile:
-//! - the tile's table is built four f64 pairs at a time (the same
-//!   multiplies and subtractions, so the same f32 cosines and sines) and
-//!   stored expanded, one cosine and one signed sine per channel, so that
-//!   a row turns as `x * cos + partner(x) * sin`, `partner` being the other
-//!   half (`half`) or the neighbour in the pair (`interleaved`, a lane swap);
-//! - a key row is decoded eight channels at a time: its word broadcast,
-//!   shifted per lane, masked and converted, then `c * s + z` with the group's
-//!   per-channel parameters (a multiply and an add, as [`crate::quant::decode`]:
-//!   bit for bit the row reader's values);
+//! - the tile's table is built four (AVX2) or eight (AVX-512) f64 pairs at a
+//!   time with the same multiplies and subtractions, so the same f32
+//!   cosines and sines, and stored expanded, one cosine and one signed sine
+//!   per channel, so that a row turns as `x * cos + partner(x) * sin`,
+//!   `partner` being the other half (`half`) or the neighbour in the pair
+//!   (`interleaved`, a lane swap); a tile's first angles are carried from
+//!   the previous tile by one more angle addition (a fresh `sin_cos` every
+//!   [`CHAIN`] tiles), since `D/2` `sin_cos` per tile cost as much as the
+//!   rest of the table;
+//! - a key row is decoded and turned eight channels at a time without
+//!   leaving registers: its word broadcast, shifted per lane, masked and
+//!   converted, then `c * s + z` with the group's per-channel parameters (a
+//!   multiply and an add, as [`crate::quant::decode`]: bit for bit the row
+//!   reader's values), read once per run of rows in one block and key group;
 //! - the turned rows are scored by the ISA's dot product, shared by the
-//!   query heads of the group.
-//! The row reader took a bounds-checked unpack, a parameter copy and a call
+//!   query heads of the group; where the plan allows the fused path's value
+//!   coding (`kernel.rs`), its softmax and value half takes the scores.
+//!
+//! The row reader took a bounds-checked unpack, a parameter read and a call
 //! per element, and the scalar turn a match per pair: that was the 13-35x.
 
 use super::simd::{self, F32Rows, Isa};
@@ -707,6 +714,7 @@ mod vecs {
     /// lane by its slot, masked, converted; then a multiply and an add (no
     /// FMA: the row reader's rounding).
     #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
     unsafe fn decode8(
         row: &[u32],
         bits: u32,
