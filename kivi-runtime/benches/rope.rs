@@ -13,7 +13,8 @@
 //! it, `<isa>+rope`), pre-RoPE with the query turned. Each is the median of
 //! wall time and of process CPU time (all threads' run time from
 //! `/proc/self/task/*/schedstat`, which a loaded machine inflates less).
-//! `ONLY=j` runs column `j` alone (0-3; for `perf record`).
+//! `ONLY=j` runs column `j` alone (0-3; for `perf record`); a third
+//! argument `avx2` caps the backend at AVX2.
 
 use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, PagedCache};
 use kivi_spec::{presets, Heads, Rope, RopeStyle};
@@ -50,7 +51,15 @@ fn main() {
         };
         let (cpost, ipost) = fill(&post);
         let (cpre, ipre) = fill(&pre);
-        let cpu = CpuBackend::default();
+        let cpu = if args.get(2).is_some_and(|a| a == "avx2") {
+            CpuBackend::new(kivi_runtime::CpuParams {
+                avx512: false,
+                ..Default::default()
+            })
+            .unwrap()
+        } else {
+            CpuBackend::default()
+        };
         let attn = AttnParams::of(&post, shape);
         let mut t = vec![Vec::new(); 4];
         let mut ct = vec![Vec::new(); 4];
@@ -87,7 +96,10 @@ fn main() {
             "pre-RoPE rows",
             "pre-RoPE query turned",
         ];
-        println!("{name} context {context} (medians of {reps}; wall ms / CPU ms / CPU ratio to kivi2):");
+        println!(
+            "{name} context {context} {} (medians of {reps}; wall ms / CPU ms / CPU ratio to kivi2):",
+            cpu.kernel_path(&cpost)
+        );
         for j in 0..4 {
             println!(
                 "  {:<22} {:<20} {:>9.3} {:>9.3} {:>7.2}x",
