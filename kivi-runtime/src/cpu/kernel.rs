@@ -122,8 +122,9 @@ impl Plan {
             }
         };
         let rope = RopeKeys::of(s, shape.head_dim, tile).map(|r| r.with_key_layout(s, l.key));
-        // Pre-RoPE keys are scored by `rope.rs` from the row reader (no key
-        // folding, no fused path: the rotation mixes channels per token).
+        // Pre-RoPE keys are scored by `rope.rs` (no key folding, no fused
+        // key loop: the rotation mixes channels per token); its vector path
+        // may hand the scores to the fused values below.
         let kinds = [
             if rope.is_some() {
                 Kind::Generic
@@ -236,7 +237,9 @@ impl Plan {
 impl Plan {
     /// `avx512-fused` / `avx2-fused` where the fast path applies, `<isa>+codec` where a
     /// codec pipeline (rotation, Lloyd–Max, outliers, centering) sends a
-    /// tensor through the generic row reader, else the ISA's name.
+    /// tensor through the generic row reader, `<isa>-vec+rope` / `<isa>+rope`
+    /// for pre-RoPE keys (`rope.rs`'s vector path or its row reader), else
+    /// the ISA's name.
     pub fn path_name(&self) -> &'static str {
         if let Some(rk) = &self.rope {
             if rk.vector(self.isa) {
