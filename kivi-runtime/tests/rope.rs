@@ -225,8 +225,9 @@ fn x86_features() -> Option<bool> {
 /// the key turned, `D % 16 == 0`) on AVX-512 and AVX2, one split and
 /// several of small tiles: the path name is asserted (so a plan that
 /// silently fell back to the row reader fails), and its decode equals the
-/// oracle at every length, layout, base and pair convention, 2 and 4 bits,
-/// with sinks and full-precision windows inside the tiles.
+/// oracle at every length, layout, base and pair convention, 1, 2 and 4
+/// bits, f16 and f32 parameters, key groups of 32 and 48, with sinks
+/// and full-precision windows inside the tiles.
 #[test]
 fn vector_path_matches_the_oracle_on_avx512_and_avx2() {
     let Some(has512) = x86_features() else {
@@ -240,7 +241,18 @@ fn vector_path_matches_the_oracle_on_avx512_and_avx2() {
         ..presets::kivi2()
     };
     let kivi4 = presets::kivi4();
-    let bases = [kivi2, kivi4];
+    // 1-bit keys with f32 parameters (read one by one, the f16 run not
+    // taken, the values not on the fused path), and key groups of 48
+    // tokens (runs cut at group ends that are not tile ends).
+    let one_bit = parse_scheme(
+        "onebit { key: quant(bits = 1, axis = channel, group = 32, scale = f32), value: quant(bits = 4, axis = token, group = 32), residual: 16 }",
+    )
+    .unwrap();
+    let g48 = parse_scheme(
+        "g48 { key: quant(bits = 4, axis = channel, group = 48), value: quant(bits = 2, axis = token, group = 16), residual: 48, sinks: 1 }",
+    )
+    .unwrap();
+    let bases = [kivi2, kivi4, one_bit, g48];
     let mk = |avx512: bool, splits: usize, tile_tokens: usize| {
         CpuBackend::new(CpuParams {
             splits,
