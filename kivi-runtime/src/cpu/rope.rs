@@ -450,11 +450,12 @@ impl RopeKeys {
         sc.scales.resize(d, 0.0);
         sc.zeros.resize(d, 0.0);
         let (gsz, wpt) = (qz.group as usize, tl.words_per_token);
-        let decode_turn = if isa == Isa::Avx512 && is_x86_feature_detected!("avx512f") && (interleaved || d % 32 == 0) {
-            vecs::decode_turn512
-        } else {
-            vecs::decode_turn
-        };
+        let decode_turn =
+            if isa == Isa::Avx512 && is_x86_feature_detected!("avx512f") && (interleaved || d.is_multiple_of(32)) {
+                vecs::decode_turn512
+            } else {
+                vecs::decode_turn
+            };
         assert!(wpt * (32 / bits as usize) >= d);
         let mut r = 0;
         while r < n {
