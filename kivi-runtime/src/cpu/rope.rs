@@ -30,8 +30,9 @@
 //!   the previous tile by one more angle addition (a fresh `sin_cos` every
 //!   [`CHAIN`] tiles), since `D/2` `sin_cos` per tile cost as much as the
 //!   rest of the table;
-//! - a key row is decoded and turned eight channels at a time without
-//!   leaving registers: its word broadcast, shifted per lane, masked and
+//! - a key row is decoded and turned eight (AVX2) or sixteen (AVX-512,
+//!   `interleaved` or `D % 32 == 0`) channels at a time without leaving
+//!   registers: its word broadcast, shifted per lane, masked and
 //!   converted, then `c * s + z` with the group's per-channel parameters (a
 //!   multiply and an add, as [`crate::quant::decode`]: bit for bit the row
 //!   reader's values), read once per run of rows in one block and key group;
@@ -599,9 +600,9 @@ fn simd_ok() -> bool {
     }
 }
 
-/// The vector path's loops, eight f32 (or four f64) lanes: AVX2 on both
-/// ISAs (the scoring dot product is the ISA's own). Callers check AVX2 +
-/// FMA and the slice lengths each function names.
+/// The vector path's loops: eight f32 (four f64) lanes on AVX2, sixteen
+/// (eight) in the `512` variants. Callers check the features and the slice
+/// lengths each function names.
 #[cfg(target_arch = "x86_64")]
 mod vecs {
     use std::arch::x86_64::*;
