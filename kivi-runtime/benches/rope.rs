@@ -7,6 +7,14 @@
 //! each dequantized key row (the default), and the same rotating the query
 //! of every head by the opposite angle per token. Prints medians and the
 //! ratios side by side.
+//!
+//! Columns: kivi2 post-RoPE (fused), pre-RoPE on the vector path (the
+//! default, `<isa>-vec+rope`), pre-RoPE on the row reader (the path before
+//! it, `<isa>+rope`), pre-RoPE with the query turned. Each is the median of
+//! wall time and of process CPU time (all threads' run time from
+//! `/proc/self/task/*/schedstat`, which a loaded machine inflates less).
+//! `ONLY=j` runs column `j` alone (0-3; for `perf record`); a third
+//! argument `avx2` caps the backend at AVX2.
 
 use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, PagedCache};
 use kivi_spec::{presets, Heads, Rope, RopeStyle};
@@ -43,36 +51,76 @@ fn main() {
         };
         let (cpost, ipost) = fill(&post);
         let (cpre, ipre) = fill(&pre);
-        let cpu = CpuBackend::default();
+        let cpu = if args.get(2).is_some_and(|a| a == "avx2") {
+            CpuBackend::new(kivi_runtime::CpuParams {
+                avx512: false,
+                ..Default::default()
+            })
+            .unwrap()
+        } else {
+            CpuBackend::default()
+        };
         let attn = AttnParams::of(&post, shape);
-        let mut t = [Vec::new(), Vec::new(), Vec::new()];
+        let mut t = vec![Vec::new(); 4];
+        let mut ct = vec![Vec::new(); 4];
+        let mut paths = [""; 4];
         for _ in 0..reps {
-            for (j, times) in t.iter_mut().enumerate() {
+            for j in 0..4 {
+                if std::env::var("ONLY").is_ok_and(|o| o != j.to_string()) {
+                    continue;
+                }
                 let (c, id) = if j == 0 { (&cpost, ipost) } else { (&cpre, ipre) };
-                kivi_runtime::cpu::set_rope_strategy(j == 2);
-                let t0 = Instant::now();
+                kivi_runtime::cpu::set_rope_strategy(j == 3);
+                kivi_runtime::cpu::set_rope_vector(j != 2);
+                paths[j] = cpu.kernel_path(c);
+                let (t0, c0) = (Instant::now(), cpu_ns());
                 std::hint::black_box(cpu.decode(c, &[id], &q, attn).unwrap());
-                times.push(t0.elapsed().as_secs_f64() * 1e3);
+                ct[j].push(cpu_ns().saturating_sub(c0) as f64 / 1e6);
+                t[j].push(t0.elapsed().as_secs_f64() * 1e3);
             }
         }
         kivi_runtime::cpu::set_rope_strategy(false);
-        let med: Vec<f64> = t
-            .iter_mut()
-            .map(|x| {
-                x.sort_by(f64::total_cmp);
-                x[x.len() / 2]
-            })
-            .collect();
+        kivi_runtime::cpu::set_rope_vector(true);
+        let med = |v: &mut Vec<Vec<f64>>| -> Vec<f64> {
+            v.iter_mut()
+                .map(|x| {
+                    x.sort_by(f64::total_cmp);
+                    x.get(x.len() / 2).copied().unwrap_or(0.0)
+                })
+                .collect()
+        };
+        let (w, c) = (med(&mut t), med(&mut ct));
+        let what = [
+            "kivi2 post-RoPE",
+            "pre-RoPE vector",
+            "pre-RoPE rows",
+            "pre-RoPE query turned",
+        ];
         println!(
-            "{name} context {context}: kivi2 post-RoPE ({}) {:.3} ms | pre-RoPE, key turned ({}) {:.3} ms = {:.2}x | pre-RoPE, query turned {:.3} ms = {:.2}x (query/key {:.2}x); medians of {reps}",
-            cpu.kernel_path(&cpost),
-            med[0],
-            cpu.kernel_path(&cpre),
-            med[1],
-            med[1] / med[0],
-            med[2],
-            med[2] / med[0],
-            med[2] / med[1]
+            "{name} context {context} {} (medians of {reps}; wall ms / CPU ms / CPU ratio to kivi2):",
+            cpu.kernel_path(&cpost)
         );
+        for j in 0..4 {
+            println!(
+                "  {:<22} {:<20} {:>9.3} {:>9.3} {:>7.2}x",
+                what[j],
+                paths[j],
+                w[j],
+                c[j],
+                c[j] / c[0]
+            );
+        }
     }
+}
+
+/// Run time of all this process's threads so far, in ns (0 where
+/// `/proc` has no schedstat).
+fn cpu_ns() -> u64 {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    dir.filter_map(|e| e.ok())
+        .filter_map(|e| std::fs::read_to_string(e.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next().and_then(|x| x.parse::<u64>().ok()))
+        .sum()
 }

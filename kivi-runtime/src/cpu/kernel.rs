@@ -122,8 +122,9 @@ impl Plan {
             }
         };
         let rope = RopeKeys::of(s, shape.head_dim, tile).map(|r| r.with_key_layout(s, l.key));
-        // Pre-RoPE keys are scored by `rope.rs` from the row reader (no key
-        // folding, no fused path: the rotation mixes channels per token).
+        // Pre-RoPE keys are scored by `rope.rs` (no key folding, no fused
+        // key loop: the rotation mixes channels per token); its vector path
+        // may hand the scores to the fused values below.
         let kinds = [
             if rope.is_some() {
                 Kind::Generic
@@ -170,6 +171,31 @@ impl Plan {
             }
             _ => None,
         };
+        // Pre-RoPE keys on the vector path: `rope.rs` scores a tile and the
+        // fused path's second half (softmax, values) takes it from there, as
+        // for the int8 query; the same conditions on values and tiles.
+        let rope_bits = rope.as_ref().filter(|r| r.vector(isa)).and_then(|r| r.vector_bits());
+        let fast = match (fast, rope_bits, kinds[1], s.key.quant()) {
+            (None, Some(kbits), Kind::Tok { bits: vbits, gshift }, Some(kq))
+                if fused::values_fit(isa, vbits, gshift, shape.head_dim)
+                    && scale[1] == ScaleDtype::F16
+                    && heads.is_multiple_of(4)
+                    && tile.is_multiple_of(ROWS)
+                    && l.block_tokens.is_multiple_of(ROWS) =>
+            {
+                Some(Fast {
+                    kbits,
+                    keys: fused::Keys::Channel {
+                        group: kq.group as usize,
+                    },
+                    vbits,
+                    gshift,
+                    isa,
+                    bw: isa == Isa::Avx512 && simd::avx512bw_available(),
+                })
+            }
+            (fast, ..) => fast,
+        };
         let int8 = match (s.query, kinds[0]) {
             (
                 Some(qq),
@@ -211,9 +237,17 @@ impl Plan {
 impl Plan {
     /// `avx512-fused` / `avx2-fused` where the fast path applies, `<isa>+codec` where a
     /// codec pipeline (rotation, Lloyd–Max, outliers, centering) sends a
-    /// tensor through the generic row reader, else the ISA's name.
+    /// tensor through the generic row reader, `<isa>-vec+rope` / `<isa>+rope`
+    /// for pre-RoPE keys (`rope.rs`'s vector path or its row reader), else
+    /// the ISA's name.
     pub fn path_name(&self) -> &'static str {
-        if self.rope.is_some() {
+        if let Some(rk) = &self.rope {
+            if rk.vector(self.isa) {
+                return match self.isa {
+                    Isa::Avx512 => "avx512-vec+rope",
+                    _ => "avx2-vec+rope",
+                };
+            }
             return match self.isa {
                 Isa::Avx512 => "avx512+rope",
                 Isa::Avx2 => "avx2+rope",
@@ -823,6 +857,14 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
         let n = end.min(z) - t0;
         if let (Some(f), Some(st)) = (plan.fast, fs.as_mut()) {
             if let Some(t) = fast_tile(plan, view, h, t0, n) {
+                if let Some(rk) = &plan.rope {
+                    let rs = &mut sc.rope;
+                    fused::tile_scored(f, st, &t, &mut m, &mut l, &mut acc, |p| {
+                        rk.score_heads_major(plan.isa, view, h, t0, n, q, g, p, rs)
+                    });
+                    t0 += n;
+                    continue;
+                }
                 if let (Some(k8), fused::Keys::Channel { group }) = (sc.int8.as_mut(), f.keys) {
                     fused::tile_scored(f, st, &t, &mut m, &mut l, &mut acc, |p| int8_tile(k8, &t, group, p));
                     t0 += n;

@@ -78,6 +78,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 pub use probe::{compute_ceiling, ComputeCeiling};
 pub use rope::set_strategy as set_rope_strategy;
+#[doc(hidden)]
+pub use rope::set_vector as set_rope_vector;
 pub use simd::Isa;
 
 /// A hash of the CPU kernels' source code (this module's files), fixed at
