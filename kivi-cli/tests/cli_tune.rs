@@ -290,3 +290,93 @@ fn tune_on_cuda_without_a_gpu_fails() {
         "nothing written"
     );
 }
+
+/// `--calibration`: a `nuq` scheme tunes on the CPU only with its
+/// codebooks; a missing or damaged file, a scheme that needs none and a
+/// layer the file lacks are clear errors; two calibrations make two
+/// decisions (the key joins both hashes).
+#[test]
+fn nuq_schemes_tune_with_their_calibration() {
+    use kivi_runtime::calib::{Calibration, FitOptions, LayerSamples, ModelId};
+    use kivi_runtime::rand::Rng;
+    let text = "nuq_cli { key: quant(bits = 2, axis = channel, group = 32), \
+                value: quant(bits = 2, axis = token, group = 32, levels = nuq), residual: 32, \
+                heads: gqa(q = 8, kv = 2), head_dim = 64 }"
+        .replace("head_dim = 64", "head_dim: 64");
+    let scheme = kivi_spec::parse_scheme(&text).unwrap();
+    let d = dir("calib");
+    std::fs::create_dir_all(&d).unwrap();
+    let files: Vec<String> = [11u64, 12]
+        .iter()
+        .map(|&seed| {
+            let mut rng = Rng::new(seed);
+            let n = 96;
+            let draw = |rng: &mut Rng| (0..n * 2 * 64).map(|_| rng.normal()).collect::<Vec<f32>>();
+            let (k, v) = (draw(&mut rng), draw(&mut rng));
+            let samples = vec![LayerSamples::new(0, n, 8, 2, 64, k, v)];
+            let model = ModelId {
+                name: "toy".into(),
+                layers: 1,
+                kv_heads: 2,
+                head_dim: 64,
+            };
+            let mut c = Calibration::new(model, "cli test draws");
+            c.fit_codebooks(&scheme, &samples, FitOptions::default()).unwrap();
+            let path = format!("{d}/cal{seed}.kivical");
+            c.save(std::path::Path::new(&path)).unwrap();
+            path
+        })
+        .collect();
+    let small = ["--contexts", "300", "--batches", "1", "--budget", "1", "--quiet"];
+    let run = |extra: &[&str]| {
+        let mut a = vec!["tune", "--scheme", &text, "--backend", "cpu", "--cache-dir", &d];
+        a.extend_from_slice(&small);
+        a.extend_from_slice(extra);
+        kivi(&a)
+    };
+    let (ok, _, err) = run(&[]);
+    assert!(!ok && err.contains("calibration"), "{err}");
+    let (ok, _, err) = run(&["--calibration", &format!("{d}/missing.kivical")]);
+    assert!(!ok && err.contains("missing.kivical"), "{err}");
+    let damaged = format!("{d}/damaged.kivical");
+    let bytes = std::fs::read(&files[0]).unwrap();
+    std::fs::write(&damaged, &bytes[..bytes.len() / 2]).unwrap();
+    let (ok, _, err) = run(&["--calibration", &damaged]);
+    assert!(!ok && err.contains("damaged.kivical"), "{err}");
+    let (ok, _, err) = run(&["--calibration", &files[0], "--layer", "3"]);
+    assert!(!ok && err.contains("layer 3"), "{err}");
+    let (ok, _, err) = kivi(&[
+        "tune",
+        "--scheme",
+        "kivi2",
+        "--backend",
+        "cpu",
+        "--cache-dir",
+        &d,
+        "--calibration",
+        &files[0],
+    ]);
+    assert!(!ok && err.contains("no levels = nuq"), "{err}");
+    let (ok, _, err) = kivi(&[
+        "tune",
+        "--scheme",
+        &text,
+        "--backend",
+        "sim",
+        "--cache-dir",
+        &d,
+        "--calibration",
+        &files[0],
+    ]);
+    assert!(!ok && err.contains("--backend cpu"), "{err}");
+    // Each calibration is its own decision: the second file is measured,
+    // not served the first one's; the first one is then a cache hit.
+    for f in &files {
+        let (ok, out, err) = run(&["--calibration", f]);
+        assert!(ok, "{err}");
+        assert!(out.contains("bucket b1.c512") && out.contains("tuned in"), "{out}");
+    }
+    let (ok, out, err) = run(&["--calibration", &files[0]]);
+    assert!(ok, "{err}");
+    assert!(out.contains("cached (nothing measured)"), "{out}");
+}

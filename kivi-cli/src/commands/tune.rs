@@ -68,6 +68,43 @@ pub struct Args {
     /// No progress bar
     #[arg(long)]
     quiet: bool,
+    /// A calibration file (`kivi calibrate`) for a scheme with levels = nuq; decisions are keyed by the scheme and this calibration together (cpu backend)
+    #[arg(long)]
+    calibration: Option<PathBuf>,
+    /// The model layer whose codebooks `--calibration` supplies
+    #[arg(long, default_value_t = 0, requires = "calibration")]
+    layer: usize,
+}
+
+/// The CPU target for `scheme`, with `--calibration`'s codebooks where given.
+fn cpu_target(scheme: &Scheme, args: &Args) -> super::Result<CpuTarget> {
+    let needs = [kivi_spec::Tensor::Key, kivi_spec::Tensor::Value].iter().any(|t| {
+        scheme
+            .codec(*t)
+            .quant()
+            .is_some_and(|q| matches!(q.levels, kivi_spec::Levels::Nuq(_)))
+    });
+    let Some(path) = &args.calibration else {
+        if needs {
+            return Err(format!(
+                "scheme `{}` has levels = nuq tensors, whose codebooks come from a calibration: pass --calibration FILE (made by `kivi calibrate`) and --layer N",
+                scheme.name
+            )
+            .into());
+        }
+        return Ok(CpuTarget::new(scheme)?);
+    };
+    if !needs {
+        return Err(format!(
+            "--calibration: scheme `{}` has no levels = nuq tensor, so a calibration would change nothing but its tuning key; drop the flag",
+            scheme.name
+        )
+        .into());
+    }
+    let cal =
+        kivi_runtime::calib::Calibration::load(path).map_err(|e| format!("--calibration {}: {e}", path.display()))?;
+    Ok(CpuTarget::with_calibration(scheme, &cal, args.layer)
+        .map_err(|e| format!("--calibration {} (layer {}): {e}", path.display(), args.layer))?)
 }
 
 /// Binds the shape from the flags or the scheme's own.
@@ -291,9 +328,16 @@ pub fn run(args: Args) -> super::Result {
     let mut notes: Vec<String> = Vec::new();
     // (arch, SMs, what they describe) for a ranking of the CUDA variants on paper
     let mut static_report: Option<(kivi_runtime::cuda::Arch, u32, String)> = None;
+    if args.calibration.is_some() && matches!(args.backend, BackendChoice::Sim | BackendChoice::Cuda) {
+        return Err(
+            "--calibration is supported with --backend cpu (or auto without a GPU) only, yet: \
+                    the CUDA tuning target does not take calibrated codebooks"
+                .into(),
+        );
+    }
     let target: Box<dyn Target> = match args.backend {
         // `reference` is not offered (BACKENDS): there is nothing to tune in it.
-        BackendChoice::Cpu | BackendChoice::Reference => Box::new(CpuTarget::new(&scheme)?),
+        BackendChoice::Cpu | BackendChoice::Reference => Box::new(cpu_target(&scheme, &args)?),
         BackendChoice::Sim => {
             let dev = kivi_runtime::device::SimDevice::shared();
             let i = dev.info();
@@ -320,7 +364,7 @@ pub fn run(args: Args) -> super::Result {
                     132,
                     "an H200, assumed: no GPU here".into(),
                 ));
-                Box::new(CpuTarget::new(&scheme)?)
+                Box::new(cpu_target(&scheme, &args)?)
             }
         },
     };
