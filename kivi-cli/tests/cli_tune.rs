@@ -44,11 +44,12 @@ fn tune_then_hit_then_recover_from_a_truncated_file() {
     assert!(out.contains("tuned in"), "{out}");
     assert!(out.contains("(default)"), "{out}");
 
-    let t = std::time::Instant::now();
+    // A hit measures nothing: no bucket is tuned again (checked by what it
+    // says, not by a wall-clock bound, which a loaded CI machine would break).
     let (ok, out, err) = kivi(&args);
     assert!(ok, "{err}");
-    assert!(t.elapsed().as_secs_f64() < 2.0);
     assert_eq!(out.matches("cached (nothing measured)").count(), 2, "{out}");
+    assert!(!out.contains("tuned in"), "{out}");
 
     let file = std::fs::read_dir(&d)
         .unwrap()
