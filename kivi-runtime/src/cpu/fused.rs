@@ -268,27 +268,7 @@ pub(crate) struct Tile<'a> {
 /// the parts it names.
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn tile(fast: Fast, st: &mut State, t: &Tile, m: &mut [f32], l: &mut [f32], acc: &mut [f32]) {
-    let (g, d) = (st.g, st.d);
-    assert!(t.n.is_multiple_of(ROWS) && t.off.is_multiple_of(ROWS) && d.is_multiple_of(16) && g.is_multiple_of(4));
-    assert!((t.off + t.n) * t.klayout.words_per_token <= t.klayout.codes_words());
-    assert!((t.off + t.n) * t.vlayout.words_per_token <= t.vlayout.codes_words());
-    assert!(t.kpart.len() >= t.klayout.words && t.vpart.len() >= t.vlayout.words);
-    assert!(m.len() >= g && l.len() >= g && acc.len() >= g * d && st.p.len() >= g * t.n);
-    assert!(values_fit(fast.isa, fast.vbits, fast.gshift, d) && st.vacc.len() >= g * d);
-    assert!(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c"));
-    // SAFETY: features checked (AVX-512 below); the asserts bound every row,
-    // parameter and buffer index the loops form (rows `off..off + n` of both
-    // parts).
-    unsafe {
-        match fast.isa {
-            Isa::Avx512 => {
-                assert!(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq"));
-                tile_avx512(fast, st, t, m, l, acc)
-            }
-            Isa::Avx2 => tile_avx2(fast, st, t, m, l, acc),
-            Isa::Scalar => unreachable!("the fast path is only planned on AVX2 and AVX-512"),
-        }
-    }
+    run(fast, st, t, m, l, acc, None::<fn(&mut [f32])>)
 }
 
 /// As [`tile`], with the scores (`[g][n]`) written by `scores` instead of
@@ -303,39 +283,51 @@ pub(crate) fn tile_scored(
     acc: &mut [f32],
     scores: impl FnOnce(&mut [f32]),
 ) {
+    run(fast, st, t, m, l, acc, Some(scores))
+}
+
+/// [`tile`] (`scores` is `None`: the key loops score the tile) and
+/// [`tile_scored`] written once, so the bounds both rely on are checked in
+/// one place and the two cannot drift apart.
+#[cfg(target_arch = "x86_64")]
+fn run(
+    fast: Fast,
+    st: &mut State,
+    t: &Tile,
+    m: &mut [f32],
+    l: &mut [f32],
+    acc: &mut [f32],
+    scores: Option<impl FnOnce(&mut [f32])>,
+) {
     let (g, d) = (st.g, st.d);
+    let keys = scores.is_none();
     assert!(t.n.is_multiple_of(ROWS) && t.off.is_multiple_of(ROWS) && d.is_multiple_of(16) && g.is_multiple_of(4));
+    if keys {
+        // Only the key loops read the key part.
+        assert!((t.off + t.n) * t.klayout.words_per_token <= t.klayout.codes_words());
+        assert!(t.kpart.len() >= t.klayout.words);
+    }
     assert!((t.off + t.n) * t.vlayout.words_per_token <= t.vlayout.codes_words());
     assert!(t.vpart.len() >= t.vlayout.words);
     assert!(m.len() >= g && l.len() >= g && acc.len() >= g * d && st.p.len() >= g * t.n);
     assert!(values_fit(fast.isa, fast.vbits, fast.gshift, d) && st.vacc.len() >= g * d);
     assert!(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c"));
-    scores(&mut st.p[..g * t.n]);
-    // SAFETY: as in `tile`.
+    if let Some(scores) = scores {
+        scores(&mut st.p[..g * t.n]);
+    }
+    // SAFETY: features checked (AVX-512 below); the asserts bound every row,
+    // parameter and buffer index the loops form (rows `off..off + n` of the
+    // parts they read).
     unsafe {
         match fast.isa {
             Isa::Avx512 => {
                 assert!(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq"));
-                rest_avx512(fast, st, t, m, l, acc)
+                tile_avx512(fast, st, t, m, l, acc, keys)
             }
-            Isa::Avx2 => rest_avx2(fast, st, t, m, l, acc),
+            Isa::Avx2 => tile_avx2(fast, st, t, m, l, acc, keys),
             Isa::Scalar => unreachable!("the fast path is only planned on AVX2 and AVX-512"),
         }
     }
-}
-
-/// Softmax and values of a scored tile, AVX-512.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
-unsafe fn rest_avx512(fast: Fast, st: &mut State, t: &Tile, m: &mut [f32], l: &mut [f32], acc: &mut [f32]) {
-    body::rest::<Avx512>(fast, st, t, m, l, acc)
-}
-
-/// Softmax and values of a scored tile, AVX2 + FMA + F16C.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rest_avx2(fast: Fast, st: &mut State, t: &Tile, m: &mut [f32], l: &mut [f32], acc: &mut [f32]) {
-    body::rest::<Avx2>(fast, st, t, m, l, acc)
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -356,18 +348,21 @@ pub(crate) fn tile(_: Fast, _: &mut State, _: &Tile, _: &mut [f32], _: &mut [f32
     unreachable!("the fast path is only planned on x86-64")
 }
 
-/// The body instantiated for AVX-512.
+/// The body instantiated for AVX-512 (`keys`: score the tile from its
+/// keys, else its scores are already in `st.p`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
-unsafe fn tile_avx512(fast: Fast, st: &mut State, t: &Tile, m: &mut [f32], l: &mut [f32], acc: &mut [f32]) {
-    body::tile::<Avx512>(fast, st, t, m, l, acc)
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_avx512(fast: Fast, st: &mut State, t: &Tile, m: &mut [f32], l: &mut [f32], acc: &mut [f32], keys: bool) {
+    body::tile::<Avx512>(fast, st, t, m, l, acc, keys)
 }
 
 /// The body instantiated for AVX2 + FMA + F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_avx2(fast: Fast, st: &mut State, t: &Tile, m: &mut [f32], l: &mut [f32], acc: &mut [f32]) {
-    body::tile::<Avx2>(fast, st, t, m, l, acc)
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_avx2(fast: Fast, st: &mut State, t: &Tile, m: &mut [f32], l: &mut [f32], acc: &mut [f32], keys: bool) {
+    body::tile::<Avx2>(fast, st, t, m, l, acc, keys)
 }
 
 /// The one body: generic over the width, every function inlined into the
@@ -378,26 +373,25 @@ mod body {
     use super::{Fast, Keys, State, Tile, ROWS};
     use crate::cpu::width::Width;
 
-    /// Scores, softmax and values of one tile.
+    /// Scores (when `keys`; otherwise they are in `st.p` already: the int8
+    /// query's integer scores, `int8.rs`), softmax and values of one tile.
     #[inline(always)]
-    pub unsafe fn tile<V: Width>(fast: Fast, st: &mut State, t: &Tile, m: &mut [f32], l: &mut [f32], acc: &mut [f32]) {
-        match fast.kbits {
-            2 => scores::<V, 2>(fast, st, t),
-            4 => scores::<V, 4>(fast, st, t),
-            _ => scores::<V, 8>(fast, st, t),
+    pub unsafe fn tile<V: Width>(
+        fast: Fast,
+        st: &mut State,
+        t: &Tile,
+        m: &mut [f32],
+        l: &mut [f32],
+        acc: &mut [f32],
+        keys: bool,
+    ) {
+        if keys {
+            match fast.kbits {
+                2 => scores::<V, 2>(fast, st, t),
+                4 => scores::<V, 4>(fast, st, t),
+                _ => scores::<V, 8>(fast, st, t),
+            }
         }
-        softmax::<V>(st, t.n, m, l, acc);
-        match fast.vbits {
-            2 => values::<V, 2>(fast, st, t),
-            4 => values::<V, 4>(fast, st, t),
-            _ => values::<V, 8>(fast, st, t),
-        }
-    }
-
-    /// Softmax and values of a tile whose scores are in `st.p` (the int8
-    /// query's integer scores, `int8.rs`).
-    #[inline(always)]
-    pub unsafe fn rest<V: Width>(fast: Fast, st: &mut State, t: &Tile, m: &mut [f32], l: &mut [f32], acc: &mut [f32]) {
         softmax::<V>(st, t.n, m, l, acc);
         match fast.vbits {
             2 => values::<V, 2>(fast, st, t),
