@@ -354,6 +354,145 @@ mod x86 {
         _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)))
     }
 
+    /// What differs between the two integer widths (everything else in
+    /// [`dot`] is written once): how many rows a vector holds, how the
+    /// words of those rows are gathered, and how four u8 x i8 products are
+    /// added into a lane's 32-bit sum. Every method is `#[inline(always)]`
+    /// without features of its own, so the generic body is compiled inside
+    /// each ISA's `#[target_feature]` entry point ([`vnni`], [`avx2`]), as
+    /// `width.rs` does for the f32 path.
+    trait Lanes {
+        type I: Copy;
+        type F: Copy;
+        /// Rows (= lanes) per vector.
+        const ROWS: usize;
+        /// Independent sum chains per head (1 or 2): `vpdpbusd`'s latency
+        /// needs two in flight; AVX2's three-instruction product does not.
+        const CHAINS: usize;
+        unsafe fn zero_i() -> Self::I;
+        unsafe fn zero_f() -> Self::F;
+        unsafe fn splat_i(x: i32) -> Self::I;
+        /// Lane `r` = `r * wpt`: the offset of row `r`'s first word.
+        unsafe fn row_offsets(wpt: usize) -> Self::I;
+        /// Word `idx[r]` of `rows` into lane `r`.
+        unsafe fn gather(rows: *const i32, idx: Self::I) -> Self::I;
+        unsafe fn add_i(a: Self::I, b: Self::I) -> Self::I;
+        /// `(z >> shift) & mask` per lane.
+        unsafe fn codes(z: Self::I, shift: i32, mask: Self::I) -> Self::I;
+        /// `acc` + the four u8 (`v`) x i8 (`q`) products of each lane.
+        unsafe fn dot(acc: Self::I, v: Self::I, q: Self::I) -> Self::I;
+        /// `acc + f32(sum) * a`.
+        unsafe fn scale_add(sum: Self::I, a: f32, acc: Self::F) -> Self::F;
+        /// `v + c` into `out[..ROWS]`.
+        unsafe fn store_plus(out: &mut [f32; 16], v: Self::F, c: f32);
+    }
+
+    /// AVX-512F + VNNI: sixteen rows, `vpdpbusd`.
+    struct Vnni512;
+
+    impl Lanes for Vnni512 {
+        type I = __m512i;
+        type F = __m512;
+        const ROWS: usize = 16;
+        const CHAINS: usize = 2;
+        #[inline(always)]
+        unsafe fn zero_i() -> __m512i {
+            _mm512_setzero_si512()
+        }
+        #[inline(always)]
+        unsafe fn zero_f() -> __m512 {
+            _mm512_setzero_ps()
+        }
+        #[inline(always)]
+        unsafe fn splat_i(x: i32) -> __m512i {
+            _mm512_set1_epi32(x)
+        }
+        #[inline(always)]
+        unsafe fn row_offsets(wpt: usize) -> __m512i {
+            _mm512_mullo_epi32(
+                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                _mm512_set1_epi32(wpt as i32),
+            )
+        }
+        #[inline(always)]
+        unsafe fn gather(rows: *const i32, idx: __m512i) -> __m512i {
+            _mm512_i32gather_epi32::<4>(idx, rows)
+        }
+        #[inline(always)]
+        unsafe fn add_i(a: __m512i, b: __m512i) -> __m512i {
+            _mm512_add_epi32(a, b)
+        }
+        #[inline(always)]
+        unsafe fn codes(z: __m512i, shift: i32, mask: __m512i) -> __m512i {
+            _mm512_and_si512(_mm512_srlv_epi32(z, _mm512_set1_epi32(shift)), mask)
+        }
+        #[inline(always)]
+        unsafe fn dot(acc: __m512i, v: __m512i, q: __m512i) -> __m512i {
+            _mm512_dpbusd_epi32(acc, v, q)
+        }
+        #[inline(always)]
+        unsafe fn scale_add(sum: __m512i, a: f32, acc: __m512) -> __m512 {
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(a), acc)
+        }
+        #[inline(always)]
+        unsafe fn store_plus(out: &mut [f32; 16], v: __m512, c: f32) {
+            _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(v, _mm512_set1_ps(c)))
+        }
+    }
+
+    /// AVX2: eight rows, `vpmaddubsw` + `vpmaddwd`.
+    struct Avx2;
+
+    impl Lanes for Avx2 {
+        type I = __m256i;
+        type F = __m256;
+        const ROWS: usize = 8;
+        const CHAINS: usize = 1;
+        #[inline(always)]
+        unsafe fn zero_i() -> __m256i {
+            _mm256_setzero_si256()
+        }
+        #[inline(always)]
+        unsafe fn zero_f() -> __m256 {
+            _mm256_setzero_ps()
+        }
+        #[inline(always)]
+        unsafe fn splat_i(x: i32) -> __m256i {
+            _mm256_set1_epi32(x)
+        }
+        #[inline(always)]
+        unsafe fn row_offsets(wpt: usize) -> __m256i {
+            _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(wpt as i32))
+        }
+        #[inline(always)]
+        unsafe fn gather(rows: *const i32, idx: __m256i) -> __m256i {
+            _mm256_i32gather_epi32::<4>(rows, idx)
+        }
+        #[inline(always)]
+        unsafe fn add_i(a: __m256i, b: __m256i) -> __m256i {
+            _mm256_add_epi32(a, b)
+        }
+        #[inline(always)]
+        unsafe fn codes(z: __m256i, shift: i32, mask: __m256i) -> __m256i {
+            _mm256_and_si256(_mm256_srlv_epi32(z, _mm256_set1_epi32(shift)), mask)
+        }
+        #[inline(always)]
+        unsafe fn dot(acc: __m256i, v: __m256i, q: __m256i) -> __m256i {
+            // Pairs of u8 x i8 into i16 (|2 * 15 * 127| fits), then pairs
+            // of i16 into the i32 sums.
+            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(v, q), _mm256_set1_epi16(1));
+            _mm256_add_epi32(acc, p)
+        }
+        #[inline(always)]
+        unsafe fn scale_add(sum: __m256i, a: f32, acc: __m256) -> __m256 {
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(a), acc)
+        }
+        #[inline(always)]
+        unsafe fn store_plus(out: &mut [f32; 16], v: __m256, c: f32) {
+            _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(v, _mm256_set1_ps(c)))
+        }
+    }
+
     /// Sixteen rows, heads `h0..h0 + NH`: see the module docs. `NH` is a
     /// constant so that the sums stay in registers.
     #[target_feature(enable = "avx512f,avx512vnni")]
@@ -366,57 +505,7 @@ mod x86 {
         rs: usize,
         hs: usize,
     ) {
-        let per = (32 / BITS) as usize;
-        let slots = per / 4;
-        let (wpg, nb) = (k.qgroup / per, k.d / k.qgroup);
-        let idx = _mm512_mullo_epi32(
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-            _mm512_set1_epi32(wpt as i32),
-        );
-        let mask = _mm512_set1_epi32(if BITS == 2 { 0x0303_0303 } else { 0x0f0f_0f0f });
-        let qd = k.qd.as_ptr().add(h0 * wpt * slots);
-        let qa = k.a.as_ptr().add(h0 * nb);
-        // Two sets of sums (even and odd slots): more independent
-        // `vpdpbusd` chains in flight.
-        let mut ia = [[_mm512_setzero_si512(); NH]; 2];
-        let mut sa = [_mm512_setzero_ps(); NH];
-        // The gathers of up to eight words issued together, ahead of their
-        // use: one at a time, each stalled the dot products on its loads.
-        let mut zs = [_mm512_setzero_si512(); 8];
-        for w in 0..wpt {
-            if w % 8 == 0 {
-                for (j, z) in zs.iter_mut().enumerate().take((wpt - w).min(8)) {
-                    *z = _mm512_i32gather_epi32::<4>(_mm512_add_epi32(idx, _mm512_set1_epi32((w + j) as i32)), rows);
-                }
-            }
-            let z = zs[w % 8];
-            for s in 0..slots {
-                let v = _mm512_and_si512(
-                    _mm512_srlv_epi32(z, _mm512_set1_epi32((BITS as usize * s) as i32)),
-                    mask,
-                );
-                for h in 0..NH {
-                    let q = _mm512_set1_epi32(*qd.add((h * wpt + w) * slots + s));
-                    ia[s % 2][h] = _mm512_dpbusd_epi32(ia[s % 2][h], v, q);
-                }
-            }
-            if (w + 1).is_multiple_of(wpg) {
-                for h in 0..NH {
-                    let a = _mm512_set1_ps(*qa.add(h * nb + w / wpg));
-                    let sum = _mm512_add_epi32(ia[0][h], ia[1][h]);
-                    sa[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), a, sa[h]);
-                    ia[0][h] = _mm512_setzero_si512();
-                    ia[1][h] = _mm512_setzero_si512();
-                }
-            }
-        }
-        let mut tmp = [0f32; 16];
-        for h in 0..NH {
-            _mm512_storeu_ps(tmp.as_mut_ptr(), _mm512_add_ps(sa[h], _mm512_set1_ps(k.cst[h0 + h])));
-            for (r, x) in tmp.iter().enumerate() {
-                *out.get_unchecked_mut(r * rs + h * hs) = *x;
-            }
-        }
+        dot::<Vnni512, BITS, NH>(k, rows, wpt, h0, out, rs, hs)
     }
 
     /// Eight rows, heads `h0..h0 + NH`, `vpmaddubsw` + `vpmaddwd`.
@@ -430,49 +519,66 @@ mod x86 {
         rs: usize,
         hs: usize,
     ) {
+        dot::<Avx2, BITS, NH>(k, rows, wpt, h0, out, rs, hs)
+    }
+
+    /// The one body of [`vnni`] and [`avx2`]: `L::ROWS` rows, heads
+    /// `h0..h0 + NH`.
+    #[inline(always)]
+    unsafe fn dot<L: Lanes, const BITS: u32, const NH: usize>(
+        k: &Int8Keys,
+        rows: *const i32,
+        wpt: usize,
+        h0: usize,
+        out: &mut [f32],
+        rs: usize,
+        hs: usize,
+    ) {
         let per = (32 / BITS) as usize;
         let slots = per / 4;
         let (wpg, nb) = (k.qgroup / per, k.d / k.qgroup);
-        let idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(wpt as i32));
-        let mask = _mm256_set1_epi32(if BITS == 2 { 0x0303_0303 } else { 0x0f0f_0f0f });
-        let ones = _mm256_set1_epi16(1);
+        let idx = L::row_offsets(wpt);
+        let mask = L::splat_i(if BITS == 2 { 0x0303_0303 } else { 0x0f0f_0f0f });
         let qd = k.qd.as_ptr().add(h0 * wpt * slots);
         let qa = k.a.as_ptr().add(h0 * nb);
-        let mut ia = [_mm256_setzero_si256(); NH];
-        let mut sa = [_mm256_setzero_ps(); NH];
-        let mut zs = [_mm256_setzero_si256(); 8];
+        // Sums by chain (`L::CHAINS` of the two: even and odd slots), so
+        // that more dot products are in flight where the ISA wants it.
+        let mut ia = [[L::zero_i(); NH]; 2];
+        let mut sa = [L::zero_f(); NH];
+        // The gathers of up to eight words issued together, ahead of their
+        // use: one at a time, each stalled the dot products on its loads.
+        let mut zs = [L::zero_i(); 8];
         for w in 0..wpt {
             if w % 8 == 0 {
                 for (j, z) in zs.iter_mut().enumerate().take((wpt - w).min(8)) {
-                    *z = _mm256_i32gather_epi32::<4>(rows, _mm256_add_epi32(idx, _mm256_set1_epi32((w + j) as i32)));
+                    *z = L::gather(rows, L::add_i(idx, L::splat_i((w + j) as i32)));
                 }
             }
             let z = zs[w % 8];
             for s in 0..slots {
-                let v = _mm256_and_si256(
-                    _mm256_srlv_epi32(z, _mm256_set1_epi32((BITS as usize * s) as i32)),
-                    mask,
-                );
+                let v = L::codes(z, (BITS as usize * s) as i32, mask);
                 for h in 0..NH {
-                    let q = _mm256_set1_epi32(*qd.add((h * wpt + w) * slots + s));
-                    // Pairs of u8 x i8 into i16 (|2 * 15 * 127| fits), then
-                    // pairs of i16 into the i32 sums.
-                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(v, q), ones);
-                    ia[h] = _mm256_add_epi32(ia[h], p);
+                    let q = L::splat_i(*qd.add((h * wpt + w) * slots + s));
+                    ia[s % L::CHAINS][h] = L::dot(ia[s % L::CHAINS][h], v, q);
                 }
             }
             if (w + 1).is_multiple_of(wpg) {
                 for h in 0..NH {
-                    let a = _mm256_set1_ps(*qa.add(h * nb + w / wpg));
-                    sa[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[h]), a, sa[h]);
-                    ia[h] = _mm256_setzero_si256();
+                    let sum = if L::CHAINS == 2 {
+                        L::add_i(ia[0][h], ia[1][h])
+                    } else {
+                        ia[0][h]
+                    };
+                    sa[h] = L::scale_add(sum, *qa.add(h * nb + w / wpg), sa[h]);
+                    ia[0][h] = L::zero_i();
+                    ia[1][h] = L::zero_i();
                 }
             }
         }
-        let mut tmp = [0f32; 8];
+        let mut tmp = [0f32; 16];
         for h in 0..NH {
-            _mm256_storeu_ps(tmp.as_mut_ptr(), _mm256_add_ps(sa[h], _mm256_set1_ps(k.cst[h0 + h])));
-            for (r, x) in tmp.iter().enumerate() {
+            L::store_plus(&mut tmp, sa[h], k.cst[h0 + h]);
+            for (r, x) in tmp[..L::ROWS].iter().enumerate() {
                 *out.get_unchecked_mut(r * rs + h * hs) = *x;
             }
         }
