@@ -4,6 +4,8 @@
 //!
 //! Tolerance: max |cpu - ref| <= 1e-5 * max |ref| over each output.
 
+mod common;
+
 use kivi_runtime::cpu::Isa;
 use kivi_runtime::rand::Rng;
 use kivi_runtime::*;
@@ -59,19 +61,9 @@ fn check(s: &Scheme, heads: Heads, d: u32, lens: &[usize], params: &[CpuParams],
     let mut rng = Rng::new(seed);
     let mut seqs = Vec::new();
     for (i, &n) in lens.iter().enumerate() {
-        let id = cache.add_sequence();
         let k = tensor(&mut rng, n, hkv, d, true);
         let v = tensor(&mut rng, n, hkv, d, false);
-        if i % 2 == 0 || n > 200 {
-            cache.extend(id, &k, &v).unwrap();
-        } else {
-            let row = hkv * d;
-            for t in 0..n {
-                cache
-                    .append(id, &k[t * row..(t + 1) * row], &v[t * row..(t + 1) * row])
-                    .unwrap();
-            }
-        }
+        let id = common::add_filled(&mut cache, &k, &v, hkv * d, i % 2 == 0 || n > 200);
         seqs.push(id);
     }
     let q: Vec<f32> = (0..lens.len() * hq * d).map(|_| 2.0 * rng.f32()).collect();

@@ -7,6 +7,8 @@
 //! Tolerance: max |got - ref| <= 1e-5 * max |ref| over each output (the
 //! integer sums are exact; only f32 addition order differs).
 
+mod common;
+
 use kivi_runtime::rand::Rng;
 use kivi_runtime::reference::{self, KeyCodes};
 use kivi_runtime::*;
@@ -89,19 +91,9 @@ fn check(s: &Scheme, heads: Heads, d: u32, lens: &[usize], seed: u64) {
     let attn = AttnParams::of(&s, shape);
     let per = hq * d;
     for (i, &n) in lens.iter().enumerate() {
-        let id = cache.add_sequence();
         let k = tensor(&mut rng, n, hkv, d, true);
         let v = tensor(&mut rng, n, hkv, d, false);
-        if i % 2 == 0 || n > 200 {
-            cache.extend(id, &k, &v).unwrap();
-        } else {
-            let row = hkv * d;
-            for t in 0..n {
-                cache
-                    .append(id, &k[t * row..(t + 1) * row], &v[t * row..(t + 1) * row])
-                    .unwrap();
-            }
-        }
+        let id = common::add_filled(&mut cache, &k, &v, hkv * d, i % 2 == 0 || n > 200);
         // The cache stores the codes the oracle derives from the inputs.
         let (a, b) = (KeyCodes::from_cache(&cache, id).unwrap(), KeyCodes::of(&s, &k).unwrap());
         assert!(

@@ -7,56 +7,15 @@
 //! CPU tolerance, as for decode: max |cpu - ref| <= 1e-5 * max |ref| over
 //! each query's output row.
 
-use kivi_runtime::rand::Rng;
+mod common;
+
+use common::{cases, row_error, window_schemes, Case};
 use kivi_runtime::reference::{self, QueryView};
 use kivi_runtime::*;
-use kivi_spec::{presets, Axis, Codec, Dtype, Flush, Heads, Quant, ScaleDtype, Scheme, Tensor};
+use kivi_spec::{presets, Heads, Scheme, Tensor};
 
 const PASTS: [usize; 6] = [0, 1, 31, 33, 127, 1000];
 const BLOCKS: [usize; 5] = [1, 2, 7, 33, 128];
-
-/// Keys with per-channel offsets and scales and a few spiky tokens (what
-/// makes the quantized and full-precision views differ), noise for values.
-fn tensor(rng: &mut Rng, tokens: usize, hkv: usize, d: usize, key: bool) -> Vec<f32> {
-    let mut x = Vec::with_capacity(tokens * hkv * d);
-    for t in 0..tokens {
-        for _ in 0..hkv {
-            for c in 0..d {
-                let base = if key { ((c * 7) % 5) as f32 - 2.0 } else { 0.0 };
-                let amp = if key { 0.5 + (c % 3) as f32 } else { 1.0 };
-                let spike = if t % 97 == 5 { 3.0 } else { 1.0 };
-                x.push(base + amp * spike * rng.f32());
-            }
-        }
-    }
-    x
-}
-
-/// One sequence's raw data: `past` tokens already cached, then a block of
-/// `n` with their queries.
-struct Case {
-    past: usize,
-    n: usize,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    q: Vec<f32>,
-}
-
-fn cases(s: &Scheme, shapes: &[(usize, usize)], seed: u64) -> Vec<Case> {
-    let shape = s.shape().unwrap();
-    let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
-    let mut rng = Rng::new(seed);
-    shapes
-        .iter()
-        .map(|&(past, n)| Case {
-            past,
-            n,
-            k: tensor(&mut rng, past + n, hkv, d, true),
-            v: tensor(&mut rng, past + n, hkv, d, false),
-            q: rng.vec(n * hq * d).iter().map(|x| 2.0 * x).collect(),
-        })
-        .collect()
-}
 
 /// A cache holding each case's first `past` tokens, one sequence each.
 fn filled(s: &Scheme, cases: &[Case], spare: usize) -> (PagedCache, Vec<SeqId>) {
@@ -86,13 +45,6 @@ fn blocks<'a>(s: &Scheme, cases: &'a [Case], seqs: &[SeqId]) -> Vec<NewTokens<'a
             v: &c.v[c.past * row..],
         })
         .collect()
-}
-
-/// Max |got - want| over one row, and max |want|.
-fn row_error(want: &[f32], got: &[f32]) -> (f32, f32) {
-    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
-    let err = want.iter().zip(got).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-    (err, scale)
 }
 
 /// Runs each backend on one batch holding every case (a fresh cache each)
@@ -166,64 +118,6 @@ fn layouts() -> [(Heads, u32); 4] {
         (Heads::Gqa { q: 8, kv: 2 }, 64),
         (Heads::Gqa { q: 14, kv: 2 }, 96),
         (Heads::Mqa(4), 256),
-    ]
-}
-
-fn quant(bits: u32, axis: Axis, group: u32) -> Codec {
-    Codec::Quant(Quant::uniform(bits, axis, group, ScaleDtype::F16))
-}
-
-/// Schemes that stress the windows: sinks, a residual window that flushes
-/// inside most blocks, KIVI's chunked flush, a sliding window smaller than
-/// the largest block, f32 activations, bf16 and 1-bit codes, a full key.
-fn window_schemes() -> Vec<Scheme> {
-    let k2 = presets::kivi2();
-    vec![
-        Scheme {
-            name: "sinks_r20".into(),
-            key: quant(3, Axis::Channel, 16),
-            value: quant(3, Axis::Token, 16),
-            residual: 20,
-            sinks: 4,
-            ..k2.clone()
-        },
-        Scheme {
-            name: "bf16_r5_window40".into(),
-            key: quant(1, Axis::Channel, 8),
-            value: quant(1, Axis::Token, 8),
-            residual: 5,
-            sinks: 3,
-            dtype: Dtype::Bf16,
-            sliding_window: Some(40),
-            ..k2.clone()
-        },
-        Scheme {
-            name: "chunked_f32".into(),
-            key: quant(4, Axis::Channel, 32),
-            value: quant(2, Axis::Token, 16),
-            residual: 64,
-            flush: Flush::Chunked,
-            dtype: Dtype::F32,
-            ..k2.clone()
-        },
-        Scheme {
-            name: "chan_values_window50".into(),
-            key: quant(8, Axis::Channel, 8),
-            value: quant(2, Axis::Channel, 16),
-            residual: 3,
-            sinks: 2,
-            sliding_window: Some(50),
-            softmax_scale: Some(0.0625),
-            ..k2.clone()
-        },
-        Scheme {
-            name: "full_key".into(),
-            key: Codec::Full,
-            value: quant(4, Axis::Token, 16),
-            residual: 0,
-            sinks: 1,
-            ..k2
-        },
     ]
 }
 

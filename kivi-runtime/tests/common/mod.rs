@@ -153,3 +153,140 @@ pub fn codec_schemes() -> Vec<Scheme> {
         .map(|t| parse_scheme(t).unwrap_or_else(|e| panic!("{t}: {e}")))
         .collect()
 }
+
+// The block-attention suites (many_query.rs on the CPU, device_block.rs
+// on the device) draw the same data and stress the same schemes.
+
+/// Keys with per-channel offsets and scales and a few spiky tokens (what
+/// makes the quantized and full-precision views differ), noise for values.
+pub fn block_tensor(rng: &mut Rng, tokens: usize, hkv: usize, d: usize, key: bool) -> Vec<f32> {
+    let mut x = Vec::with_capacity(tokens * hkv * d);
+    for t in 0..tokens {
+        for _ in 0..hkv {
+            for c in 0..d {
+                let base = if key { ((c * 7) % 5) as f32 - 2.0 } else { 0.0 };
+                let amp = if key { 0.5 + (c % 3) as f32 } else { 1.0 };
+                let spike = if t % 97 == 5 { 3.0 } else { 1.0 };
+                x.push(base + amp * spike * rng.f32());
+            }
+        }
+    }
+    x
+}
+
+/// One sequence's raw data: `past` tokens already cached, then a block of
+/// `n` with their queries.
+pub struct Case {
+    pub past: usize,
+    pub n: usize,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub q: Vec<f32>,
+}
+
+pub fn cases(s: &Scheme, shapes: &[(usize, usize)], seed: u64) -> Vec<Case> {
+    let shape = s.shape().unwrap();
+    let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+    let mut rng = Rng::new(seed);
+    shapes
+        .iter()
+        .map(|&(past, n)| Case {
+            past,
+            n,
+            k: block_tensor(&mut rng, past + n, hkv, d, true),
+            v: block_tensor(&mut rng, past + n, hkv, d, false),
+            q: rng.vec(n * hq * d).iter().map(|x| 2.0 * x).collect(),
+        })
+        .collect()
+}
+
+/// Max |got - want| over one row (infinite where `got` holds a NaN, which
+/// `f32::max` would otherwise pass over), and max |want|.
+pub fn row_error(want: &[f32], got: &[f32]) -> (f32, f32) {
+    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
+    let err = want.iter().zip(got).fold(0f32, |m, (x, y)| {
+        if y.is_nan() {
+            f32::INFINITY
+        } else {
+            m.max((x - y).abs())
+        }
+    });
+    (err, scale)
+}
+
+/// Schemes that stress the windows: sinks, a residual window that flushes
+/// inside most blocks, KIVI's chunked flush, a sliding window smaller than
+/// the largest block, f32 activations, bf16 and 1-bit codes, a full key.
+pub fn window_schemes() -> Vec<Scheme> {
+    let k2 = presets::kivi2();
+    vec![
+        Scheme {
+            name: "sinks_r20".into(),
+            key: quant(3, Axis::Channel, 16),
+            value: quant(3, Axis::Token, 16),
+            residual: 20,
+            sinks: 4,
+            ..k2.clone()
+        },
+        Scheme {
+            name: "bf16_r5_window40".into(),
+            key: quant(1, Axis::Channel, 8),
+            value: quant(1, Axis::Token, 8),
+            residual: 5,
+            sinks: 3,
+            dtype: Dtype::Bf16,
+            sliding_window: Some(40),
+            ..k2.clone()
+        },
+        Scheme {
+            name: "chunked_f32".into(),
+            key: quant(4, Axis::Channel, 32),
+            value: quant(2, Axis::Token, 16),
+            residual: 64,
+            flush: Flush::Chunked,
+            dtype: Dtype::F32,
+            ..k2.clone()
+        },
+        Scheme {
+            name: "chan_values_window50".into(),
+            key: quant(8, Axis::Channel, 8),
+            value: quant(2, Axis::Channel, 16),
+            residual: 3,
+            sinks: 2,
+            sliding_window: Some(50),
+            softmax_scale: Some(0.0625),
+            ..k2.clone()
+        },
+        Scheme {
+            name: "full_key".into(),
+            key: Codec::Full,
+            value: quant(4, Axis::Token, 16),
+            residual: 0,
+            sinks: 1,
+            ..k2
+        },
+    ]
+}
+
+/// Adds a sequence holding `k` and `v` (`row` floats a token) to `cache`:
+/// by one `extend` when `prefill`, else one `append` a token, so that the
+/// decode suites read caches written both ways.
+pub fn add_filled(
+    cache: &mut kivi_runtime::PagedCache,
+    k: &[f32],
+    v: &[f32],
+    row: usize,
+    prefill: bool,
+) -> kivi_runtime::SeqId {
+    let id = cache.add_sequence();
+    if prefill {
+        cache.extend(id, k, v).unwrap();
+    } else {
+        for t in 0..k.len() / row {
+            cache
+                .append(id, &k[t * row..(t + 1) * row], &v[t * row..(t + 1) * row])
+                .unwrap();
+        }
+    }
+    id
+}
