@@ -12,7 +12,7 @@
 mod sim_util;
 
 use kivi_runtime::sim::{compile, Schedule, SeqState, SimBackend, SimExtend, SimLibrary, SimOptions};
-use kivi_runtime::{AttnParams, Backend, CacheConfig, PagedCache};
+use kivi_runtime::{AttnParams, Backend};
 use kivi_spec::{parse_scheme, presets, Heads, Scheme};
 use kivi_templates::{default_variant, generate, Generated, Kernel, Variant};
 use sim_util::*;
@@ -327,36 +327,14 @@ fn deleting_any_decode_barrier_that_orders_something_is_caught() {
 /// Prefill of sequences of `lens` tokens (from empty) by `k`, compared with
 /// `PagedCache::extend` word for word.
 fn prefill_ok(s: &Scheme, k: &SimExtend, lens: &[usize], seed: u64) -> Result<(), String> {
-    let shape = s.shape().unwrap();
-    let row = shape.kv_heads * shape.head_dim;
-    let total: usize = lens.iter().sum();
-    let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(total + 64 * lens.len())).unwrap();
-    let mut rng = Rng::new(seed);
-    let (mut ks, mut vs, mut ids) = (Vec::new(), Vec::new(), Vec::new());
-    for &t in lens {
-        let kk = rng.vec(t * row);
-        let vv: Vec<f32> = rng.vec(t * row).iter().map(|x| x * 3.0 + 0.5).collect();
-        let id = cache.add_sequence();
-        cache.extend(id, &kk, &vv).unwrap();
-        ks.push(kk);
-        vs.push(vv);
-        ids.push(id);
-    }
-    let mut pool = vec![0u32; cache.pool().len()];
-    let mut states: Vec<SeqState> = ids
-        .iter()
-        .map(|&id| SeqState::empty(s, cache.block_table(id).unwrap().to_vec()).unwrap())
-        .collect();
-    let kr: Vec<&[f32]> = ks.iter().map(|x| x.as_slice()).collect();
-    let vr: Vec<&[f32]> = vs.iter().map(|x| x.as_slice()).collect();
-    k.run(&mut pool, &mut states, &kr, &vr)
-        .map_err(|e| first_line(&e.to_string()))?;
-    if pool != cache.pool() {
-        let n = pool.iter().zip(cache.pool()).filter(|(a, b)| a != b).count();
+    let mut b = PrefillBatch::new(s, lens, seed);
+    b.run(k).map_err(|e| first_line(&e.to_string()))?;
+    if b.pool != b.cache.pool() {
+        let n = b.pool.iter().zip(b.cache.pool()).filter(|(x, y)| x != y).count();
         return Err(format!("{n} pool words differ from PagedCache"));
     }
-    for (st, &id) in states.iter().zip(&ids) {
-        if *st != SeqState::of(&cache, id).unwrap() {
+    for (st, &id) in b.states.iter().zip(&b.ids) {
+        if *st != SeqState::of(&b.cache, id).unwrap() {
             return Err("sink/window buffers differ from PagedCache".into());
         }
     }
@@ -366,36 +344,16 @@ fn prefill_ok(s: &Scheme, k: &SimExtend, lens: &[usize], seed: u64) -> Result<()
 /// Appends `steps` tokens one at a time to sequences of `starts` tokens,
 /// compared with `PagedCache::append` after every step.
 fn append_ok(s: &Scheme, k: &SimExtend, starts: &[usize], steps: usize, seed: u64) -> Result<(), String> {
-    let shape = s.shape().unwrap();
-    let row = shape.kv_heads * shape.head_dim;
-    let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(2048)).unwrap();
-    let mut rng = Rng::new(seed);
-    let mut ids = Vec::new();
-    for &t in starts {
-        let id = cache.add_sequence();
-        if t > 0 {
-            cache.extend(id, &rng.vec(t * row), &rng.vec(t * row)).unwrap();
-        }
-        ids.push(id);
-    }
+    let mut b = AppendBatch::new(s, starts, 2048, seed);
     for step in 0..steps {
-        let mut pool = cache.pool().to_vec();
-        let mut states: Vec<SeqState> = ids.iter().map(|&id| SeqState::of(&cache, id).unwrap()).collect();
-        let kk: Vec<Vec<f32>> = ids.iter().map(|_| rng.vec(row)).collect();
-        let vv: Vec<Vec<f32>> = ids.iter().map(|_| rng.vec(row)).collect();
-        for (i, &id) in ids.iter().enumerate() {
-            cache.append(id, &kk[i], &vv[i]).unwrap();
-            states[i].table = cache.block_table(id).unwrap().to_vec();
-        }
-        let kr: Vec<&[f32]> = kk.iter().map(|x| x.as_slice()).collect();
-        let vr: Vec<&[f32]> = vv.iter().map(|x| x.as_slice()).collect();
-        k.run(&mut pool, &mut states, &kr, &vr)
+        let mut st = b.step();
+        st.run(k)
             .map_err(|e| format!("step {step}: {}", first_line(&e.to_string())))?;
-        if pool != cache.pool() {
+        if st.pool != b.cache.pool() {
             return Err(format!("step {step}: pool words differ from PagedCache"));
         }
-        for (st, &id) in states.iter().zip(&ids) {
-            if *st != SeqState::of(&cache, id).unwrap() {
+        for (state, &id) in st.states.iter().zip(&b.ids) {
+            if *state != SeqState::of(&b.cache, id).unwrap() {
                 return Err(format!("step {step}: sink/window buffers differ"));
             }
         }

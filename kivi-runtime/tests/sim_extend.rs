@@ -5,7 +5,6 @@
 mod sim_util;
 
 use kivi_runtime::sim::{compile, SeqState, SimExtend, SimLibrary};
-use kivi_runtime::{CacheConfig, PagedCache};
 use kivi_spec::{presets, Heads, Scheme};
 use kivi_templates::{default_variant, generate, Generated, Kernel};
 use sim_util::*;
@@ -27,42 +26,19 @@ fn schemes() -> Vec<Scheme> {
 
 /// Prefill of a batch of unequal lengths equals `PagedCache::extend`.
 fn check_prefill(s: &Scheme, kernel: &SimExtend, lens: &[usize], seed: u64) {
-    let shape = s.shape().unwrap();
-    let row = shape.kv_heads * shape.head_dim;
-    let total: usize = lens.iter().sum();
-    let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(total + 64 * lens.len())).unwrap();
-    let mut rng = Rng::new(seed);
-    let mut ks = Vec::new();
-    let mut vs = Vec::new();
-    let mut ids = Vec::new();
-    for &t in lens {
-        let k = rng.vec(t * row);
-        let v: Vec<f32> = rng.vec(t * row).iter().map(|x| x * 3.0 + 0.5).collect();
-        let id = cache.add_sequence();
-        cache.extend(id, &k, &v).unwrap();
-        ks.push(k);
-        vs.push(v);
-        ids.push(id);
-    }
-    let mut pool = vec![0u32; cache.pool().len()];
-    let mut states: Vec<SeqState> = ids
-        .iter()
-        .map(|&id| SeqState::empty(s, cache.block_table(id).unwrap().to_vec()).unwrap())
-        .collect();
-    let kr: Vec<&[f32]> = ks.iter().map(|x| x.as_slice()).collect();
-    let vr: Vec<&[f32]> = vs.iter().map(|x| x.as_slice()).collect();
-    let status = kernel.run(&mut pool, &mut states, &kr, &vr).unwrap();
+    let mut b = PrefillBatch::new(s, lens, seed);
+    let status = b.run(kernel).unwrap();
     assert!(status.iter().all(|x| !x), "{}: overflow reported", s.name);
     assert!(
-        pool == cache.pool(),
+        b.pool == b.cache.pool(),
         "{}: prefill pool words differ from PagedCache ({})",
         s.name,
         kernel.generated().name
     );
-    for (st, &id) in states.iter().zip(&ids) {
+    for (st, &id) in b.states.iter().zip(&b.ids) {
         assert_eq!(
             *st,
-            SeqState::of(&cache, id).unwrap(),
+            SeqState::of(&b.cache, id).unwrap(),
             "{}: prefill windows differ",
             s.name
         );
@@ -72,39 +48,19 @@ fn check_prefill(s: &Scheme, kernel: &SimExtend, lens: &[usize], seed: u64) {
 /// Appending one token at a time to a batch equals `PagedCache::append`,
 /// through every flush of the window.
 fn check_append(s: &Scheme, kernel: &SimExtend, starts: &[usize], steps: usize, seed: u64) {
-    let shape = s.shape().unwrap();
-    let row = shape.kv_heads * shape.head_dim;
-    let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(4096)).unwrap();
-    let mut rng = Rng::new(seed);
-    let mut ids = Vec::new();
-    for &t in starts {
-        let id = cache.add_sequence();
-        if t > 0 {
-            cache.extend(id, &rng.vec(t * row), &rng.vec(t * row)).unwrap();
-        }
-        ids.push(id);
-    }
+    let mut b = AppendBatch::new(s, starts, 4096, seed);
     for step in 0..steps {
-        let mut pool = cache.pool().to_vec();
-        let mut states: Vec<SeqState> = ids.iter().map(|&id| SeqState::of(&cache, id).unwrap()).collect();
-        let k: Vec<Vec<f32>> = ids.iter().map(|_| rng.vec(row)).collect();
-        let v: Vec<Vec<f32>> = ids.iter().map(|_| rng.vec(row)).collect();
-        for (i, &id) in ids.iter().enumerate() {
-            cache.append(id, &k[i], &v[i]).unwrap();
-            states[i].table = cache.block_table(id).unwrap().to_vec();
-        }
-        let kr: Vec<&[f32]> = k.iter().map(|x| x.as_slice()).collect();
-        let vr: Vec<&[f32]> = v.iter().map(|x| x.as_slice()).collect();
-        kernel.run(&mut pool, &mut states, &kr, &vr).unwrap();
+        let mut st = b.step();
+        st.run(kernel).unwrap();
         assert!(
-            pool == cache.pool(),
+            st.pool == b.cache.pool(),
             "{}: append step {step}: pool words differ",
             s.name
         );
-        for (st, &id) in states.iter().zip(&ids) {
+        for (state, &id) in st.states.iter().zip(&b.ids) {
             assert_eq!(
-                *st,
-                SeqState::of(&cache, id).unwrap(),
+                *state,
+                SeqState::of(&b.cache, id).unwrap(),
                 "{}: append step {step}: windows differ",
                 s.name
             );

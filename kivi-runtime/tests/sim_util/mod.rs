@@ -137,3 +137,123 @@ pub fn report(line: &str) {
     use std::io::Write;
     let _ = writeln!(std::io::stderr().lock(), "{line}");
 }
+
+/// A batch for the extend kernels' prefill: sequences of `lens` tokens
+/// (values scaled and offset away from the keys' range) written by
+/// `PagedCache::extend`, and the device's starting point: a zeroed pool
+/// and empty windows over the cache's block tables.
+pub struct PrefillBatch {
+    pub cache: PagedCache,
+    pub ids: Vec<SeqId>,
+    pub ks: Vec<Vec<f32>>,
+    pub vs: Vec<Vec<f32>>,
+    pub pool: Vec<u32>,
+    pub states: Vec<kivi_runtime::sim::SeqState>,
+}
+
+impl PrefillBatch {
+    pub fn new(s: &Scheme, lens: &[usize], seed: u64) -> PrefillBatch {
+        let shape = s.shape().unwrap();
+        let row = shape.kv_heads * shape.head_dim;
+        let total: usize = lens.iter().sum();
+        let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(total + 64 * lens.len())).unwrap();
+        let mut rng = Rng::new(seed);
+        let (mut ks, mut vs, mut ids) = (Vec::new(), Vec::new(), Vec::new());
+        for &t in lens {
+            let k = rng.vec(t * row);
+            let v: Vec<f32> = rng.vec(t * row).iter().map(|x| x * 3.0 + 0.5).collect();
+            let id = cache.add_sequence();
+            cache.extend(id, &k, &v).unwrap();
+            ks.push(k);
+            vs.push(v);
+            ids.push(id);
+        }
+        let pool = vec![0u32; cache.pool().len()];
+        let states = ids
+            .iter()
+            .map(|&id| kivi_runtime::sim::SeqState::empty(s, cache.block_table(id).unwrap().to_vec()).unwrap())
+            .collect();
+        PrefillBatch {
+            cache,
+            ids,
+            ks,
+            vs,
+            pool,
+            states,
+        }
+    }
+
+    /// Runs `kernel` from the starting point (updating `pool` and
+    /// `states`), the keys and values one slice a sequence.
+    pub fn run(&mut self, kernel: &kivi_runtime::sim::SimExtend) -> kivi_runtime::Result<Vec<bool>> {
+        let kr: Vec<&[f32]> = self.ks.iter().map(|x| x.as_slice()).collect();
+        let vr: Vec<&[f32]> = self.vs.iter().map(|x| x.as_slice()).collect();
+        kernel.run(&mut self.pool, &mut self.states, &kr, &vr)
+    }
+}
+
+/// A batch for the append kernel: sequences of `starts` tokens (one
+/// `extend` each) in a cache with room for `capacity` tokens, then one
+/// token a sequence per [`AppendBatch::step`].
+pub struct AppendBatch {
+    pub cache: PagedCache,
+    pub ids: Vec<SeqId>,
+    rng: Rng,
+    row: usize,
+}
+
+/// One append step: the pool and windows before it (block tables already
+/// grown for the new token, as the host does before a launch) and the new
+/// keys and values, one row a sequence.
+pub struct AppendStep {
+    pub pool: Vec<u32>,
+    pub states: Vec<kivi_runtime::sim::SeqState>,
+    pub k: Vec<Vec<f32>>,
+    pub v: Vec<Vec<f32>>,
+}
+
+impl AppendStep {
+    /// Runs `kernel` over the step (updating `pool` and `states`).
+    pub fn run(&mut self, kernel: &kivi_runtime::sim::SimExtend) -> kivi_runtime::Result<Vec<bool>> {
+        let kr: Vec<&[f32]> = self.k.iter().map(|x| x.as_slice()).collect();
+        let vr: Vec<&[f32]> = self.v.iter().map(|x| x.as_slice()).collect();
+        kernel.run(&mut self.pool, &mut self.states, &kr, &vr)
+    }
+}
+
+impl AppendBatch {
+    pub fn new(s: &Scheme, starts: &[usize], capacity: usize, seed: u64) -> AppendBatch {
+        let shape = s.shape().unwrap();
+        let row = shape.kv_heads * shape.head_dim;
+        let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(capacity)).unwrap();
+        let mut rng = Rng::new(seed);
+        let mut ids = Vec::new();
+        for &t in starts {
+            let id = cache.add_sequence();
+            if t > 0 {
+                cache.extend(id, &rng.vec(t * row), &rng.vec(t * row)).unwrap();
+            }
+            ids.push(id);
+        }
+        AppendBatch { cache, ids, rng, row }
+    }
+
+    /// Draws one token a sequence and appends it to the host cache; returns
+    /// what the kernel starts from and takes.
+    pub fn step(&mut self) -> AppendStep {
+        use kivi_runtime::sim::SeqState;
+        let pool = self.cache.pool().to_vec();
+        let mut states: Vec<SeqState> = self
+            .ids
+            .iter()
+            .map(|&id| SeqState::of(&self.cache, id).unwrap())
+            .collect();
+        let k: Vec<Vec<f32>> = self.ids.iter().map(|_| self.rng.vec(self.row)).collect();
+        let v: Vec<Vec<f32>> = self.ids.iter().map(|_| self.rng.vec(self.row)).collect();
+        for (i, &id) in self.ids.iter().enumerate() {
+            self.cache.append(id, &k[i], &v[i]).unwrap();
+            states[i].table = self.cache.block_table(id).unwrap().to_vec();
+        }
+        AppendStep { pool, states, k, v }
+    }
+}
