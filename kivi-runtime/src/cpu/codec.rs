@@ -43,6 +43,32 @@ use super::simd::Isa;
 use kivi_spec::layout::TensorLayout;
 use kivi_spec::{Axis, Codec, Dtype, Levels, ScaleDtype, Scheme, Tensor};
 
+/// Runs `self.$f::<H, ONE>(args)` for each quad of heads `h0 = 0, 4, ..`
+/// below `g`, `H` the heads left (at most four) and `ONE` whether a
+/// chunk's codes share one word (1- and 2-bit codes): the head and code
+/// width dispatch of the AVX-512 score and value loops, written once. Both
+/// are constants so that the accumulators stay in registers.
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_head_quads {
+    ($self:ident . $f:ident, $g:expr, |$h0:ident| ($($arg:expr),*)) => {{
+        let g = $g;
+        let mut $h0 = 0;
+        while $h0 < g {
+            match ($self.bits <= 2, g - $h0) {
+                (true, 1) => $self.$f::<1, true>($($arg),*),
+                (true, 2) => $self.$f::<2, true>($($arg),*),
+                (true, 3) => $self.$f::<3, true>($($arg),*),
+                (true, _) => $self.$f::<4, true>($($arg),*),
+                (false, 1) => $self.$f::<1, false>($($arg),*),
+                (false, 2) => $self.$f::<2, false>($($arg),*),
+                (false, 3) => $self.$f::<3, false>($($arg),*),
+                (false, _) => $self.$f::<4, false>($($arg),*),
+            }
+            $h0 += 4;
+        }
+    }};
+}
+
 /// Where the sixteen codes of one chunk of channels lie in a token's row.
 #[derive(Clone, Copy, Debug)]
 struct Chunk {
@@ -220,19 +246,9 @@ impl CodecRows {
         );
         #[cfg(target_arch = "x86_64")]
         if self.avx512 {
-            let mut h0 = 0;
-            while h0 < g {
-                // SAFETY: `avx512` is set only where `Isa::select` found
-                // AVX-512F; the bounds are asserted above.
-                unsafe {
-                    if self.bits <= 2 {
-                        self.score_heads::<true>(part, off, n, q, h0, g, out)
-                    } else {
-                        self.score_heads::<false>(part, off, n, q, h0, g, out)
-                    }
-                }
-                h0 += 4;
-            }
+            // SAFETY: `avx512` is set only where `Isa::select` found
+            // AVX-512F; the bounds are asserted above.
+            unsafe { by_head_quads!(self.score_avx512, g, |h0| (part, off, n, q, h0, g, out)) }
             self.score_extras(part, off, n, q, qsum, g, false, out);
             return;
         }
@@ -372,18 +388,8 @@ impl CodecRows {
         let mut done = false;
         #[cfg(target_arch = "x86_64")]
         if self.avx512 {
-            let mut h0 = 0;
-            while h0 < g {
-                // SAFETY: AVX-512F was detected (see `score`); bounds asserted.
-                unsafe {
-                    if self.bits <= 2 {
-                        self.accum_heads::<true>(part, off, n, w, h0, g, acc)
-                    } else {
-                        self.accum_heads::<false>(part, off, n, w, h0, g, acc)
-                    }
-                }
-                h0 += 4;
-            }
+            // SAFETY: AVX-512F was detected (see `score`); bounds asserted.
+            unsafe { by_head_quads!(self.accum_avx512, g, |h0| (part, off, n, w, h0, g, acc)) }
             done = true;
         }
         #[cfg(target_arch = "x86_64")]
@@ -564,30 +570,6 @@ impl CodecRows {
         _mm512_permutexvar_ps(c, table)
     }
 
-    /// [`Self::score_avx512`] for heads `h0..`, up to four at a time.
-    ///
-    /// # Safety
-    /// AVX-512F; the caller checked the bounds.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn score_heads<const ONE: bool>(
-        &self,
-        part: &[u32],
-        off: usize,
-        n: usize,
-        q: &[f32],
-        h0: usize,
-        g: usize,
-        out: &mut [f32],
-    ) {
-        match g - h0 {
-            1 => self.score_avx512::<1, ONE>(part, off, n, q, h0, g, out),
-            2 => self.score_avx512::<2, ONE>(part, off, n, q, h0, g, out),
-            3 => self.score_avx512::<3, ONE>(part, off, n, q, h0, g, out),
-            _ => self.score_avx512::<4, ONE>(part, off, n, q, h0, g, out),
-        }
-    }
-
     /// Scores of heads `h0..h0 + H` (see [`Self::score`]; no extras):
     /// blocks of four tokens, then single tokens.
     ///
@@ -700,30 +682,6 @@ impl CodecRows {
                     }
                 }
             }
-        }
-    }
-
-    /// [`Self::accum_avx512`] for heads `h0..`, up to four at a time.
-    ///
-    /// # Safety
-    /// AVX-512F; the caller checked the bounds.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn accum_heads<const ONE: bool>(
-        &self,
-        part: &[u32],
-        off: usize,
-        n: usize,
-        w: &[f32],
-        h0: usize,
-        g: usize,
-        acc: &mut [f32],
-    ) {
-        match g - h0 {
-            1 => self.accum_avx512::<1, ONE>(part, off, n, w, h0, g, acc),
-            2 => self.accum_avx512::<2, ONE>(part, off, n, w, h0, g, acc),
-            3 => self.accum_avx512::<3, ONE>(part, off, n, w, h0, g, acc),
-            _ => self.accum_avx512::<4, ONE>(part, off, n, w, h0, g, acc),
         }
     }
 
