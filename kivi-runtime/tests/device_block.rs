@@ -17,13 +17,14 @@
 //! (`scripts/gpu-check.sh`) the same suite runs on GPU 0.
 
 mod codec_util;
+mod common;
 mod device_util;
 
+use common::{cases, quant, row_error};
 use device_util::devices;
 use kivi_runtime::device::{DeviceBackend, DeviceCache};
-use kivi_runtime::rand::Rng;
 use kivi_runtime::*;
-use kivi_spec::{presets, Axis, Codec, Dtype, Flush, Heads, Quant, ScaleDtype, Scheme, Tensor};
+use kivi_spec::{presets, Axis, Dtype, Heads, Scheme, Tensor};
 use kivi_templates::{default_variant, generate, generate_block, Generated, Kernel};
 
 const PASTS: [usize; 5] = [0, 1, 31, 127, 1000];
@@ -32,59 +33,6 @@ const TOL: f32 = 1e-5;
 
 fn full_sweep() -> bool {
     std::env::var_os("KIVI_FULL_SWEEP").is_some()
-}
-
-/// Keys with per-channel offsets and scales and a few spiky tokens, noise
-/// for values (as in many_query.rs).
-fn tensor(rng: &mut Rng, tokens: usize, hkv: usize, d: usize, key: bool) -> Vec<f32> {
-    let mut x = Vec::with_capacity(tokens * hkv * d);
-    for t in 0..tokens {
-        for _ in 0..hkv {
-            for c in 0..d {
-                let base = if key { ((c * 7) % 5) as f32 - 2.0 } else { 0.0 };
-                let amp = if key { 0.5 + (c % 3) as f32 } else { 1.0 };
-                let spike = if t % 97 == 5 { 3.0 } else { 1.0 };
-                x.push(base + amp * spike * rng.f32());
-            }
-        }
-    }
-    x
-}
-
-struct Case {
-    past: usize,
-    n: usize,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    q: Vec<f32>,
-}
-
-fn cases(s: &Scheme, shapes: &[(usize, usize)], seed: u64) -> Vec<Case> {
-    let shape = s.shape().unwrap();
-    let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
-    let mut rng = Rng::new(seed);
-    shapes
-        .iter()
-        .map(|&(past, n)| Case {
-            past,
-            n,
-            k: tensor(&mut rng, past + n, hkv, d, true),
-            v: tensor(&mut rng, past + n, hkv, d, false),
-            q: rng.vec(n * hq * d).iter().map(|x| 2.0 * x).collect(),
-        })
-        .collect()
-}
-
-fn row_error(want: &[f32], got: &[f32]) -> (f32, f32) {
-    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
-    let err = want.iter().zip(got).fold(0f32, |m, (x, y)| {
-        if y.is_nan() {
-            f32::INFINITY
-        } else {
-            m.max((x - y).abs())
-        }
-    });
-    (err, scale)
 }
 
 /// Every kernel the suite launches on a device (for a GPU bundle's
@@ -144,66 +92,13 @@ fn suite_schemes() -> Vec<Scheme> {
     out
 }
 
-fn quant(bits: u32, axis: Axis, group: u32) -> Codec {
-    Codec::Quant(Quant::uniform(bits, axis, group, ScaleDtype::F16))
-}
-
-/// Sinks, a residual window that flushes inside most blocks, KIVI's
-/// chunked flush with f32 activations, bf16 with 1-bit codes and a sliding
-/// window smaller than the largest block, channel-axis values, a full key.
+/// [`common::window_schemes`] at GQA 6:2, head dim 64.
 fn window_schemes() -> Vec<Scheme> {
-    let k2 = presets::kivi2();
     let g = (Heads::Gqa { q: 6, kv: 2 }, 64);
-    [
-        Scheme {
-            name: "sinks_r20".into(),
-            key: quant(3, Axis::Channel, 16),
-            value: quant(3, Axis::Token, 16),
-            residual: 20,
-            sinks: 4,
-            ..k2.clone()
-        },
-        Scheme {
-            name: "bf16_r5_window40".into(),
-            key: quant(1, Axis::Channel, 8),
-            value: quant(1, Axis::Token, 8),
-            residual: 5,
-            sinks: 3,
-            dtype: Dtype::Bf16,
-            sliding_window: Some(40),
-            ..k2.clone()
-        },
-        Scheme {
-            name: "chunked_f32".into(),
-            key: quant(4, Axis::Channel, 32),
-            value: quant(2, Axis::Token, 16),
-            residual: 64,
-            flush: Flush::Chunked,
-            dtype: Dtype::F32,
-            ..k2.clone()
-        },
-        Scheme {
-            name: "chan_values_window50".into(),
-            key: quant(8, Axis::Channel, 8),
-            value: quant(2, Axis::Channel, 16),
-            residual: 3,
-            sinks: 2,
-            sliding_window: Some(50),
-            softmax_scale: Some(0.0625),
-            ..k2.clone()
-        },
-        Scheme {
-            name: "full_key".into(),
-            key: Codec::Full,
-            value: quant(4, Axis::Token, 16),
-            residual: 0,
-            sinks: 1,
-            ..k2
-        },
-    ]
-    .into_iter()
-    .map(|s| s.with_shape(g.0, g.1).unwrap())
-    .collect()
+    common::window_schemes()
+        .into_iter()
+        .map(|s| s.with_shape(g.0, g.1).unwrap())
+        .collect()
 }
 
 /// Runs `backend.attend_block` on one batch holding every case (a host
@@ -565,18 +460,9 @@ fn bad_input_changes_nothing() {
 /// shared memory within 48 KiB. In CI a sample of the presets; KIVI_FULL_SWEEP=1 all of them.
 #[test]
 fn nvrtc_compiles_the_block_kernel() {
-    use kivi_runtime::cuda::{Arch, Compiler, NvrtcOptions};
-    let compiler = match Compiler::new() {
-        Ok(c) if !c.is_offline() => c,
-        other => {
-            let why = other.err().map_or("offline mode".to_string(), |e| e.to_string());
-            assert!(
-                std::env::var_os("KIVI_REQUIRE_NVRTC").is_none(),
-                "KIVI_REQUIRE_NVRTC is set but NVRTC is unavailable: {why}"
-            );
-            println!("SKIP nvrtc_compiles_the_block_kernel: {why}");
-            return;
-        }
+    use kivi_runtime::cuda::{Arch, NvrtcOptions};
+    let Some(compiler) = device_util::nvrtc_or_skip("nvrtc_compiles_the_block_kernel") else {
+        return;
     };
     let layouts = [
         (Heads::Gqa { q: 32, kv: 8 }, 128),
