@@ -20,7 +20,7 @@ mod device_util;
 mod sim_util;
 
 use codec_util::codec_schemes;
-use device_util::devices;
+use device_util::{assert_same, devices};
 use kivi_runtime::device::{Device, DeviceBackend, DeviceCache};
 use kivi_runtime::{reference, AttnParams, Backend, CacheConfig, PagedCache};
 use kivi_spec::{presets, Heads, Scheme, Tensor};
@@ -145,77 +145,6 @@ fn codec_decode_matches_reference() {
             "{}: decode of {n} codec scheme/layout/window cases agrees with the reference (worst relative error {worst:.2e})",
             dev.kind().name()
         ));
-    }
-}
-
-/// Device and host caches agree word for word: pool, block tables, sink
-/// and window rows, centering means.
-fn assert_same(s: &Scheme, host: &PagedCache, ids: &[u64], dev: &DeviceCache, when: &str) {
-    let shape = s.shape().unwrap();
-    let (h, d) = (shape.kv_heads, shape.head_dim);
-    let pool = dev.download_pool().unwrap();
-    if pool != host.pool() {
-        let i = pool.iter().zip(host.pool()).position(|(a, b)| a != b).unwrap();
-        let bw = host.layout().block_words;
-        panic!(
-            "{} {:?} d{d}: pool word {i} (block {}, word {} of it) is {:#x}, PagedCache has {:#x} {when}",
-            s.name,
-            s.heads.unwrap(),
-            i / bw,
-            i % bw,
-            pool[i],
-            host.pool()[i]
-        );
-    }
-    for t in [Tensor::Key, Tensor::Value] {
-        let sinks = dev.download_rows(t, true).unwrap();
-        let rings = dev.download_rows(t, false).unwrap();
-        let means = dev.download_means(t).unwrap();
-        let slots = kivi_spec::layout::window_capacity(s, t).max(1);
-        let ns = s.sinks as usize;
-        let mut want = vec![0f32; d];
-        for (b, &id) in ids.iter().enumerate() {
-            assert_eq!(
-                dev.table(b),
-                host.block_table(id).unwrap(),
-                "{}: block table {when}",
-                s.name
-            );
-            let v = host.view(id).unwrap();
-            let r = kivi_spec::layout::regions(s, t, v.tokens());
-            for hh in 0..h {
-                for p in 0..ns.min(v.tokens()) {
-                    v.row(t, p, hh, &mut want);
-                    assert_eq!(
-                        &sinks[((b * ns + p) * h + hh) * d..][..d],
-                        &want[..],
-                        "{}: sink {p} {when}",
-                        s.name
-                    );
-                }
-                for j in r.quantized..r.quantized + r.window {
-                    v.row(t, r.sinks + j, hh, &mut want);
-                    let got = &rings[((b * slots + j % slots) * h + hh) * d..][..d];
-                    assert_eq!(
-                        got,
-                        &want[..],
-                        "{}: {} window token {} {when}",
-                        s.name,
-                        t.name(),
-                        r.sinks + j
-                    );
-                }
-                if let Some(m) = v.mean(t, hh) {
-                    assert_eq!(
-                        &means[(b * h + hh) * d..][..d],
-                        m,
-                        "{}: {} means {when}",
-                        s.name,
-                        t.name()
-                    );
-                }
-            }
-        }
     }
 }
 

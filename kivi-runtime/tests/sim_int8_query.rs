@@ -4,6 +4,7 @@
 //! 32 and 64, MHA, GQA and MQA, lengths 1, 31, 33, 127 and 1000, two
 //! variants each (one compile for all).
 
+mod device_util;
 mod sim_util;
 
 use kivi_runtime::sim::{compile, SimBackend};
@@ -122,18 +123,9 @@ fn sim_device_attend_block_is_streaming_decode() {
 /// doubles) where NVRTC is provisioned; skipped with a line otherwise.
 #[test]
 fn nvrtc_compiles_the_int8_decode() {
-    use kivi_runtime::cuda::{Arch, Compiler, NvrtcOptions};
-    let compiler = match Compiler::new() {
-        Ok(c) if !c.is_offline() => c,
-        other => {
-            let why = other.err().map_or("offline mode".to_string(), |e| e.to_string());
-            assert!(
-                std::env::var_os("KIVI_REQUIRE_NVRTC").is_none(),
-                "KIVI_REQUIRE_NVRTC is set but NVRTC is unavailable: {why}"
-            );
-            println!("SKIP nvrtc_compiles_the_int8_decode: {why}");
-            return;
-        }
+    use kivi_runtime::cuda::{Arch, NvrtcOptions};
+    let Some(compiler) = device_util::nvrtc_or_skip("nvrtc_compiles_the_int8_decode") else {
+        return;
     };
     let opts = NvrtcOptions::for_arch(Arch::parse("sm_90").unwrap());
     for s in schemes() {

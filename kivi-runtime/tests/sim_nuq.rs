@@ -20,7 +20,7 @@ mod device_util;
 #[path = "sim_util/mod.rs"]
 mod sim_util;
 
-use device_util::devices;
+use device_util::{assert_same, devices};
 use kivi_runtime::calib::{CalibError, Calibration, FitOptions, LayerSamples, ModelId};
 use kivi_runtime::device::{Device, DeviceBackend, DeviceCache};
 use kivi_runtime::reference::{block_attention_views, cache_view_calibrated, decode_attention, round_inputs};
@@ -223,64 +223,6 @@ fn nuq_decode_matches_reference() {
             "{}: nuq decode of {n} scheme/layout/window cases agrees with the oracle (worst relative error {worst:.2e})",
             dev.kind().name()
         ));
-    }
-}
-
-/// Device and host caches agree word for word: pool, block tables, sink
-/// and window rows.
-fn assert_same(s: &Scheme, host: &PagedCache, ids: &[u64], dev: &DeviceCache, when: &str) {
-    let shape = s.shape().unwrap();
-    let (h, d) = (shape.kv_heads, shape.head_dim);
-    let pool = dev.download_pool().unwrap();
-    if let Some(i) = pool.iter().zip(host.pool()).position(|(a, b)| a != b) {
-        panic!(
-            "{} {:?}: pool word {i} is {:#x}, PagedCache has {:#x} {when}",
-            s.name,
-            s.heads.unwrap(),
-            pool[i],
-            host.pool()[i]
-        );
-    }
-    assert_eq!(pool.len(), host.pool().len());
-    let mut want = vec![0f32; d];
-    for t in [Tensor::Key, Tensor::Value] {
-        let sinks = dev.download_rows(t, true).unwrap();
-        let rings = dev.download_rows(t, false).unwrap();
-        let slots = kivi_spec::layout::window_capacity(s, t).max(1);
-        let ns = s.sinks as usize;
-        for (b, &id) in ids.iter().enumerate() {
-            assert_eq!(
-                dev.table(b),
-                host.block_table(id).unwrap(),
-                "{}: block table {when}",
-                s.name
-            );
-            let v = host.view(id).unwrap();
-            let r = kivi_spec::layout::regions(s, t, v.tokens());
-            for hh in 0..h {
-                for p in 0..ns.min(v.tokens()) {
-                    v.row(t, p, hh, &mut want);
-                    assert_eq!(
-                        &sinks[((b * ns + p) * h + hh) * d..][..d],
-                        &want[..],
-                        "{}: sink {p} {when}",
-                        s.name
-                    );
-                }
-                for j in r.quantized..r.quantized + r.window {
-                    v.row(t, r.sinks + j, hh, &mut want);
-                    let got = &rings[((b * slots + j % slots) * h + hh) * d..][..d];
-                    assert_eq!(
-                        got,
-                        &want[..],
-                        "{}: {} window token {} {when}",
-                        s.name,
-                        t.name(),
-                        r.sinks + j
-                    );
-                }
-            }
-        }
     }
 }
 
@@ -495,18 +437,9 @@ fn nuq_block_matches_reference() {
 /// provisioned; skipped with a line otherwise.
 #[test]
 fn nvrtc_compiles_the_nuq_kernels() {
-    use kivi_runtime::cuda::{Arch, Compiler, NvrtcOptions};
-    let compiler = match Compiler::new() {
-        Ok(c) if !c.is_offline() => c,
-        other => {
-            let why = other.err().map_or("offline mode".to_string(), |e| e.to_string());
-            assert!(
-                std::env::var_os("KIVI_REQUIRE_NVRTC").is_none(),
-                "KIVI_REQUIRE_NVRTC is set but NVRTC is unavailable: {why}"
-            );
-            println!("SKIP nvrtc_compiles_the_nuq_kernels: {why}");
-            return;
-        }
+    use kivi_runtime::cuda::{Arch, NvrtcOptions};
+    let Some(compiler) = device_util::nvrtc_or_skip("nvrtc_compiles_the_nuq_kernels") else {
+        return;
     };
     let opts = NvrtcOptions::for_arch(Arch::parse("sm_90").unwrap());
     // one case of each scheme: every axis of both tensors

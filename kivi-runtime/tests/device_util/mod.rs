@@ -9,8 +9,9 @@
 #![allow(dead_code)]
 
 use kivi_runtime::cuda::{Arch, Compiler, CudaDevice, NvrtcOptions};
-use kivi_runtime::device::{Device, DeviceBackend, SimDevice};
-use kivi_runtime::Error;
+use kivi_runtime::device::{Device, DeviceBackend, DeviceCache, SimDevice};
+use kivi_runtime::{Error, PagedCache};
+use kivi_spec::{Scheme, Tensor};
 use kivi_templates::Generated;
 use std::sync::Arc;
 
@@ -80,4 +81,93 @@ fn precompile(test: &str, arch: &str, gens: Vec<Generated>) {
         if c.is_offline() { "verified present in" } else { "into" },
         c.cache().map_or("(no cache)".into(), |x| x.dir().display().to_string())
     );
+}
+
+/// NVRTC for a compile-only test, or `None` after printing why `test` is
+/// skipped. With `KIVI_REQUIRE_NVRTC` set (the GPU machine's check) a
+/// missing or offline NVRTC is a failure instead.
+pub fn nvrtc_or_skip(test: &str) -> Option<Compiler> {
+    match Compiler::new() {
+        Ok(c) if !c.is_offline() => Some(c),
+        other => {
+            let why = other.err().map_or("offline mode".to_string(), |e| e.to_string());
+            assert!(
+                std::env::var_os("KIVI_REQUIRE_NVRTC").is_none(),
+                "KIVI_REQUIRE_NVRTC is set but NVRTC is unavailable: {why}"
+            );
+            println!("SKIP {test}: {why}");
+            None
+        }
+    }
+}
+
+/// Device and host caches agree word for word: pool, block tables, sink
+/// and window rows, centering means.
+pub fn assert_same(s: &Scheme, host: &PagedCache, ids: &[u64], dev: &DeviceCache, when: &str) {
+    let shape = s.shape().unwrap();
+    let (h, d) = (shape.kv_heads, shape.head_dim);
+    let pool = dev.download_pool().unwrap();
+    if let Some(i) = pool.iter().zip(host.pool()).position(|(a, b)| a != b) {
+        let bw = host.layout().block_words;
+        panic!(
+            "{} {:?} d{d}: pool word {i} (block {}, word {} of it) is {:#x}, PagedCache has {:#x} {when}",
+            s.name,
+            s.heads.unwrap(),
+            i / bw,
+            i % bw,
+            pool[i],
+            host.pool()[i]
+        );
+    }
+    assert_eq!(pool.len(), host.pool().len(), "{}: pool length {when}", s.name);
+    for t in [Tensor::Key, Tensor::Value] {
+        let sinks = dev.download_rows(t, true).unwrap();
+        let rings = dev.download_rows(t, false).unwrap();
+        let means = dev.download_means(t).unwrap();
+        let slots = kivi_spec::layout::window_capacity(s, t).max(1);
+        let ns = s.sinks as usize;
+        let mut want = vec![0f32; d];
+        for (b, &id) in ids.iter().enumerate() {
+            assert_eq!(
+                dev.table(b),
+                host.block_table(id).unwrap(),
+                "{}: block table {when}",
+                s.name
+            );
+            let v = host.view(id).unwrap();
+            let r = kivi_spec::layout::regions(s, t, v.tokens());
+            for hh in 0..h {
+                for p in 0..ns.min(v.tokens()) {
+                    v.row(t, p, hh, &mut want);
+                    assert_eq!(
+                        &sinks[((b * ns + p) * h + hh) * d..][..d],
+                        &want[..],
+                        "{}: sink {p} {when}",
+                        s.name
+                    );
+                }
+                for j in r.quantized..r.quantized + r.window {
+                    v.row(t, r.sinks + j, hh, &mut want);
+                    let got = &rings[((b * slots + j % slots) * h + hh) * d..][..d];
+                    assert_eq!(
+                        got,
+                        &want[..],
+                        "{}: {} window token {} {when}",
+                        s.name,
+                        t.name(),
+                        r.sinks + j
+                    );
+                }
+                if let Some(m) = v.mean(t, hh) {
+                    assert_eq!(
+                        &means[(b * h + hh) * d..][..d],
+                        m,
+                        "{}: {} means {when}",
+                        s.name,
+                        t.name()
+                    );
+                }
+            }
+        }
+    }
 }
