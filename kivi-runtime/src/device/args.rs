@@ -35,16 +35,20 @@ impl Window {
     }
 }
 
-fn check_names(m: &Module, entry: &str, names: &[&str]) -> Result<()> {
-    let el = m
-        .generated
+/// The generator's launch description of `entry` in `m`.
+fn entry<'m>(m: &'m Module, entry: &str) -> Result<&'m kivi_templates::EntryLaunch> {
+    m.generated
         .launch
         .entry(entry)
-        .ok_or_else(|| Error::Config(format!("`{}` has no entry point `{entry}`", m.generated.name)))?;
+        .ok_or_else(|| Error::Config(format!("`{}` has no entry point `{entry}`", m.generated.name)))
+}
+
+fn check_names(m: &Module, name: &str, names: &[&str]) -> Result<()> {
+    let el = entry(m, name)?;
     let got: Vec<&str> = el.params.iter().map(|p| p.name).collect();
     if got != names {
         return Err(Error::Config(format!(
-            "`{}`: kernel `{entry}` takes ({}), the host passes ({})",
+            "`{}`: kernel `{name}` takes ({}), the host passes ({})",
             m.generated.name,
             got.join(", "),
             names.join(", ")
@@ -63,12 +67,20 @@ fn at_least(b: &Buffer, n: usize, what: &str) -> Result<()> {
     Ok(())
 }
 
-fn grid(m: &Module, entry: &str, batch: usize) -> Result<[u32; 3]> {
-    let el = m
-        .generated
-        .launch
-        .entry(entry)
-        .ok_or_else(|| Error::Config(format!("`{}` has no entry point `{entry}`", m.generated.name)))?;
+/// `x` as the kernel's `int`; `what` names it in the error (`{what} of {x}`).
+fn int(x: usize, what: &str) -> Result<i32> {
+    i32::try_from(x).map_err(|_| Error::Config(format!("{what} of {x}")))
+}
+
+/// The block tables every paged kernel reads: `tables` holds `batch` rows
+/// of `stride` entries; returns the stride as the kernel takes it.
+fn table_stride(tables: &Buffer, batch: usize, stride: usize) -> Result<i32> {
+    at_least(tables, batch * stride, "tables")?;
+    i32::try_from(stride).map_err(|_| Error::Config(format!("a block table of {stride} entries")))
+}
+
+fn grid(m: &Module, name: &str, batch: usize) -> Result<[u32; 3]> {
+    let el = entry(m, name)?;
     let b = u32::try_from(batch).map_err(|_| Error::Config(format!("a batch of {batch} sequences")))?;
     Ok(el.grid(b, 0))
 }
@@ -119,13 +131,11 @@ impl DecodeArgs<'_> {
         check_names(m, Self::ENTRY, &Self::PARAMS)?;
         let li = &m.generated.launch;
         let (hq, d) = (li.q_heads as usize, li.head_dim as usize);
-        at_least(self.tables, self.batch * self.table_stride, "tables")?;
+        let stride = table_stride(self.tables, self.batch, self.table_stride)?;
         at_least(self.seq_lens, self.batch, "seq_lens")?;
         at_least(self.q, self.batch * hq * d, "q")?;
         at_least(self.part_ml, li.part_ml_len(self.batch), "part_ml")?;
         at_least(self.part_acc, li.part_acc_len(self.batch), "part_acc")?;
-        let stride = i32::try_from(self.table_stride)
-            .map_err(|_| Error::Config(format!("a block table of {} entries", self.table_stride)))?;
         let g = grid(m, Self::ENTRY, self.batch)?;
         dev.launch(
             m,
@@ -248,14 +258,12 @@ impl ExtendArgs<'_> {
         }
         check_names(m, &entry, &Self::PARAMS)?;
         let row = m.generated.launch.head_dim as usize;
-        at_least(self.tables, self.batch * self.table_stride, "tables")?;
+        let stride = table_stride(self.tables, self.batch, self.table_stride)?;
         at_least(self.old_lens, self.batch, "old_lens")?;
         at_least(self.new_counts, self.batch, "new_counts")?;
         at_least(self.k_new, self.batch * self.max_new * row, "k_new")?;
         at_least(self.v_new, self.batch * self.max_new * row, "v_new")?;
         at_least(self.status, self.batch, "status")?;
-        let stride = i32::try_from(self.table_stride)
-            .map_err(|_| Error::Config(format!("a block table of {} entries", self.table_stride)))?;
         let max_new = i32::try_from(self.max_new).map_err(|_| Error::Config(format!("{} new tokens", self.max_new)))?;
         let g = grid(m, &entry, self.batch)?;
         dev.launch(
@@ -346,7 +354,7 @@ impl BlockArgs<'_> {
         let li = &m.generated.launch;
         let (hq, d) = (li.q_heads as usize, li.head_dim as usize);
         let tail_len = self.tail_k.len().min(self.tail_v.len());
-        at_least(self.tables, self.batch * self.table_stride, "tables")?;
+        let stride = table_stride(self.tables, self.batch, self.table_stride)?;
         at_least(self.past_lens, self.batch, "past_lens")?;
         at_least(self.counts, self.batch, "counts")?;
         at_least(self.q, self.batch * self.max_n * hq * d, "q")?;
@@ -357,19 +365,12 @@ impl BlockArgs<'_> {
                 self.tail_stride
             )));
         }
-        let int = |x: usize, what: &str| i32::try_from(x).map_err(|_| Error::Config(format!("{what} of {x}")));
-        let stride = int(self.table_stride, "a block table")?;
         let max_n = int(self.max_n, "a block")?;
         let tail_stride = int(self.tail_stride, "a tail")?;
         // -1 = no window, as for decode; 0 is a valid window here (the
         // kernel attends to nothing and writes zeros).
         let window = self.window.map_or(-1, |w| i32::try_from(w).unwrap_or(i32::MAX));
-        let y = m
-            .generated
-            .launch
-            .entry(Self::ENTRY)
-            .map(|e| e.grid_xy[1])
-            .ok_or_else(|| Error::Config(format!("`{}` has no entry point `{}`", m.generated.name, Self::ENTRY)))?;
+        let y = entry(m, Self::ENTRY)?.grid_xy[1];
         let x = u32::try_from(self.max_n.div_ceil(self.shape.queries as usize).max(1))
             .map_err(|_| Error::Config(format!("a block of {} tokens", self.max_n)))?;
         let z = u32::try_from(self.batch).map_err(|_| Error::Config(format!("a batch of {} sequences", self.batch)))?;
