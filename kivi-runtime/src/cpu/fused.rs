@@ -266,14 +266,12 @@ pub(crate) struct Tile<'a> {
 ///
 /// Panics (an internal bug, not bad input) if the tile's rows are outside
 /// the parts it names.
-#[cfg(target_arch = "x86_64")]
 pub(crate) fn tile(fast: Fast, st: &mut State, t: &Tile, m: &mut [f32], l: &mut [f32], acc: &mut [f32]) {
     run(fast, st, t, m, l, acc, None::<fn(&mut [f32])>)
 }
 
 /// As [`tile`], with the scores (`[g][n]`) written by `scores` instead of
 /// the f32 key loops: the integer-domain query of `int8.rs`.
-#[cfg(target_arch = "x86_64")]
 pub(crate) fn tile_scored(
     fast: Fast,
     st: &mut State,
@@ -331,20 +329,15 @@ fn run(
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-pub(crate) fn tile_scored(
+fn run(
     _: Fast,
     _: &mut State,
     _: &Tile,
     _: &mut [f32],
     _: &mut [f32],
     _: &mut [f32],
-    _: impl FnOnce(&mut [f32]),
+    _: Option<impl FnOnce(&mut [f32])>,
 ) {
-    unreachable!("the fast path is only planned on x86-64 with AVX-512")
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-pub(crate) fn tile(_: Fast, _: &mut State, _: &Tile, _: &mut [f32], _: &mut [f32], _: &mut [f32]) {
     unreachable!("the fast path is only planned on x86-64")
 }
 
