@@ -70,6 +70,23 @@ impl Cost {
     pub fn total(&self) -> usize {
         self.codes + self.scales + self.zeros + self.outliers
     }
+
+    /// Bytes per token of each part over `per` tokens, as `--json` reports
+    /// them; `outliers` only where the tensor can have them (an MLA part
+    /// cannot, and its report has no such field).
+    pub fn json(&self, per: usize, outliers: bool) -> serde_json::Value {
+        let f = |b: usize| b as f64 / per as f64;
+        let mut m = serde_json::json!({
+            "codes": f(self.codes),
+            "scales": f(self.scales),
+            "zeros": f(self.zeros),
+            "total": f(self.total()),
+        });
+        if outliers {
+            m["outliers"] = f(self.outliers).into();
+        }
+        m
+    }
 }
 
 /// The per-tensor split of [`bytes_per_token_per_head`], over the same
@@ -197,6 +214,14 @@ pub fn bind_or_default(scheme: &Scheme, heads: Option<Heads>, head_dim: Option<u
     })?)
 }
 
+/// `--context` within what `kivi show` fills a cache for.
+fn check_context(context: usize) -> super::Result {
+    if context > MAX_CONTEXT {
+        return Err(format!("--context {context} is out of range; expected 1 to {MAX_CONTEXT}").into());
+    }
+    Ok(())
+}
+
 pub fn run(args: Args) -> super::Result {
     if let Some(model) = &args.model {
         return run_model(model, &args);
@@ -207,13 +232,7 @@ pub fn run(args: Args) -> super::Result {
             .ok_or("name a scheme with --scheme NAME or a model with --model TEXT")?,
     )?;
     let bound = bind_or_default(&scheme, args.heads, args.head_dim)?;
-    if args.context > MAX_CONTEXT {
-        return Err(format!(
-            "--context {} is out of range; expected 1 to {MAX_CONTEXT}",
-            args.context
-        )
-        .into());
-    }
+    check_context(args.context)?;
     if bound.mla().is_some() {
         return super::show_mla::run(&bound, &args);
     }
@@ -222,13 +241,6 @@ pub fn run(args: Args) -> super::Result {
         bound.head_dim.ok_or("no head_dim")?,
     );
     let shape = bound.shape().ok_or("scheme has no shape")?;
-    if args.context > MAX_CONTEXT {
-        return Err(format!(
-            "--context {} is out of range; expected 1 to {MAX_CONTEXT}",
-            args.context
-        )
-        .into());
-    }
     let ((bytes, per), k, v) = per_token(&bound)?;
     let f16_tok = 2 * shape.head_dim * 2;
     let foot = Footprint::for_tokens(&bound, args.context);
@@ -237,15 +249,6 @@ pub fn run(args: Args) -> super::Result {
     let ratio = |b: usize| f16_ctx as f64 / b as f64;
 
     if args.json {
-        let cost = |c: &Cost| {
-            serde_json::json!({
-                "codes": c.codes as f64 / per as f64,
-                "scales": c.scales as f64 / per as f64,
-                "zeros": c.zeros as f64 / per as f64,
-                "outliers": c.outliers as f64 / per as f64,
-                "total": c.total() as f64 / per as f64,
-            })
-        };
         let out = serde_json::json!({
             "name": bound.name,
             "canonical": kivi_spec::canonical(&bound),
@@ -256,8 +259,8 @@ pub fn run(args: Args) -> super::Result {
                 "bytes": bytes,
                 "tokens": per,
                 "per_token": bytes as f64 / per as f64,
-                "key": cost(&k),
-                "value": cost(&v),
+                "key": k.json(per, true),
+                "value": v.json(per, true),
                 "f16": f16_tok,
                 "ratio": (f16_tok * per) as f64 / bytes as f64,
             },
@@ -368,13 +371,7 @@ fn run_model(arg: &str, args: &Args) -> super::Result {
         "the model declares no layer count: add `layers: N` (and `window: W`, `global_layers: [...]` for sliding layers)",
     )?;
     let schemes = decl.schemes_for(&kinds).map_err(|e| format!("{origin}:{e}"))?;
-    if args.context > MAX_CONTEXT {
-        return Err(format!(
-            "--context {} is out of range; expected 1 to {MAX_CONTEXT}",
-            args.context
-        )
-        .into());
-    }
+    check_context(args.context)?;
     // Layers alike (scheme and window) hold the same bytes: fill each once.
     let mut seen: Vec<(String, Option<usize>, MemoryReport, MemoryReport)> = Vec::new();
     let mut rows = Vec::with_capacity(schemes.len());

@@ -4,7 +4,7 @@
 //! context length.
 
 use super::schemes::hash_hex;
-use super::show::{exact, tensor_cost, Args, Cost};
+use super::show::{exact, tensor_cost, Args};
 use kivi_runtime::mla::{MlaCache, MlaConfig, MlaMemory};
 use kivi_spec::mla::{mla_block_tokens, mla_bytes_for_tokens};
 use kivi_spec::{mla_bytes_per_token, Scheme, Tensor};
@@ -65,14 +65,6 @@ pub fn run(bound: &Scheme, args: &Args) -> super::Result {
     }
     let f16_ctx = ctx * f16_tok;
     if args.json {
-        let cost = |c: &Cost| {
-            serde_json::json!({
-                "codes": c.codes as f64 / per as f64,
-                "scales": c.scales as f64 / per as f64,
-                "zeros": c.zeros as f64 / per as f64,
-                "total": c.total() as f64 / per as f64,
-            })
-        };
         let out = serde_json::json!({
             "name": bound.name,
             "canonical": kivi_spec::canonical(bound),
@@ -82,8 +74,8 @@ pub fn run(bound: &Scheme, args: &Args) -> super::Result {
                 "bytes": bytes,
                 "tokens": per,
                 "per_token": bytes as f64 / per as f64,
-                "latent": cost(&lat),
-                "rope": cost(&rope),
+                "latent": lat.json(per, false),
+                "rope": rope.json(per, false),
                 "f16": f16_tok,
                 "deepseek_fp8": fp8_tok,
                 "ratio_f16": (f16_tok * per) as f64 / bytes as f64,
