@@ -15,7 +15,10 @@
 //! finds their kernels in its on-disk cache (`target/kivi-sim`) when that
 //! suite ran first, and compiles each once otherwise.
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
+use common::{random, rows_of};
 use kivi_candle::{AttentionBackend, Error, KiviKvCache, ModelShape};
 use kivi_runtime::{reference, AttnParams};
 use kivi_spec::{presets, Scheme};
@@ -24,32 +27,6 @@ const TOL: f32 = 1e-5;
 /// Prefill chunks and decode steps: every length of the brief, a flush of
 /// the residual window inside a chunk (kivi's residual is 128 tokens).
 const CHUNKS: [usize; 7] = [31, 1, 33, 1, 127, 1, 1];
-
-/// `[1, heads, n, d]` random f32 tensor and its host rows `[n, heads, d]`.
-fn random(rng: &mut fastrand::Rng, heads: usize, n: usize, d: usize) -> (Tensor, Vec<f32>) {
-    let rows: Vec<f32> = (0..n * heads * d).map(|_| rng.f32() * 4.0 - 2.0).collect();
-    let t = Tensor::from_vec(rows.clone(), (n, heads, d), &Device::Cpu)
-        .unwrap()
-        .transpose(0, 1)
-        .unwrap()
-        .unsqueeze(0)
-        .unwrap();
-    (t, rows)
-}
-
-/// Host rows `[n, heads, d]` of a `[1, heads, n, d]` tensor.
-fn rows_of(t: &Tensor) -> Vec<f32> {
-    t.squeeze(0)
-        .unwrap()
-        .transpose(0, 1)
-        .unwrap()
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
-}
 
 /// Max |want - got| over one row, and max |want| (NaN in `got` is infinite).
 fn row_error(want: &[f32], got: &[f32]) -> (f32, f32) {

@@ -3,7 +3,10 @@
 //! odd chunk sizes, GQA and MQA, per-layer schemes and windows; and every
 //! bad input is a typed error that leaves the cache as it was.
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
+use common::{random, rows_of};
 use kivi_candle::{Error, KiviKvCache, ModelShape};
 use kivi_runtime::{AttnParams, Backend, CacheConfig, PagedCache, ReferenceBackend};
 use kivi_spec::{presets, Heads, Scheme};
@@ -14,32 +17,6 @@ fn scheme(text: &str) -> Scheme {
 
 fn f32_scheme() -> Scheme {
     scheme("f32 { dtype: f32, key: full, value: full }")
-}
-
-/// `[1, heads, n, d]` random f32 tensor and its host rows `[n, heads, d]`.
-fn random(rng: &mut fastrand::Rng, heads: usize, n: usize, d: usize) -> (Tensor, Vec<f32>) {
-    let rows: Vec<f32> = (0..n * heads * d).map(|_| rng.f32() * 4.0 - 2.0).collect();
-    let t = Tensor::from_vec(rows.clone(), (n, heads, d), &Device::Cpu)
-        .unwrap()
-        .transpose(0, 1)
-        .unwrap()
-        .unsqueeze(0)
-        .unwrap();
-    (t, rows)
-}
-
-/// Host rows `[n, heads, d]` of a `[1, heads, n, d]` tensor.
-fn rows_of(t: &Tensor) -> Vec<f32> {
-    t.squeeze(0)
-        .unwrap()
-        .transpose(0, 1)
-        .unwrap()
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
 }
 
 /// The oracle for one layer: the same scheme in a plain paged cache, fed one
