@@ -6,6 +6,8 @@
 
 mod common;
 
+use common::{block_tensor as tensor, isas};
+
 use kivi_runtime::cpu::Isa;
 use kivi_runtime::rand::Rng;
 use kivi_runtime::*;
@@ -20,29 +22,6 @@ fn layouts() -> [Heads; 4] {
         Heads::Gqa { q: 14, kv: 2 },
         Heads::Mqa(4),
     ]
-}
-
-/// Keys with per-channel offsets and scales (what makes channel-axis
-/// quantization matter) and a few outlier tokens; plain noise for values.
-fn tensor(rng: &mut Rng, tokens: usize, hkv: usize, d: usize, key: bool) -> Vec<f32> {
-    let mut x = Vec::with_capacity(tokens * hkv * d);
-    for t in 0..tokens {
-        for _h in 0..hkv {
-            for c in 0..d {
-                let base = if key { ((c * 7) % 5) as f32 - 2.0 } else { 0.0 };
-                let amp = if key { 0.5 + (c % 3) as f32 } else { 1.0 };
-                let spike = if t % 97 == 5 { 3.0 } else { 1.0 };
-                x.push(base + amp * spike * rng.f32());
-            }
-        }
-    }
-    x
-}
-
-/// The three instruction sets: AVX-512 (where the CPU has it), AVX2, scalar.
-fn isas() -> [CpuParams; 3] {
-    let d = CpuParams::default();
-    [d, CpuParams { avx512: false, ..d }, CpuParams { scalar: true, ..d }]
 }
 
 fn params_default() -> Vec<CpuParams> {

@@ -20,7 +20,7 @@ mod codec_util;
 mod common;
 mod device_util;
 
-use common::{cases, quant, row_error};
+use common::{assert_block_rows, blocks, cases, filled, quant, row_error};
 use device_util::devices;
 use kivi_runtime::device::{DeviceBackend, DeviceCache};
 use kivi_runtime::*;
@@ -105,50 +105,16 @@ fn window_schemes() -> Vec<Scheme> {
 /// cache filled with each case's prefix) and checks each query's row
 /// against the oracle, and the cache's length.
 fn check(backend: &DeviceBackend, s: &Scheme, attn: AttnParams, shapes: &[(usize, usize)], seed: u64) {
-    let shape = s.shape().unwrap();
-    let (per, row) = (shape.q_heads * shape.head_dim, shape.kv_heads * shape.head_dim);
     let cases = cases(s, shapes, seed);
-    let total: usize = cases.iter().map(|c| c.past + c.n).sum();
-    let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(total + 64)).unwrap();
-    let seqs: Vec<SeqId> = cases
+    let want: Vec<Vec<f32>> = cases
         .iter()
-        .map(|c| {
-            let id = cache.add_sequence();
-            cache.extend(id, &c.k[..c.past * row], &c.v[..c.past * row]).unwrap();
-            id
-        })
+        .map(|c| reference::block_attention(s, c.past, &c.q, &c.k, &c.v, attn).unwrap())
         .collect();
-    let blocks: Vec<NewTokens> = cases
-        .iter()
-        .zip(&seqs)
-        .map(|(c, &seq)| NewTokens {
-            seq,
-            q: &c.q,
-            k: &c.k[c.past * row..],
-            v: &c.v[c.past * row..],
-        })
-        .collect();
-    let got = backend.attend_block(&mut cache, &blocks, attn).unwrap();
-    let mut at = 0;
-    for (c, &seq) in cases.iter().zip(&seqs) {
-        assert_eq!(cache.len(seq).unwrap(), c.past + c.n);
-        let want = reference::block_attention(s, c.past, &c.q, &c.k, &c.v, attn).unwrap();
-        for i in 0..c.n {
-            let (err, scale) = row_error(&want[i * per..(i + 1) * per], &got[(at + i) * per..(at + i + 1) * per]);
-            assert!(
-                err <= TOL * scale,
-                "{} {:?} window {:?} on {}: past {} block {} query {i}: error {err:e} vs max |ref| {scale:e}",
-                s.name,
-                shape,
-                attn.window,
-                backend.name(),
-                c.past,
-                c.n
-            );
-        }
-        at += c.n;
-    }
-    assert_eq!(got.len(), at * per);
+    let (mut cache, seqs) = filled(s, &cases, 64);
+    let got = backend
+        .attend_block(&mut cache, &blocks(s, &cases, &seqs), attn)
+        .unwrap();
+    assert_block_rows(s, attn, backend.name(), &cache, &seqs, &cases, &want, &got, TOL);
 }
 
 /// Every (prefix, block) pair under KIVI_FULL_SWEEP; in CI a rotating

@@ -9,6 +9,8 @@
 
 mod common;
 
+use common::isas;
+
 use kivi_runtime::rand::Rng;
 use kivi_runtime::reference::{self, KeyCodes};
 use kivi_runtime::*;
@@ -63,11 +65,6 @@ fn tensor(rng: &mut Rng, tokens: usize, hkv: usize, d: usize, key: bool) -> Vec<
         }
     }
     x
-}
-
-fn isas() -> [CpuParams; 3] {
-    let d = CpuParams::default();
-    [d, CpuParams { avx512: false, ..d }, CpuParams { scalar: true, ..d }]
 }
 
 fn max_err(want: &[f32], got: &[f32]) -> (f32, f32) {

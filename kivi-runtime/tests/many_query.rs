@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{cases, row_error, window_schemes, Case};
+use common::{assert_block_rows, blocks, cases, filled, row_error, window_schemes};
 use kivi_runtime::reference::{self, QueryView};
 use kivi_runtime::*;
 use kivi_spec::{presets, Heads, Scheme, Tensor};
@@ -17,42 +17,10 @@ use kivi_spec::{presets, Heads, Scheme, Tensor};
 const PASTS: [usize; 6] = [0, 1, 31, 33, 127, 1000];
 const BLOCKS: [usize; 5] = [1, 2, 7, 33, 128];
 
-/// A cache holding each case's first `past` tokens, one sequence each.
-fn filled(s: &Scheme, cases: &[Case], spare: usize) -> (PagedCache, Vec<SeqId>) {
-    let row = s.shape().unwrap().kv_heads * s.shape().unwrap().head_dim;
-    let total: usize = cases.iter().map(|c| c.past + c.n).sum();
-    let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(total + spare)).unwrap();
-    let seqs = cases
-        .iter()
-        .map(|c| {
-            let id = cache.add_sequence();
-            cache.extend(id, &c.k[..c.past * row], &c.v[..c.past * row]).unwrap();
-            id
-        })
-        .collect();
-    (cache, seqs)
-}
-
-fn blocks<'a>(s: &Scheme, cases: &'a [Case], seqs: &[SeqId]) -> Vec<NewTokens<'a>> {
-    let row = s.shape().unwrap().kv_heads * s.shape().unwrap().head_dim;
-    cases
-        .iter()
-        .zip(seqs)
-        .map(|(c, &seq)| NewTokens {
-            seq,
-            q: &c.q,
-            k: &c.k[c.past * row..],
-            v: &c.v[c.past * row..],
-        })
-        .collect()
-}
-
 /// Runs each backend on one batch holding every case (a fresh cache each)
 /// and compares each query's row with the oracle on the raw tensors
 /// (`reference::block_attention`).
 fn check_against_oracle(s: &Scheme, attn: AttnParams, shapes: &[(usize, usize)], backends: &[&dyn Backend], seed: u64) {
-    let shape = s.shape().unwrap();
-    let per = shape.q_heads * shape.head_dim;
     let cases = cases(s, shapes, seed);
     let want: Vec<Vec<f32>> = cases
         .iter()
@@ -63,25 +31,7 @@ fn check_against_oracle(s: &Scheme, attn: AttnParams, shapes: &[(usize, usize)],
         let got = backend
             .attend_block(&mut cache, &blocks(s, &cases, &seqs), attn)
             .unwrap();
-        let mut at = 0;
-        for ((c, &seq), want) in cases.iter().zip(&seqs).zip(&want) {
-            assert_eq!(cache.len(seq).unwrap(), c.past + c.n);
-            for i in 0..c.n {
-                let (err, scale) = row_error(&want[i * per..(i + 1) * per], &got[(at + i) * per..(at + i + 1) * per]);
-                assert!(
-                    err <= 1e-5 * scale,
-                    "{} {:?} window {:?}, {} past {} block {} query {i}: error {err:e} vs max |ref| {scale:e}",
-                    s.name,
-                    shape,
-                    attn.window,
-                    backend.name(),
-                    c.past,
-                    c.n
-                );
-            }
-            at += c.n;
-        }
-        assert_eq!(got.len(), at * per);
+        assert_block_rows(s, attn, backend.name(), &cache, &seqs, &cases, &want, &got, 1e-5);
     }
 }
 

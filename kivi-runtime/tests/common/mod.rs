@@ -200,6 +200,75 @@ pub fn cases(s: &Scheme, shapes: &[(usize, usize)], seed: u64) -> Vec<Case> {
         .collect()
 }
 
+/// A cache holding each case's first `past` tokens, one sequence each.
+pub fn filled(s: &Scheme, cases: &[Case], spare: usize) -> (kivi_runtime::PagedCache, Vec<kivi_runtime::SeqId>) {
+    let row = s.shape().unwrap().kv_heads * s.shape().unwrap().head_dim;
+    let total: usize = cases.iter().map(|c| c.past + c.n).sum();
+    let mut cache =
+        kivi_runtime::PagedCache::new(s.clone(), kivi_runtime::CacheConfig::for_tokens(total + spare)).unwrap();
+    let seqs = cases
+        .iter()
+        .map(|c| {
+            let id = cache.add_sequence();
+            cache.extend(id, &c.k[..c.past * row], &c.v[..c.past * row]).unwrap();
+            id
+        })
+        .collect();
+    (cache, seqs)
+}
+
+pub fn blocks<'a>(s: &Scheme, cases: &'a [Case], seqs: &[kivi_runtime::SeqId]) -> Vec<kivi_runtime::NewTokens<'a>> {
+    let row = s.shape().unwrap().kv_heads * s.shape().unwrap().head_dim;
+    cases
+        .iter()
+        .zip(seqs)
+        .map(|(c, &seq)| kivi_runtime::NewTokens {
+            seq,
+            q: &c.q,
+            k: &c.k[c.past * row..],
+            v: &c.v[c.past * row..],
+        })
+        .collect()
+}
+
+/// Checks one batched `attend_block` output `got` against each case's
+/// oracle rows `want[i]`: every query's row within `tol * max |want|`
+/// (a NaN fails), each sequence `past + n` tokens long after the call, and
+/// no rows beyond the batch's.
+#[allow(clippy::too_many_arguments)]
+pub fn assert_block_rows(
+    s: &Scheme,
+    attn: kivi_runtime::AttnParams,
+    backend: &str,
+    cache: &kivi_runtime::PagedCache,
+    seqs: &[kivi_runtime::SeqId],
+    cases: &[Case],
+    want: &[Vec<f32>],
+    got: &[f32],
+    tol: f32,
+) {
+    let shape = s.shape().unwrap();
+    let per = shape.q_heads * shape.head_dim;
+    let mut at = 0;
+    for ((c, &seq), want) in cases.iter().zip(seqs).zip(want) {
+        assert_eq!(cache.len(seq).unwrap(), c.past + c.n);
+        for i in 0..c.n {
+            let (err, scale) = row_error(&want[i * per..(i + 1) * per], &got[(at + i) * per..(at + i + 1) * per]);
+            assert!(
+                err <= tol * scale,
+                "{} {:?} window {:?} on {backend}: past {} block {} query {i}: error {err:e} vs max |ref| {scale:e}",
+                s.name,
+                shape,
+                attn.window,
+                c.past,
+                c.n
+            );
+        }
+        at += c.n;
+    }
+    assert_eq!(got.len(), at * per);
+}
+
 /// Max |got - want| over one row (infinite where `got` holds a NaN, which
 /// `f32::max` would otherwise pass over), and max |want|.
 pub fn row_error(want: &[f32], got: &[f32]) -> (f32, f32) {
@@ -289,4 +358,12 @@ pub fn add_filled(
         }
     }
     id
+}
+
+/// The three instruction sets of the CPU backend: the default (AVX-512
+/// where the CPU has it), AVX2, scalar.
+pub fn isas() -> [kivi_runtime::CpuParams; 3] {
+    use kivi_runtime::CpuParams;
+    let d = CpuParams::default();
+    [d, CpuParams { avx512: false, ..d }, CpuParams { scalar: true, ..d }]
 }
