@@ -133,6 +133,15 @@ pub enum Stage {
 impl Stage {
     /// The stage tensor `t` of `s` is stored (and its codebook fitted) at:
     /// keys of a `rope: pre(...)` scheme before RoPE, everything else after.
+    ///
+    /// ```
+    /// use kivi_runtime::calib::Stage;
+    /// use kivi_spec::Tensor;
+    /// let s = kivi_spec::parse_scheme("p { key: quant(bits = 2, axis = channel, group = 32, levels = nuq), \
+    ///     value: quant(bits = 2, axis = token, group = 32), rope: pre(theta = 10000, style = half) }").unwrap();
+    /// assert_eq!(Stage::of(&s, Tensor::Key), Stage::PreRope);
+    /// assert_eq!(Stage::of(&s, Tensor::Value), Stage::PostRope);
+    /// ```
     pub fn of(s: &Scheme, t: Tensor) -> Stage {
         if t == Tensor::Key && s.rope.is_some() {
             Stage::PreRope
