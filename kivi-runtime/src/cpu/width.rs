@@ -83,6 +83,21 @@ pub(crate) trait Width {
     /// `e` where `x >= lim`, else 0.
     unsafe fn keep_ge(x: Self::F, lim: f32, e: Self::F) -> Self::F;
 
+    /// `exp(x)` for `x <= 0`, the polynomial of `simd::exp_body`; 0 below
+    /// -64 (the fused and dense softmax).
+    #[inline(always)]
+    unsafe fn exp_le0(x: Self::F) -> Self::F {
+        let a = Self::max(x, Self::splat(-87.0));
+        let n = Self::round(Self::mul(a, Self::splat(std::f32::consts::LOG2_E)));
+        let r = Self::fnmadd(n, Self::splat(0.693_359_4), a);
+        let r = Self::fnmadd(n, Self::splat(-2.121_944_4e-4), r);
+        let mut p = Self::splat(1.0 / 5040.0);
+        for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+            p = Self::fmadd(p, r, Self::splat(c));
+        }
+        Self::keep_ge(x, -64.0, Self::pow2(p, n))
+    }
+
     unsafe fn splat_i(x: i32) -> Self::I;
     unsafe fn and_i(a: Self::I, b: Self::I) -> Self::I;
     /// Logical right shift of every lane by `n` (a constant after inlining).
@@ -244,8 +259,12 @@ impl Width for Avx512 {
     }
     #[inline(always)]
     unsafe fn sum4(v: [__m512; 4]) -> __m128 {
-        let half = |v: __m512| _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v));
-        hsum4(half(v[0]), half(v[1]), half(v[2]), half(v[3]))
+        // No closure: it would not inherit the caller's target features.
+        let mut h = [_mm256_setzero_ps(); 4];
+        for (h, v) in h.iter_mut().zip(v) {
+            *h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v));
+        }
+        hsum4(h[0], h[1], h[2], h[3])
     }
     #[inline(always)]
     unsafe fn row<R: Rows>(r: &R, i: usize, c: usize) -> __m512 {
