@@ -223,9 +223,9 @@ pub(crate) fn tile_fits(isa: Isa, g: usize, d: usize) -> bool {
 ///   from the scoring loop;
 /// - keys scored four rows by four heads at once on AVX-512 (sixteen FMA
 ///   chains; two rows on AVX2, whose sixteen registers hold eight), the
-///   query chunk of four heads loaded once per four rows, the four heads'
-///   sums of a row reduced together, and four rows' sums transposed to
-///   heads-major with eight 128-bit shuffles;
+///   query chunk of four heads loaded once per four rows, and the sixteen
+///   sums reduced together straight into heads-major order
+///   (`Width::sum4x4`: one transpose tree on AVX-512);
 /// - the softmax in vector registers over `[g][n]` (max, exp, sum), where
 ///   the generic path runs scalar loops over `[n][g]`.
 ///
@@ -282,7 +282,7 @@ unsafe fn tile_avx2(st: &mut TileState, t: &Tile, q: &[f32], m: &mut [f32], l: &
 mod body {
     use super::{Tile, TileState};
     use crate::cpu::width::Width;
-    use std::arch::x86_64::*;
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
 
     #[inline(always)]
     pub unsafe fn tile<V: Width>(
@@ -309,24 +309,16 @@ mod body {
                 if hb == 0 {
                     prefetch_piece(t, i / 4, step);
                 }
-                let s = if V::WIDE {
-                    rows::<V, 4>(k.add(i * ks), ks, d, qh)
+                // Sixteen sums, `4 r + h` for row i + r and head hb + h,
+                // reduced heads-major straight into the scores.
+                let mut a = [V::zero(); 16];
+                if V::WIDE {
+                    rows::<V, 4>(k.add(i * ks), ks, d, qh, &mut a, 0);
                 } else {
-                    let a = rows::<V, 2>(k.add(i * ks), ks, d, qh);
-                    let b = rows::<V, 2>(k.add((i + 2) * ks), ks, d, qh);
-                    [a[0], a[1], b[0], b[1]]
-                };
-                // s[r] holds heads hb..hb + 4 of row i + r: transposed, four
-                // rows of each head.
-                let t0 = _mm_unpacklo_ps(s[0], s[1]);
-                let t1 = _mm_unpacklo_ps(s[2], s[3]);
-                let t2 = _mm_unpackhi_ps(s[0], s[1]);
-                let t3 = _mm_unpackhi_ps(s[2], s[3]);
-                let out = p.add(hb * n + i);
-                _mm_storeu_ps(out, _mm_movelh_ps(t0, t1));
-                _mm_storeu_ps(out.add(n), _mm_movehl_ps(t1, t0));
-                _mm_storeu_ps(out.add(2 * n), _mm_movelh_ps(t2, t3));
-                _mm_storeu_ps(out.add(3 * n), _mm_movehl_ps(t3, t2));
+                    rows::<V, 2>(k.add(i * ks), ks, d, qh, &mut a, 0);
+                    rows::<V, 2>(k.add((i + 2) * ks), ks, d, qh, &mut a, 2);
+                }
+                V::sum4x4(&a, p.add(hb * n + i), n);
             }
         }
         softmax::<V>(st, n, m, l, acc);
@@ -349,11 +341,18 @@ mod body {
         }
     }
 
-    /// Scores of rows `0..R` (`ks` halves apart at `k`) for four heads
-    /// (`q`, `[4][d]`): `4 R` FMA chains, each query chunk loaded once for
-    /// the `R` rows; element `r` holds the four heads' scores of row `r`.
+    /// Dot products of rows `0..R` (`ks` halves apart at `k`) with four
+    /// heads (`q`, `[4][d]`) into `out[4 (r0 + r) + h]`, unreduced: `4 R`
+    /// FMA chains, each query chunk loaded once for the `R` rows.
     #[inline(always)]
-    unsafe fn rows<V: Width, const R: usize>(k: *const u16, ks: usize, d: usize, q: *const f32) -> [__m128; R] {
+    unsafe fn rows<V: Width, const R: usize>(
+        k: *const u16,
+        ks: usize,
+        d: usize,
+        q: *const f32,
+        out: &mut [V::F; 16],
+        r0: usize,
+    ) {
         // No closures here (`array::from_fn`): a closure does not inherit
         // the entry point's target features, and its intrinsics were left
         // as calls (measured 2.5x slower).
@@ -372,11 +371,11 @@ mod body {
             }
             c += V::LANES;
         }
-        let mut out = [_mm_setzero_ps(); R];
         for r in 0..R {
-            out[r] = V::sum4(a[r]);
+            for h in 0..4 {
+                out[4 * (r0 + r) + h] = a[r][h];
+            }
         }
-        out
     }
 
     /// Online softmax over the scores `st.p` (`[g][n]`): they become the
