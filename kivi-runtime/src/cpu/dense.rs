@@ -9,7 +9,7 @@
 //! written once over the vector width (`width.rs`) like the fused
 //! quantized path. The F16C / AVX-512 conversion (`vcvtph2ps`) widens
 //! each row chunk once per pass; see [`tile`] for what it saves. Measured
-//! 1.5–1.7x faster than the loops below with the KV warm (one thread,
+//! 1.55–2x faster than the loops below with the KV warm (one thread,
 //! docs/performance.md); the tokens around them (a split's ragged ends,
 //! other tiles) and the other dtypes and groups take the loops below.
 //!
