@@ -652,7 +652,10 @@ impl PagedCache {
         // Bad input, and anything the vectorised writes decline, takes the
         // reference path: it names the offending value and changes nothing.
         if let Some(isa) = self.write_isa {
-            if self.inputs_ok(isa, [k, v], old_tokens) && self.extend_fast(isa, id, [k, v], old_tokens)? {
+            // `full` tensors (the f16 preset) check their rows as they store
+            // them instead, reading the input once (`cpu/write.rs`).
+            let checked = self.checked_in_store(old_tokens);
+            if (checked || self.inputs_ok(isa, [k, v], old_tokens)) && self.extend_fast(isa, id, [k, v], old_tokens)? {
                 self.last_write = Some(isa);
                 return Ok(());
             }
@@ -660,6 +663,14 @@ impl PagedCache {
         self.extend_reference(id, k, v, old_tokens)?;
         self.last_write = None;
         Ok(())
+    }
+
+    /// Whether the vectorised writes check this extend's input themselves,
+    /// as they store it: both tensors `full` (no groups to overflow, no
+    /// window) and no new token a sink, so every new row goes to a block
+    /// and a failed write is undone by [`clear_blocks`].
+    fn checked_in_store(&self, old_tokens: usize) -> bool {
+        self.scheme.key == Codec::Full && self.scheme.value == Codec::Full && old_tokens >= self.scheme.sinks as usize
     }
 
     /// Whether every input value is finite in the activation dtype and
@@ -832,6 +843,9 @@ impl PagedCache {
         }
         let ok = write_blocks(layout, pool, seq.blocks(), &writes);
         if !ok {
+            // A row failed its check (`full` tensors only): zero the rows
+            // this write may have stored, which no reader could see.
+            clear_blocks(layout, pool, seq.blocks(), &writes, h);
             seq.table.truncate(old_len);
             return Ok(false);
         }
@@ -1258,6 +1272,34 @@ fn write_blocks(l: &BlockLayout, pool: &mut [u32], table: Blocks, writes: &[Opti
         let block = unsafe { base.part(table[b] as usize * bw, bw) };
         job(block, b)
     })
+}
+
+/// After a failed [`write_blocks`], zeroes every row of the `full` tensors'
+/// ranges (`write::clear_rows`): the rows a checked write may have stored
+/// before it met a bad value, in blocks and block tails that hold no token
+/// yet. Quantized tensors are left as they are: their input is checked
+/// before anything is written (`PagedCache::inputs_ok`).
+fn clear_blocks(l: &BlockLayout, pool: &mut [u32], table: Blocks, writes: &[Option<TensorWrite>], heads: usize) {
+    let (bt, bw) = (l.block_tokens, l.block_words);
+    for w in writes.iter().flatten().filter(|w| w.plan.quant.is_none()) {
+        for b in w.range.start / bt..w.range.end.div_ceil(bt) {
+            let start = table[b] as usize * bw;
+            let Some(block) = pool.get_mut(start..start + bw) else {
+                continue;
+            };
+            let first = w.range.start.max(b * bt);
+            let end = w.range.end.min((b + 1) * bt);
+            write::clear_rows(
+                &w.plan,
+                heads,
+                &mut write::Job {
+                    block,
+                    first,
+                    n: end - first,
+                },
+            );
+        }
+    }
 }
 
 /// Words of a tensor part of one block of the pool.
