@@ -478,20 +478,6 @@ impl KiviKvCache {
         windows: &[Option<usize>],
         max_tokens: usize,
     ) -> Result<KiviKvCache> {
-        if windows.len() != shape.layers {
-            return Err(Error::Config(format!(
-                "{} windows for {} layers; give one per layer (None for a global layer)",
-                windows.len(),
-                shape.layers
-            )));
-        }
-        let kinds: Vec<kivi_spec::LayerKind> = windows
-            .iter()
-            .map(|w| match w {
-                Some(_) => kivi_spec::LayerKind::Sliding,
-                None => kivi_spec::LayerKind::Global,
-            })
-            .collect();
         KiviKvCache::from_model_pooled(decl, shape, windows, max_tokens, PoolCapacity::Unevicted)
     }
 
@@ -704,7 +690,8 @@ impl KiviKvCache {
             .unwrap_or(0)
     }
 
-    /// Empties every layer; the blocks go back to each layer's pool.
+    /// Empties every layer; the blocks go back to each layer's pool (and
+    /// their bytes to the shared pool, if any).
     pub fn reset(&mut self) {
         for l in &mut self.layers {
             // The id is live (only reset frees it), so this cannot fail;
