@@ -494,13 +494,13 @@ impl KiviKvCache {
     /// let decl = kivi_spec::parse_model("model { default: kivi2, global: kivi4 }")?;
     /// let shape = ModelShape { layers: 2, q_heads: 4, kv_heads: 1, head_dim: 64 };
     /// let windows = [Some(128), None];
-    /// let mut c = KiviKvCache::from_model_pooled(&decl, shape, &windows, 4096, PoolCapacity::Bytes(64 << 10))?;
+    /// let mut c = KiviKvCache::from_model_pooled(&decl, shape, &windows, 4096, PoolCapacity::Bytes(128 << 10))?;
     /// let kv = Tensor::randn(0f32, 1.0, (1, 1, 1000, 64), &Device::Cpu)?;
     /// for l in 0..2 {
     ///     c.extend(l, &kv, &kv)?;
     /// }
     /// let pool = c.pool_memory().unwrap();
-    /// assert_eq!(pool.capacity, 64 << 10);
+    /// assert_eq!(pool.capacity, 128 << 10);
     /// assert_eq!(pool.used, (0..2).map(|l| c.layer_block_bytes(l).unwrap()).sum::<usize>());
     /// // 3000 more tokens do not fit: the global layer is refused and unchanged.
     /// let more = Tensor::randn(0f32, 1.0, (1, 1, 3000, 64), &Device::Cpu)?;
