@@ -453,3 +453,42 @@ fn interleaved_appends_and_evictions_agree_with_a_plain_model() {
     }
     assert!(total_refused > 12 * 5, "{total_refused} writes refused in all");
 }
+
+/// A cache with blocks moves to another pool with them: refused, with the
+/// cache and both pools unchanged, when the new pool cannot hold them;
+/// else charged there and given back to the old one. Detached, it holds
+/// its blocks on its own.
+#[test]
+fn set_pool_moves_the_blocks_a_cache_holds() {
+    let s = bound(presets::kivi4(), Heads::Mha(2), 32);
+    let mut c = PagedCache::new(s, CacheConfig::for_tokens(4096)).unwrap();
+    let bb = c.layout().block_bytes();
+    let (first, small, big) = (
+        BlockPool::new(100 * bb),
+        BlockPool::new(2 * bb),
+        BlockPool::new(100 * bb),
+    );
+    c.set_pool(Some(first.clone())).unwrap();
+    let id = c.add_sequence();
+    let mut rng = Rng::new(2);
+    let (k, v) = (rng.kv(1000, 2, 32, true), rng.kv(1000, 2, 32, false));
+    c.extend(id, &k, &v).unwrap();
+    let held = held_bytes(&c);
+    assert!(held > 2 * bb);
+    assert_eq!(first.memory().used, held);
+    let before = snapshot(&c, id);
+    let e = c.set_pool(Some(small.clone())).unwrap_err();
+    assert!(matches!(e, Error::PoolExhausted { .. }), "{e}");
+    assert_eq!((first.memory().used, small.memory().used), (held, 0));
+    assert!(c.block_pool().unwrap().same_pool(&first));
+    assert_eq!(snapshot(&c, id), before);
+    c.set_pool(Some(big.clone())).unwrap();
+    assert_eq!((first.memory().used, big.memory().used), (0, held));
+    // Attaching the same pool again charges nothing twice.
+    c.set_pool(Some(big.clone())).unwrap();
+    assert_eq!(big.memory().used, held);
+    c.set_pool(None).unwrap();
+    assert_eq!(big.memory().used, 0);
+    assert!(c.block_pool().is_none());
+    assert_eq!(snapshot(&c, id), before);
+}
