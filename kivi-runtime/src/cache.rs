@@ -2,7 +2,10 @@
 //!
 //! Quantized tokens live in fixed-size blocks taken from one pool (a single
 //! word arena, as on a GPU); each sequence has a block table, and blocks
-//! return to the pool when a sequence is freed. Sinks and the recent window
+//! return to the pool when a sequence is freed. Several caches (the layers
+//! of a model, each its own scheme and block size) can also share one byte
+//! budget for their blocks, a [`crate::pool::BlockPool`]
+//! ([`PagedCache::set_pool`]). Sinks and the recent window
 //! stay in the activation dtype in per-sequence buffers sized once, at their
 //! maximum ([`kivi_spec::layout::window_capacity`]); the window is a ring
 //! indexed by token position, so appending never copies the cache.
