@@ -533,8 +533,8 @@ pub fn measure(
             model.fill_cache(c, &pre)?;
         }
         let mut kl = vec![0f64; chunk.len()];
-        for pos in cfg.prefix..cfg.prefix + cfg.steps {
-            let toks = vec![ids[pos]; caches.len()];
+        for &token in &ids[cfg.prefix..cfg.prefix + cfg.steps] {
+            let toks = vec![token; caches.len()];
             let mut refs: Vec<&mut kivi_candle::KiviKvCache> = caches.iter_mut().collect();
             let logits = model.step(&toks, &mut refs)?;
             let lsm = log_softmax_rows(&logits)?;
@@ -709,7 +709,7 @@ mod tests {
         let grid = kivi_grid(&[1, 2, 3, 4], 128, 0).unwrap();
         assert_eq!(grid.len(), 16);
         let k2v2 = grid.iter().find(|s| s.name == "k2v2").unwrap();
-        assert_eq!(model_bytes(&[k2v2.clone()], &g, 768).unwrap(), b);
+        assert_eq!(model_bytes(std::slice::from_ref(k2v2), &g, 768).unwrap(), b);
         assert!(kivi_grid(&[9], 128, 0).is_err());
         assert!(kivi_grid(&[], 128, 0).is_err());
     }

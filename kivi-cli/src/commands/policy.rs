@@ -128,7 +128,7 @@ pub fn run(args: Args) -> super::Result {
                         eprintln!();
                     }
                     let _ = std::io::stderr().flush();
-                } else if done == total || done % 8 == 0 {
+                } else if done == total || done.is_multiple_of(8) {
                     eprintln!("{line}");
                 }
             };
@@ -184,7 +184,7 @@ pub fn run(args: Args) -> super::Result {
     let mut table = String::new();
     table += "| layer | kind | damage (KL, nats) per candidate | chosen | its damage | bytes at context |\n|---|---|---|---|---|---|\n";
     let kinds = layout.kinds();
-    for l in 0..layout.layers {
+    for (l, kind) in kinds.iter().enumerate() {
         let c = found.plan.choice[l];
         let row: Vec<String> = sens
             .names
@@ -194,7 +194,7 @@ pub fn run(args: Args) -> super::Result {
             .collect();
         table += &format!(
             "| {l} | {} | {} | {} | {:.5} | {} |\n",
-            kinds[l].name(),
+            kind.name(),
             row.join(", "),
             sens.names[c],
             sens.damage[l][c],
