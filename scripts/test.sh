@@ -138,7 +138,7 @@ main_job_smoke() {
 # workspace run leaves off: its end-to-end tests run here, last, so that the
 # feature's rebuild of the kivi binary happens once.
 generate_tests() {
-    cargo test -p kivi-cli --features eval --test generate
+    cargo test -p kivi-cli --features eval --test generate --test policy
 }
 
 # The decision-cache tests that watch system calls need strace (part of the

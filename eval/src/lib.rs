@@ -12,6 +12,7 @@
 //! - [`generate`] — text generation on a kivi cache (`kivi generate`).
 //! - [`metrics`] — perplexity, KL and top-1 agreement against the f32 cache.
 //! - [`layers`] — per-layer K/V, score and output errors of axis choices.
+//! - [`policy`] — per-layer precisions under a byte budget (`kivi policy`).
 
 pub mod calibrate;
 pub mod error;
@@ -22,6 +23,7 @@ pub mod kv;
 pub mod layers;
 pub mod metrics;
 pub mod model;
+pub mod policy;
 pub mod tokenizer;
 
 pub use error::{Error, Result};

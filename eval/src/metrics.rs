@@ -45,6 +45,9 @@ pub struct EvalConfig {
     pub tokens: usize,
     /// Schemes (see [`resolve_scheme`]); `f32` is always run as the baseline.
     pub schemes: Vec<String>,
+    /// Model declarations (`kivi_spec::parse_model`), each run as one row
+    /// with its own scheme on every layer, after the schemes.
+    pub models: Vec<kivi_spec::ModelDecl>,
     /// Run the per-layer axis study.
     pub layers: bool,
     /// Query positions per layer in the axis study.
@@ -70,6 +73,7 @@ impl Default for EvalConfig {
             prefix: 256,
             tokens: 768,
             schemes: DEFAULT_SCHEMES.iter().map(|s| s.to_string()).collect(),
+            models: Vec::new(),
             layers: true,
             layer_queries: 8,
             weights: Weights::F32,
@@ -98,6 +102,15 @@ pub struct SchemeResult {
     pub bits_per_element: f64,
     /// Exact bytes the caches of all layers held at the end of the run.
     pub cache_bytes: usize,
+    /// The scheme of each layer (a model declaration's row; one name
+    /// repeated for a plain scheme).
+    pub layer_schemes: Vec<String>,
+    /// K/V payload per token, all layers summed, at the run's context
+    /// (`tokens`), sliding layers holding only their window
+    /// ([`crate::policy::model_bytes`] over `tokens`): the honest budget.
+    pub kv_bytes_per_token: f64,
+    /// The same at 32k tokens (sliding layers hold 512 of them).
+    pub kv_bytes_per_token_32k: f64,
     pub perplexity: f64,
     pub mean_nll: f64,
     /// Mean KL(p_f32 || p_scheme) per decoded token, nats.
@@ -200,6 +213,15 @@ pub fn run(cfg: &EvalConfig, log: &mut dyn FnMut(&str)) -> Result<Report> {
         }
     }
     let schemes = names.iter().map(|n| resolve_scheme(n)).collect::<Result<Vec<_>>>()?;
+    for m in &cfg.models {
+        if names.contains(&m.name) {
+            return Err(Error::Config(format!(
+                "model `{}` has the name of another row; rename it",
+                m.name
+            )));
+        }
+        names.push(m.name.clone());
+    }
     let (text, text_name) = match &cfg.text {
         Some(p) => (
             std::fs::read_to_string(p).map_err(|e| Error::io(p, e))?,
@@ -228,6 +250,13 @@ pub fn run(cfg: &EvalConfig, log: &mut dyn FnMut(&str)) -> Result<Report> {
         None => None,
     };
     let mc = model.config().clone();
+    let layout = crate::policy::ModelLayout::of(&mc);
+    // One row per scheme (the same on every layer), then one per model
+    // declaration (a scheme per layer).
+    let mut rows: Vec<Vec<Scheme>> = schemes.iter().map(|s| vec![s.clone()]).collect();
+    for m in &cfg.models {
+        rows.push(crate::policy::resolve_model(m, &layout)?);
+    }
     let all_ids = tok.encode(&text, false);
     if all_ids.len() < cfg.tokens {
         return Err(Error::Config(format!(
@@ -249,17 +278,17 @@ pub fn run(cfg: &EvalConfig, log: &mut dyn FnMut(&str)) -> Result<Report> {
         cfg.tokens,
         cfg.prefix,
         cfg.tokens - 1 - cfg.prefix,
-        schemes.len()
+        rows.len()
     ));
 
     let steps = cfg.tokens - 1 - cfg.prefix;
-    let n = if cfg.decode { schemes.len() } else { 0 };
+    let n = if cfg.decode { rows.len() } else { 0 };
     // Prefill once, unquantized; every cache gets the same K/V.
     let t = Instant::now();
     let pre = model.forward(&ids[..if cfg.decode { cfg.prefix } else { 1 }], Logits::None, true)?;
-    let mut caches = schemes[..n]
+    let mut caches = rows[..n]
         .iter()
-        .map(|s| model.new_cache_calibrated(std::slice::from_ref(s), cfg.tokens, calibration.as_ref()))
+        .map(|s| model.new_cache_calibrated(s, cfg.tokens, calibration.as_ref()))
         .collect::<Result<Vec<_>>>()?;
     for c in caches.iter_mut() {
         model.fill_cache(c, &pre)?;
@@ -357,21 +386,52 @@ pub fn run(cfg: &EvalConfig, log: &mut dyn FnMut(&str)) -> Result<Report> {
     times.layer_study = t.elapsed().as_secs_f64();
 
     let heads = Heads::from_counts(mc.q_heads as u32, mc.kv_heads as u32);
-    let results = schemes[..n]
+    let results = rows[..n]
         .iter()
         .enumerate()
-        .map(|(s, sc)| -> Result<SchemeResult> {
-            let bound = sc.with_shape(heads, mc.head_dim as u32)?;
-            let (b, per) = kivi_spec::layout::bytes_per_token_per_head(&bound);
+        .map(|(s, per_layer)| -> Result<SchemeResult> {
+            let bound = per_layer
+                .iter()
+                .map(|sc| sc.with_shape(heads, mc.head_dim as u32))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            let uniform = bound
+                .iter()
+                .all(|b| kivi_spec::canonical(b) == kivi_spec::canonical(&bound[0]));
+            let mean = |f: &dyn Fn(&Scheme) -> f64| bound.iter().map(f).sum::<f64>() / bound.len() as f64;
+            let same = |f: &dyn Fn(&Scheme) -> String| {
+                let v = f(&bound[0]);
+                if bound.iter().all(|b| f(b) == v) {
+                    v
+                } else {
+                    "per layer".to_string()
+                }
+            };
+            let per_token = |ctx: usize| -> Result<f64> {
+                Ok(crate::policy::model_bytes(per_layer, &layout, ctx)? as f64 / ctx as f64)
+            };
             Ok(SchemeResult {
-                name: sc.name.clone(),
-                canonical: kivi_spec::canonical(&bound),
-                key: codec_short(&bound, Tensor::Key),
-                value: codec_short(&bound, Tensor::Value),
-                residual: bound.residual,
-                bytes_per_token_per_head: b as f64 / per as f64,
-                bits_per_element: kivi_spec::layout::bits_per_element(&bound),
+                // A scheme row keeps its scheme's own name (a file's or
+                // text's), a model row the declaration's.
+                name: schemes.get(s).map_or_else(|| names[s].clone(), |sc| sc.name.clone()),
+                canonical: if uniform {
+                    kivi_spec::canonical(&bound[0])
+                } else {
+                    crate::policy::declaration(&names[s], &layout, &bound, "")?
+                },
+                key: same(&|b| codec_short(b, Tensor::Key)),
+                value: same(&|b| codec_short(b, Tensor::Value)),
+                residual: bound.iter().map(|b| b.residual).max().unwrap_or(0),
+                bytes_per_token_per_head: mean(&|b| {
+                    let (x, per) = kivi_spec::layout::bytes_per_token_per_head(b);
+                    x as f64 / per as f64
+                }),
+                bits_per_element: mean(&|b| kivi_spec::layout::bits_per_element(b)),
                 cache_bytes: caches[s].memory_bytes(),
+                layer_schemes: (0..mc.layers)
+                    .map(|l| bound[l.min(bound.len() - 1)].name.clone())
+                    .collect(),
+                kv_bytes_per_token: per_token(cfg.tokens)?,
+                kv_bytes_per_token_32k: per_token(32 * 1024)?,
                 perplexity: (nll[s] / steps as f64).exp(),
                 mean_nll: nll[s] / steps as f64,
                 kl_mean: kl[s] / steps as f64,
@@ -442,6 +502,43 @@ impl Report {
                 r.kl_max,
                 100.0 * r.top1_agreement,
                 100.0 * r.top1_accuracy
+            );
+        }
+        s += &format!(
+            "\nK/V bytes per token, all layers summed (exact payload at the context, windows included; \
+             sliding layers hold only their last {} tokens), and all-in bits per element averaged over layers \
+             (every layer alike, windows excluded):\n\n",
+            self.model.sliding_window
+        );
+        s += &format!(
+            "| scheme | layers | mean all-in bits/elem | K/V bytes/token at {} tokens | vs f16 | at 32k tokens | vs f16 |\n\
+             |---|---|---|---|---|---|---|\n",
+            self.tokens
+        );
+        let f16_at = |ctx: usize| -> f64 {
+            let held: usize = (0..self.model.layers)
+                .map(|l| self.model.window(l).map_or(ctx, |w| ctx.min(w)))
+                .sum();
+            (held * 2 * self.model.head_dim * self.model.kv_heads * 2) as f64 / ctx as f64
+        };
+        for r in &self.schemes {
+            let mut counts: Vec<(&str, usize)> = Vec::new();
+            for n in &r.layer_schemes {
+                match counts.iter_mut().find(|c| c.0 == n) {
+                    Some(c) => c.1 += 1,
+                    None => counts.push((n, 1)),
+                }
+            }
+            let layers: Vec<String> = counts.iter().map(|(n, c)| format!("{n} x{c}")).collect();
+            s += &format!(
+                "| {} | {} | {:.3} | {:.1} | {:.2}x | {:.1} | {:.2}x |\n",
+                r.name,
+                layers.join(", "),
+                r.bits_per_element,
+                r.kv_bytes_per_token,
+                f16_at(self.tokens) / r.kv_bytes_per_token,
+                r.kv_bytes_per_token_32k,
+                f16_at(32 * 1024) / r.kv_bytes_per_token_32k
             );
         }
         let rc = &self.reference_check;

@@ -184,6 +184,65 @@ fn four_bits_beat_two_bits_on_kl() {
     assert!(f.perplexity < 30.0, "f32 perplexity {}", f.perplexity);
 }
 
+/// A model declaration is one row with a scheme per layer: `default:
+/// kivi2_r0` gives the uniform kivi2_r0 row's numbers and bytes, and a mixed
+/// declaration (4-bit global layers) is priced per layer and damages less.
+#[test]
+fn model_declarations_run_as_rows() {
+    let same = kivi_spec::parse_model("model same { default: kivi2_r0 }").unwrap();
+    let mixed = kivi_spec::parse_model(
+        "model mixed { layers: 18, window: 512, global_layers: [5, 11, 17], default: kivi2_r0,
+         global: k4 { key: quant(bits = 4, axis = channel, group = 32), value: quant(bits = 4, axis = token, group = 32), residual: 0 } }",
+    )
+    .unwrap();
+    let cfg = EvalConfig {
+        model: Some(model_path()),
+        tokens: 128,
+        prefix: 64,
+        schemes: vec!["kivi2_r0".into()],
+        models: vec![same, mixed],
+        layers: false,
+        ..EvalConfig::default()
+    };
+    let r = run(&cfg, &mut |l| eprintln!("{l}")).unwrap();
+    let get = |n: &str| r.schemes.iter().find(|s| s.name == n).unwrap();
+    let (u, s, m) = (get("kivi2_r0"), get("same"), get("mixed"));
+    assert!(
+        (u.kl_mean - s.kl_mean).abs() <= 1e-6 * u.kl_mean.max(1e-9),
+        "{} vs {}",
+        u.kl_mean,
+        s.kl_mean
+    );
+    assert_eq!(
+        (u.cache_bytes, u.kv_bytes_per_token),
+        (s.cache_bytes, s.kv_bytes_per_token)
+    );
+    assert_eq!(s.layer_schemes, vec!["kivi2_r0".to_string(); 18]);
+    assert_eq!(m.layer_schemes[5], "k4");
+    assert_eq!((m.key.as_str(), u.bits_per_element), ("per layer", 3.0));
+    // 15 layers at 3 bits and 3 at 5: the mean over layers.
+    assert!((m.bits_per_element - (15.0 * 3.0 + 3.0 * 5.0) / 18.0).abs() < 1e-12);
+    assert!(m.kv_bytes_per_token > u.kv_bytes_per_token && m.cache_bytes > u.cache_bytes);
+    assert!(
+        m.kl_mean < u.kl_mean,
+        "4-bit global layers: KL {} >= {}",
+        m.kl_mean,
+        u.kl_mean
+    );
+    // A declaration for another model is refused before decoding.
+    let other = kivi_spec::parse_model("model other { layers: 12, default: kivi2 }").unwrap();
+    let e = run(
+        &EvalConfig {
+            models: vec![other],
+            ..cfg.clone()
+        },
+        &mut |_| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("declares 12 layers"), "{e}");
+}
+
 /// The CUDA backend's host code and generated kernels on real K/V: Gemma 3's
 /// captured keys, values and last query of a local and a global layer,
 /// written into a device cache on the simulated device by the extend kernel

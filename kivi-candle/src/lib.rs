@@ -52,6 +52,17 @@
 //! model's schemes can come from one declaration
 //! ([`KiviKvCache::from_model`]).
 //!
+//! # One block pool for the whole model
+//!
+//! [`KiviKvCache::from_model`] puts every layer on one
+//! [`kivi_runtime::pool::BlockPool`]: a byte budget for blocks that a
+//! sliding layer gives back to when it evicts and a global layer takes
+//! from, whatever the layers' block sizes. [`KiviKvCache::from_model_pooled`]
+//! chooses its capacity ([`PoolCapacity`]) or shares one pool between
+//! several caches (sequences); an append the pool cannot hold is an
+//! [`Error::Cache`] holding [`kivi_runtime::Error::PoolExhausted`], and the
+//! cache is left as it was. [`KiviKvCache::pool_memory`] reports it.
+//!
 //! # Why a function and not a candle `CustomOp`
 //!
 //! A candle `CustomOp` is a pure function of its input tensors (it gets
@@ -185,6 +196,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use kivi_runtime::device::{DeviceBackend, DeviceKind};
+use kivi_runtime::pool::{BlockPool, PoolReport};
 use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, MemoryReport, NewTokens, PagedCache, SeqId};
 use kivi_spec::{Heads, Scheme};
 
@@ -324,12 +336,32 @@ struct Layer {
     evict: bool,
 }
 
+/// How big the block pool of [`KiviKvCache::from_model_pooled`] is.
+#[derive(Clone, Debug)]
+pub enum PoolCapacity {
+    /// What the layers' own pools would hold: every layer's blocks for
+    /// `max_tokens` tokens, eviction not counted. Never refuses an append
+    /// that fits `max_tokens`; eviction then leaves room for other caches
+    /// only if the pool is shared, so this is the safe default.
+    Unevicted,
+    /// A budget of this many bytes of blocks. With sliding layers evicting,
+    /// a model needs far less than [`PoolCapacity::Unevicted`] (`kivi show
+    /// --model` prints both); a prefill chunk's blocks are charged before
+    /// its layer evicts, so leave room for one chunk per layer.
+    Bytes(usize),
+    /// An existing pool, shared with other caches (e.g. one per sequence).
+    Shared(BlockPool),
+}
+
 /// The KV cache of one sequence for every layer of a model, quantized per
 /// each layer's scheme. See the [crate docs](crate) for shapes and semantics.
 pub struct KiviKvCache {
     shape: ModelShape,
     max_tokens: usize,
     layers: Vec<Layer>,
+    /// The pool every layer draws on, when built on one
+    /// ([`Self::from_model_pooled`]).
+    pool: Option<BlockPool>,
     cpu: CpuBackend,
     backend: AttentionBackend,
 }
@@ -415,6 +447,7 @@ impl KiviKvCache {
             shape,
             max_tokens,
             layers,
+            pool: None,
             // threads = 0: rayon's global pool, the one candle's CPU kernels
             // use too (a pool per call would be rebuilt every token).
             cpu: CpuBackend::new(kivi_runtime::CpuParams::default())
@@ -426,7 +459,9 @@ impl KiviKvCache {
     /// A cache for a model declaration ([`kivi_spec::parse_model`]): layer
     /// `l` gets the scheme its declaration names for it (by index, else by
     /// kind — sliding when `windows[l]` is set — else the default) and the
-    /// sliding window `windows[l]` (evicting, [`Self::set_window`]).
+    /// sliding window `windows[l]` (evicting, [`Self::set_window`]). Every
+    /// layer draws its blocks from one pool of [`PoolCapacity::Unevicted`]
+    /// bytes ([`Self::from_model_pooled`] chooses).
     ///
     /// ```
     /// use kivi_candle::{KiviKvCache, ModelShape};
@@ -442,6 +477,44 @@ impl KiviKvCache {
         shape: ModelShape,
         windows: &[Option<usize>],
         max_tokens: usize,
+    ) -> Result<KiviKvCache> {
+        KiviKvCache::from_model_pooled(decl, shape, windows, max_tokens, PoolCapacity::Unevicted)
+    }
+
+    /// [`Self::from_model`] on a block pool of the given capacity, or on a
+    /// pool shared with other caches. Each layer's blocks are still its own
+    /// (its scheme's block size, its own block table); the pool bounds the
+    /// bytes of blocks all of them hold at once, and the blocks a sliding
+    /// layer evicts are bytes a global layer can take.
+    ///
+    /// ```
+    /// use kivi_candle::{KiviKvCache, ModelShape, PoolCapacity};
+    /// use candle_core::{Device, Tensor};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let decl = kivi_spec::parse_model("model { default: kivi2, global: kivi4 }")?;
+    /// let shape = ModelShape { layers: 2, q_heads: 4, kv_heads: 1, head_dim: 64 };
+    /// let windows = [Some(128), None];
+    /// let mut c = KiviKvCache::from_model_pooled(&decl, shape, &windows, 4096, PoolCapacity::Bytes(128 << 10))?;
+    /// let kv = Tensor::randn(0f32, 1.0, (1, 1, 1000, 64), &Device::Cpu)?;
+    /// for l in 0..2 {
+    ///     c.extend(l, &kv, &kv)?;
+    /// }
+    /// let pool = c.pool_memory().unwrap();
+    /// assert_eq!(pool.capacity, 128 << 10);
+    /// assert_eq!(pool.used, (0..2).map(|l| c.layer_block_bytes(l).unwrap()).sum::<usize>());
+    /// // 3000 more tokens do not fit: the global layer is refused and unchanged.
+    /// let more = Tensor::randn(0f32, 1.0, (1, 1, 3000, 64), &Device::Cpu)?;
+    /// assert!(c.extend(1, &more, &more).is_err());
+    /// assert_eq!(c.seq_len(1)?, 1000);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn from_model_pooled(
+        decl: &kivi_spec::ModelDecl,
+        shape: ModelShape,
+        windows: &[Option<usize>],
+        max_tokens: usize,
+        capacity: PoolCapacity,
     ) -> Result<KiviKvCache> {
         if windows.len() != shape.layers {
             return Err(Error::Config(format!(
@@ -461,10 +534,48 @@ impl KiviKvCache {
             .schemes_for(&kinds)
             .map_err(|e| Error::Config(format!("model `{}`: {e}", decl.name)))?;
         let mut cache = KiviKvCache::per_layer(&schemes, shape, max_tokens)?;
+        let pool = match capacity {
+            PoolCapacity::Unevicted => BlockPool::new(
+                cache
+                    .layers
+                    .iter()
+                    .map(|l| l.cache.max_blocks() * l.cache.layout().block_bytes())
+                    .sum(),
+            ),
+            PoolCapacity::Bytes(b) => BlockPool::new(b),
+            PoolCapacity::Shared(p) => p,
+        };
+        for (i, l) in cache.layers.iter_mut().enumerate() {
+            // Empty layers: nothing to charge, so this cannot be refused.
+            l.cache
+                .set_pool(Some(pool.clone()))
+                .map_err(|e| Error::Cache { layer: i, source: e })?;
+        }
+        cache.pool = Some(pool);
         for (l, w) in windows.iter().enumerate() {
             cache.set_window(l, *w)?;
         }
         Ok(cache)
+    }
+
+    /// The pool every layer draws on (a handle: cloning it shares it), if
+    /// the cache was built on one ([`Self::from_model`]).
+    pub fn pool(&self) -> Option<&BlockPool> {
+        self.pool.as_ref()
+    }
+
+    /// The pool's capacity, bytes in use and free, and high-water mark
+    /// (`used` is every cache's blocks on it, so this cache's layers'
+    /// [`Self::layer_block_bytes`] when it is not shared).
+    pub fn pool_memory(&self) -> Option<PoolReport> {
+        self.pool.as_ref().map(BlockPool::memory)
+    }
+
+    /// Bytes of blocks a layer holds (what it draws from the pool):
+    /// `blocks_in_use * block_bytes` of its scheme's layout.
+    pub fn layer_block_bytes(&self, layer: usize) -> Result<usize> {
+        let c = &self.layer(layer)?.cache;
+        Ok(c.memory().blocks_in_use * c.layout().block_bytes())
     }
 
     /// Where [`Self::attend`] runs from now on (the default is
@@ -579,7 +690,8 @@ impl KiviKvCache {
             .unwrap_or(0)
     }
 
-    /// Empties every layer; the blocks go back to each layer's pool.
+    /// Empties every layer; the blocks go back to each layer's pool (and
+    /// their bytes to the shared pool, if any).
     pub fn reset(&mut self) {
         for l in &mut self.layers {
             // The id is live (only reset frees it), so this cannot fail;

@@ -77,6 +77,8 @@ enum Command {
     Generate(commands::generate::Args),
     /// Learn calibrated codebooks (levels = nuq) from Gemma 3 270M's K/V and write a calibration file
     Calibrate(commands::calibrate::Args),
+    /// Search per-layer key/value precisions under a byte budget (KVTuner-style) and write the model declaration
+    Policy(commands::policy::Args),
     /// Print a shell completion script, e.g. `kivi completions bash > ~/.local/share/bash-completion/completions/kivi`
     Completions(Completions),
 }
@@ -131,6 +133,7 @@ fn main() {
         Command::Eval(a) => commands::eval::run(a),
         Command::Generate(a) => commands::generate::run(a),
         Command::Calibrate(a) => commands::calibrate::run(a),
+        Command::Policy(a) => commands::policy::run(a),
         Command::Completions(a) => {
             clap_complete::generate(a.shell, &mut Cli::command(), "kivi", &mut std::io::stdout());
             Ok(())

@@ -725,6 +725,30 @@ fn show_model_reports_every_layer_and_the_total() {
             assert!(4 * m < kept, "layer {i}: {m} of {kept}");
         }
     }
+    // One block pool for all layers: its bytes are the layers' blocks
+    // (codes, scales, zeros, outliers); the rest of each layer's bytes is
+    // per sequence, outside it. Eviction shrinks it as it shrinks the total.
+    let pool = &v["pool"];
+    let blocks: u64 = layers
+        .iter()
+        .map(|l| {
+            ["codes", "scales", "zeros", "outliers"]
+                .iter()
+                .map(|k| l["memory"][k].as_u64().unwrap())
+                .sum::<u64>()
+        })
+        .sum();
+    assert_eq!(pool["blocks"].as_u64().unwrap(), blocks, "{pool}");
+    assert_eq!(
+        pool["blocks"].as_u64().unwrap() + pool["outside_pool"].as_u64().unwrap(),
+        sum
+    );
+    assert!(pool["peak"].as_u64().unwrap() >= blocks);
+    assert!(
+        2 * pool["blocks"].as_u64().unwrap() < pool["without_eviction"].as_u64().unwrap(),
+        "{pool}"
+    );
+    assert!(text.contains("one block pool for all 18 layers"), "{text}");
     // A global layer's bytes are what `show --scheme` reports for its scheme.
     let one: serde_json::Value = serde_json::from_str(&ok(&[
         "show",

@@ -2,7 +2,10 @@
 //!
 //! Quantized tokens live in fixed-size blocks taken from one pool (a single
 //! word arena, as on a GPU); each sequence has a block table, and blocks
-//! return to the pool when a sequence is freed. Sinks and the recent window
+//! return to the pool when a sequence is freed. Several caches (the layers
+//! of a model, each its own scheme and block size) can also share one byte
+//! budget for their blocks, a [`crate::pool::BlockPool`]
+//! ([`PagedCache::set_pool`]). Sinks and the recent window
 //! stay in the activation dtype in per-sequence buffers sized once, at their
 //! maximum ([`kivi_spec::layout::window_capacity`]); the window is a ring
 //! indexed by token position, so appending never copies the cache.
@@ -41,6 +44,7 @@
 
 use crate::cpu::{write, CpuParams, Isa};
 use crate::error::{Error, Result};
+use crate::pool::BlockPool;
 use crate::quant::{self, GroupParams, TensorCodec};
 use crate::reference::round_inputs;
 use kivi_spec::layout::{self, regions, BlockLayout, TensorLayout};
@@ -212,6 +216,9 @@ pub struct PagedCache {
     /// The hash of the calibration whose codebooks the codecs decode with
     /// ([`Self::with_calibration`]).
     calibration: Option<u64>,
+    /// The pool this cache's blocks are charged to, shared with other
+    /// caches ([`Self::set_pool`]); `None`: only `max_blocks` bounds it.
+    shared: Option<BlockPool>,
 }
 
 /// Where a token of one tensor lives.
@@ -387,6 +394,7 @@ impl PagedCache {
             last_write: None,
             evict_window: None,
             calibration: None,
+            shared: None,
             scheme,
         })
     }
@@ -482,6 +490,7 @@ impl PagedCache {
     pub fn free_sequence(&mut self, id: SeqId) -> Result<()> {
         let seq = self.seqs.remove(&id).ok_or(Error::UnknownSequence(id))?;
         self.free.extend(seq.table.iter().rev());
+        self.give_blocks(seq.table.len());
         Ok(())
     }
 
@@ -606,6 +615,7 @@ impl PagedCache {
         self.free.extend(seq.table[..n].iter().rev());
         seq.table.drain(..n);
         seq.first_block += n;
+        self.give_blocks(n);
         n
     }
 
@@ -652,7 +662,10 @@ impl PagedCache {
         // Bad input, and anything the vectorised writes decline, takes the
         // reference path: it names the offending value and changes nothing.
         if let Some(isa) = self.write_isa {
-            if self.inputs_ok(isa, [k, v], old_tokens) && self.extend_fast(isa, id, [k, v], old_tokens)? {
+            // `full` tensors (the f16 preset) check their rows as they store
+            // them instead, reading the input once (`cpu/write.rs`).
+            let checked = self.checked_in_store(old_tokens);
+            if (checked || self.inputs_ok(isa, [k, v], old_tokens)) && self.extend_fast(isa, id, [k, v], old_tokens)? {
                 self.last_write = Some(isa);
                 return Ok(());
             }
@@ -660,6 +673,14 @@ impl PagedCache {
         self.extend_reference(id, k, v, old_tokens)?;
         self.last_write = None;
         Ok(())
+    }
+
+    /// Whether the vectorised writes check this extend's input themselves,
+    /// as they store it: both tensors `full` (no groups to overflow, no
+    /// window) and no new token a sink, so every new row goes to a block
+    /// and a failed write is undone by [`clear_blocks`].
+    fn checked_in_store(&self, old_tokens: usize) -> bool {
+        self.scheme.key == Codec::Full && self.scheme.value == Codec::Full && old_tokens >= self.scheme.sinks as usize
     }
 
     /// Whether every input value is finite in the activation dtype and
@@ -735,6 +756,7 @@ impl PagedCache {
             max_blocks,
             seqs,
             codecs,
+            shared,
             ..
         } = self;
         let seq = seqs.get_mut(&id).ok_or(Error::UnknownSequence(id))?;
@@ -746,6 +768,13 @@ impl PagedCache {
                 free: free.len(),
                 total: *max_blocks,
             });
+        }
+        // Charged to the shared pool before anything is written; given
+        // back on every way out below that does not commit.
+        let block_bytes = layout.block_bytes();
+        let shared: Option<&BlockPool> = shared.as_ref().filter(|_| need > 0);
+        if let Some(p) = shared {
+            p.take(need, block_bytes)?;
         }
         // The fresh blocks join the table now (no allocation once the table
         // has grown) and leave it again if anything fails below.
@@ -800,6 +829,9 @@ impl PagedCache {
                 );
                 if let Err(e) = r {
                     seq.table.truncate(old_len);
+                    if let Some(p) = shared {
+                        p.give(need, block_bytes);
+                    }
                     return Err(e);
                 }
                 continue;
@@ -832,7 +864,13 @@ impl PagedCache {
         }
         let ok = write_blocks(layout, pool, seq.blocks(), &writes);
         if !ok {
+            // A row failed its check (`full` tensors only): zero the rows
+            // this write may have stored, which no reader could see.
+            clear_blocks(layout, pool, seq.blocks(), &writes, h);
             seq.table.truncate(old_len);
+            if let Some(p) = shared {
+                p.give(need, block_bytes);
+            }
             return Ok(false);
         }
         // Commit: nothing below can fail.
@@ -913,6 +951,11 @@ impl PagedCache {
                 total: self.max_blocks,
             });
         }
+        let block_bytes = self.layout.block_bytes();
+        let shared = self.shared.as_ref().filter(|_| need > 0);
+        if let Some(p) = shared {
+            p.take(need, block_bytes)?;
+        }
         let split = self.free.len() - need;
         let fresh: Vec<u32> = self.free[split..].iter().rev().copied().collect();
         let mut table = seq.table.clone();
@@ -956,8 +999,9 @@ impl PagedCache {
                     }
                 }
             };
-            // On error nothing visible changed; `fresh` is still free.
-            quantize_range(
+            // On error nothing visible changed; `fresh` is still free and
+            // the pool gets its bytes back.
+            let r = quantize_range(
                 &self.scheme,
                 &self.layout,
                 t,
@@ -971,7 +1015,13 @@ impl PagedCache {
                 &src,
                 self.codecs[i].as_ref(),
                 means[i].as_deref(),
-            )?;
+            );
+            if let Err(e) = r {
+                if let Some(p) = shared {
+                    p.give(need, block_bytes);
+                }
+                return Err(e);
+            }
         }
         // Commit: nothing below can fail.
         self.free.truncate(split);
@@ -1121,8 +1171,61 @@ impl PagedCache {
             logical.extend(&seq.table);
             let taken = logical.get(cp.seq.table.len()..).unwrap_or(&[]);
             self.free.extend(taken.iter().rev());
+            // The pool: the evicted blocks are held again (the pool lent
+            // them before; nothing else can have written them), the taken
+            // ones are given back.
+            let taken = taken.len();
             *seq = cp.seq;
+            if let Some(p) = &self.shared {
+                let bb = self.layout.block_bytes();
+                p.retake(evicted, bb);
+                p.give(taken, bb);
+            }
         }
+    }
+
+    /// Draws this cache's blocks from `pool` (shared with other caches,
+    /// e.g. every layer of a model: [`crate::pool`]) instead of from its
+    /// own capacity alone; `None` detaches it. The blocks it holds now move
+    /// with it: charged to the new pool (refused with
+    /// [`Error::PoolExhausted`], the cache unchanged, if they do not fit)
+    /// and given back to the old one. `max_blocks` still bounds this
+    /// cache's own block slots.
+    pub fn set_pool(&mut self, pool: Option<BlockPool>) -> Result<()> {
+        let held: usize = self.seqs.values().map(|s| s.table.len()).sum();
+        let bb = self.layout.block_bytes();
+        if let Some(new) = &pool {
+            if self.shared.as_ref().is_some_and(|old| old.same_pool(new)) {
+                return Ok(());
+            }
+            new.take(held, bb)?;
+        }
+        if let Some(old) = &self.shared {
+            old.give(held, bb);
+        }
+        self.shared = pool;
+        Ok(())
+    }
+
+    /// The shared pool this cache draws on ([`Self::set_pool`]).
+    pub fn block_pool(&self) -> Option<&BlockPool> {
+        self.shared.as_ref()
+    }
+
+    /// Gives `n` freed blocks back to the shared pool, if any.
+    fn give_blocks(&self, n: usize) {
+        if let Some(p) = &self.shared {
+            p.give(n, self.layout.block_bytes());
+        }
+    }
+}
+
+/// A cache dropped with blocks in use gives their bytes back to the shared
+/// pool, so that other caches on it can use them.
+impl Drop for PagedCache {
+    fn drop(&mut self) {
+        let held: usize = self.seqs.values().map(|s| s.table.len()).sum();
+        self.give_blocks(held);
     }
 }
 
@@ -1258,6 +1361,34 @@ fn write_blocks(l: &BlockLayout, pool: &mut [u32], table: Blocks, writes: &[Opti
         let block = unsafe { base.part(table[b] as usize * bw, bw) };
         job(block, b)
     })
+}
+
+/// After a failed [`write_blocks`], zeroes every row of the `full` tensors'
+/// ranges (`write::clear_rows`): the rows a checked write may have stored
+/// before it met a bad value, in blocks and block tails that hold no token
+/// yet. Quantized tensors are left as they are: their input is checked
+/// before anything is written (`PagedCache::inputs_ok`).
+fn clear_blocks(l: &BlockLayout, pool: &mut [u32], table: Blocks, writes: &[Option<TensorWrite>], heads: usize) {
+    let (bt, bw) = (l.block_tokens, l.block_words);
+    for w in writes.iter().flatten().filter(|w| w.plan.quant.is_none()) {
+        for b in w.range.start / bt..w.range.end.div_ceil(bt) {
+            let start = table[b] as usize * bw;
+            let Some(block) = pool.get_mut(start..start + bw) else {
+                continue;
+            };
+            let first = w.range.start.max(b * bt);
+            let end = w.range.end.min((b + 1) * bt);
+            write::clear_rows(
+                &w.plan,
+                heads,
+                &mut write::Job {
+                    block,
+                    first,
+                    n: end - first,
+                },
+            );
+        }
+    }
 }
 
 /// Words of a tensor part of one block of the pool.

@@ -91,6 +91,15 @@ pub enum CalibError {
     Needed { scheme: String, tensor: &'static str },
     #[error("calibration samples: {0}")]
     Samples(String),
+    #[error("scheme `{scheme}` stores {wanted} keys, but the calibration `{calibration}` has only a {found} key codebook for layer {layer} ({fit}); run `kivi calibrate` with this scheme")]
+    Stage {
+        scheme: String,
+        layer: usize,
+        fit: String,
+        calibration: String,
+        wanted: Stage,
+        found: Stage,
+    },
 }
 
 /// The model a calibration was fitted on: its name (with a content hash
@@ -119,6 +128,36 @@ impl std::fmt::Display for ModelId {
 pub enum Stage {
     PostRope,
     PreRope,
+}
+
+impl Stage {
+    /// The stage tensor `t` of `s` is stored (and its codebook fitted) at:
+    /// keys of a `rope: pre(...)` scheme before RoPE, everything else after.
+    ///
+    /// ```
+    /// use kivi_runtime::calib::Stage;
+    /// use kivi_spec::Tensor;
+    /// let s = kivi_spec::parse_scheme("p { key: quant(bits = 2, axis = channel, group = 32, levels = nuq), \
+    ///     value: quant(bits = 2, axis = token, group = 32), rope: pre(theta = 10000, style = half) }").unwrap();
+    /// assert_eq!(Stage::of(&s, Tensor::Key), Stage::PreRope);
+    /// assert_eq!(Stage::of(&s, Tensor::Value), Stage::PostRope);
+    /// ```
+    pub fn of(s: &Scheme, t: Tensor) -> Stage {
+        if t == Tensor::Key && s.rope.is_some() {
+            Stage::PreRope
+        } else {
+            Stage::PostRope
+        }
+    }
+}
+
+impl std::fmt::Display for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Stage::PostRope => "post-RoPE",
+            Stage::PreRope => "pre-RoPE",
+        })
+    }
 }
 
 /// What an entry holds.
@@ -310,6 +349,9 @@ impl Calibration {
     /// against the model's shape, the layer count and the quantizer it was
     /// fitted for. A missing one is [`CalibError::Missing`], naming the
     /// layer, the tensor, the fit and what the calibration has instead.
+    /// Keys of a `rope: pre(...)` scheme take the codebook fitted on
+    /// pre-RoPE keys ([`Stage::of`]); one fitted on the other stage only is
+    /// [`CalibError::Stage`].
     pub fn codebook(&self, scheme: &Scheme, t: Tensor, layer: usize) -> Result<Vec<f32>, CalibError> {
         let fit = fit_key(scheme, t).ok_or_else(|| {
             CalibError::Samples(format!(
@@ -330,7 +372,8 @@ impl Calibration {
         if layer >= self.model.layers as usize {
             return Err(missing(format!("{} layers", self.model.layers)));
         }
-        match self.get(layer, t, Stage::PostRope, Kind::Codebook, &fit) {
+        let stage = Stage::of(scheme, t);
+        match self.get(layer, t, stage, Kind::Codebook, &fit) {
             Some(e) => {
                 let bits = scheme.codec(t).quant().map_or(0, |q| q.bits);
                 if e.data.len() != 1usize << bits {
@@ -339,6 +382,22 @@ impl Calibration {
                 Ok(e.data.clone())
             }
             None => {
+                // The same quantizer fitted on the other side of RoPE would
+                // decode keys with a table fitted on other data.
+                let other = match stage {
+                    Stage::PostRope => Stage::PreRope,
+                    Stage::PreRope => Stage::PostRope,
+                };
+                if self.get(layer, t, other, Kind::Codebook, &fit).is_some() {
+                    return Err(CalibError::Stage {
+                        scheme: scheme.name.clone(),
+                        layer,
+                        fit,
+                        calibration: self.model.name.clone(),
+                        wanted: stage,
+                        found: other,
+                    });
+                }
                 let fits: Vec<&str> = self
                     .entries
                     .iter()
@@ -762,7 +821,7 @@ impl Calibration {
                             s.head_dim as u32,
                         )
                         .map_err(|e| CalibError::Samples(e.to_string()))?;
-                    normalised_values(&bound, t, s, opts.weighted, &mut pts);
+                    normalised_values(&bound, t, s, opts.weighted, &mut pts)?;
                 }
                 if pts.is_empty() {
                     return Err(CalibError::Samples(format!(
@@ -783,7 +842,7 @@ impl Calibration {
                 self.insert(Entry {
                     layer: layer as u32,
                     tensor: t,
-                    stage: Stage::PostRope,
+                    stage: Stage::of(scheme, t),
                     kind: Kind::Codebook,
                     fit: fit.clone(),
                     shape: vec![table.len() as u32],
@@ -853,16 +912,34 @@ impl Calibration {
 /// pipeline as the cache (round to the activation dtype, center, rotate,
 /// take out outliers, group, divide by the stored RMS), over every full
 /// group past the sinks. Groups of norm 0 carry no information and are
-/// skipped.
-fn normalised_values(s: &Scheme, t: Tensor, x: &LayerSamples, weighted: bool, out: &mut Vec<(f32, f32)>) {
+/// skipped. Keys of a `rope: pre(...)` scheme are taken before RoPE (as
+/// that cache stores them); samples without them are an error.
+fn normalised_values(
+    s: &Scheme,
+    t: Tensor,
+    x: &LayerSamples,
+    weighted: bool,
+    out: &mut Vec<(f32, f32)>,
+) -> Result<(), CalibError> {
     let (h, d) = (x.kv_heads, x.head_dim);
-    let Some(codec) = TensorCodec::of(s, t, d) else { return };
+    let Some(codec) = TensorCodec::of(s, t, d) else {
+        return Ok(());
+    };
     let q = codec.quant;
     let g = q.group as usize;
     let first = s.sinks as usize;
-    let rows = if t == Tensor::Key { &x.keys } else { &x.values };
+    let rows = match (t, Stage::of(s, t)) {
+        (Tensor::Value, _) => &x.values,
+        (Tensor::Key, Stage::PostRope) => &x.keys,
+        (Tensor::Key, Stage::PreRope) => x.keys_pre_rope.as_ref().ok_or_else(|| {
+            CalibError::Samples(format!(
+                "layer {}: scheme `{}` stores keys before RoPE, the samples have no pre-RoPE keys",
+                x.layer, s.name
+            ))
+        })?,
+    };
     let at = |tok: usize, head: usize| (tok * h + head) * d;
-    let weights = weights_of(&codec, t, x, weighted);
+    let weights = weights_of(&codec, s, t, x, weighted);
     for head in 0..h {
         let mean = codec.center.and_then(|n| {
             (n <= x.tokens).then(|| {
@@ -923,12 +1000,16 @@ fn normalised_values(s: &Scheme, t: Tensor, x: &LayerSamples, weighted: bool, ou
             }
         }
     }
+    Ok(())
 }
 
 /// Per (KV head, channel) weights, mean 1 per head: the mean squared
 /// query (rotated like the keys) over the head's query heads and tokens,
-/// for weighted key fits with queries; 1 otherwise.
-fn weights_of(codec: &TensorCodec, t: Tensor, x: &LayerSamples, weighted: bool) -> Vec<f32> {
+/// for weighted key fits with queries; 1 otherwise. For pre-RoPE keys the
+/// two channels of a RoPE pair share the mean of their weights: RoPE turns
+/// a pair by the token's angle, so an error in either channel meets the
+/// query's whole pair, whose squared norm no angle changes.
+fn weights_of(codec: &TensorCodec, s: &Scheme, t: Tensor, x: &LayerSamples, weighted: bool) -> Vec<f32> {
     let (h, d) = (x.kv_heads, x.head_dim);
     let mut w = vec![1f32; h * d];
     let (true, Tensor::Key, Some(q)) = (weighted, t, x.queries.as_ref()) else {
@@ -945,6 +1026,16 @@ fn weights_of(codec: &TensorCodec, t: Tensor, x: &LayerSamples, weighted: bool) 
             for (a, v) in acc[kvh * d..(kvh + 1) * d].iter_mut().zip(&row) {
                 *a += (*v as f64) * (*v as f64);
             }
+        }
+    }
+    if let (Some(r), Stage::PreRope) = (s.rope, Stage::of(s, t)) {
+        let partner = |c: usize| match r.style {
+            kivi_spec::RopeStyle::Half => (c + d / 2) % d,
+            kivi_spec::RopeStyle::Interleaved => c ^ 1,
+        };
+        for head in acc.chunks_exact_mut(d) {
+            let pair: Vec<f64> = (0..d).map(|c| 0.5 * (head[c] + head[partner(c)])).collect();
+            head.copy_from_slice(&pair);
         }
     }
     for head in 0..h {

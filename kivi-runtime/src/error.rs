@@ -55,6 +55,15 @@ pub enum Error {
     },
     #[error("out of cache blocks: the append needs {need} more, {free} of {total} are free")]
     OutOfBlocks { need: usize, free: usize, total: usize },
+    /// A shared [`crate::pool::BlockPool`] has too few bytes left for the
+    /// blocks an append needs; nothing was written or charged.
+    #[error("block pool exhausted: the append needs {blocks} more blocks ({need} bytes), {free} of the pool's {capacity} bytes are free; give the pool a larger capacity, evict (sliding windows) or free sequences")]
+    PoolExhausted {
+        blocks: usize,
+        need: usize,
+        free: usize,
+        capacity: usize,
+    },
     /// Attention that would read tokens an eviction window freed.
     #[error("sequence {seq}: attention from token {start} reads evicted tokens (held from token {first_held} on, eviction window {window:?}); attend with a sliding window no wider than the eviction window")]
     Evicted {

@@ -23,6 +23,7 @@ pub mod cuda;
 pub mod device;
 mod error;
 pub mod mla;
+pub mod pool;
 pub mod quant;
 pub mod rand;
 pub mod reference;

@@ -289,6 +289,101 @@ fn bad_input_same_error_nothing_changed() {
     }
 }
 
+/// `full` tensors check their rows as they store them (one read of the
+/// input) and zero what they stored when a row fails: a bad value anywhere
+/// in an extend (first row, last row, between) of every length, on the
+/// sequential and the parallel (long extend) writes, gets the reference's
+/// error with everything a reader sees unchanged, the same `memory()` and
+/// free list, and, where the touched rows were zero before (a fresh pool),
+/// the pool word for word. In blocks a freed sequence left behind, its
+/// stale rows may read zero afterwards; they were never readable. The next
+/// good extend stores what the reference does.
+#[test]
+fn full_rows_checked_while_stored_lose_nothing() {
+    let mut rng = Rng::new(0xf16);
+    let schemes = [Dtype::F16, Dtype::Bf16, Dtype::F32].map(|dtype| Scheme {
+        dtype,
+        ..presets::f16()
+    });
+    for s in schemes {
+        for (heads, d) in [
+            (Heads::Gqa { q: 8, kv: 2 }, 128),
+            (Heads::Mqa(4), 256),
+            (Heads::Mha(2), 64),
+        ] {
+            let s = s.clone().with_shape(heads, d).unwrap();
+            let shape = s.shape().unwrap();
+            let row = shape.kv_heads * shape.head_dim;
+            for isa in isas() {
+                for &n in &LENGTHS {
+                    for stale in [false, true] {
+                        let room = 2200;
+                        let mut c = cache(&s, Some(isa), room);
+                        let mut r = cache(&s, None, room);
+                        if stale {
+                            // A freed sequence's rows fill the blocks the next one takes.
+                            for c in [&mut c, &mut r] {
+                                let old = c.add_sequence();
+                                let k = rng.kv(900, shape.kv_heads, shape.head_dim, true);
+                                c.extend(old, &k, &k).unwrap();
+                                c.free_sequence(old).unwrap();
+                            }
+                        }
+                        let (id, rid) = (c.add_sequence(), r.add_sequence());
+                        let n0 = 37;
+                        let k = rng.kv(n0, shape.kv_heads, shape.head_dim, true);
+                        let v = rng.kv(n0, shape.kv_heads, shape.head_dim, false);
+                        c.extend(id, &k, &v).unwrap();
+                        r.extend(rid, &k, &v).unwrap();
+                        let mut kb = rng.kv(n, shape.kv_heads, shape.head_dim, true);
+                        let mut vb = rng.kv(n, shape.kv_heads, shape.head_dim, false);
+                        let at = match n % 3 {
+                            0 => 0,
+                            1 => n * row - 1,
+                            _ => rng.below(n * row),
+                        };
+                        // Beyond f16's range counts only for f16 rows.
+                        let bad = match s.dtype {
+                            Dtype::F16 => [f32::NAN, f32::INFINITY, -1e6, 70000.0][n % 4],
+                            _ => [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -f32::NAN][n % 4],
+                        };
+                        if n % 2 == 0 {
+                            kb[at] = bad;
+                        } else {
+                            vb[at] = bad;
+                        }
+                        let what = format!("{:?} {:?} {} n {n} at {at} stale {stale}", s.dtype, heads, isa.name());
+                        let before = state(&c, id);
+                        let (mem, free, table) = (c.memory(), c.free_blocks(), c.block_table(id).unwrap().to_vec());
+                        let got = c.extend(id, &kb, &vb);
+                        let want = r.extend(rid, &kb, &vb);
+                        assert!(got.is_err(), "{what}");
+                        assert_eq!(format!("{got:?}"), format!("{want:?}"), "{what}");
+                        assert_eq!(c.memory(), mem, "{what}");
+                        assert_eq!(c.free_blocks(), free, "{what}");
+                        assert_eq!(c.block_table(id).unwrap(), &table[..], "{what}");
+                        let after = state(&c, id);
+                        let pool = c.pool().len();
+                        // Past the pool: lengths, table, windows, dequantized values.
+                        assert!(after[pool..] == before[pool..], "readable state changed: {what}");
+                        if !stale {
+                            assert!(after == before, "pool changed: {what}");
+                        }
+                        // Then a good extend: the reference's tokens.
+                        let kg = rng.kv(n, shape.kv_heads, shape.head_dim, true);
+                        let vg = rng.kv(n, shape.kv_heads, shape.head_dim, false);
+                        c.extend(id, &kg, &vg).unwrap();
+                        r.extend(rid, &kg, &vg).unwrap();
+                        assert_eq!(c.last_write_path(), Some(isa), "{what}");
+                        let (a, b) = (state(&c, id), state(&r, rid));
+                        assert!(a[pool..] == b[pool..], "{what}");
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The knob: `None` is the reference path, `Some` caps at what the CPU has.
 #[test]
 fn write_isa_is_capped_to_the_machine() {

@@ -576,20 +576,33 @@ fn dense_full_path_odd_lengths_and_layouts() {
     for s in &variants {
         for (heads, d) in heads_dims {
             let bound = s.with_shape(heads, d).unwrap();
+            let group = bound.shape().unwrap().group_size();
             let cache = PagedCache::new(bound, CacheConfig::for_tokens(64)).unwrap();
             let mut params = isas().to_vec();
-            // A tile that is not a multiple of the rows per pass.
+            // A tile that is not a multiple of the rows per pass, and a
+            // short one (the fused f16 tile at its smallest).
             params.push(CpuParams {
                 tile_tokens: 37,
                 splits: 3,
                 ..CpuParams::default()
             });
+            params.push(CpuParams {
+                tile_tokens: 16,
+                splits: 2,
+                ..CpuParams::default()
+            });
+            // f16 rows with groups of four heads run whole tiles fused
+            // (`dense::tile`); the rest of their tokens, and other groups
+            // and dtypes, the dense loops.
+            let fused = s.dtype == Dtype::F16 && group.is_multiple_of(4);
             for p in &params {
                 let path = CpuBackend::new(*p).unwrap().kernel_path(&cache);
-                let want = match p.isa(d as usize) {
-                    Isa::Avx512 => "avx512-dense",
-                    Isa::Avx2 => "avx2-dense",
-                    Isa::Scalar => "scalar",
+                let want = match (p.isa(d as usize), fused) {
+                    (Isa::Avx512, true) => "avx512-dense-fused",
+                    (Isa::Avx2, true) => "avx2-dense-fused",
+                    (Isa::Avx512, false) => "avx512-dense",
+                    (Isa::Avx2, false) => "avx2-dense",
+                    (Isa::Scalar, _) => "scalar",
                 };
                 assert_eq!(path, want, "{} {heads} d{d} {}", s.name, p.name());
             }

@@ -449,13 +449,8 @@ fn validate_rope(s: &Scheme, r: &Rope) -> Result<(), Invalid> {
             ));
         }
     }
-    // Calibrated key codebooks are fitted on the keys after RoPE today;
-    // pre-RoPE keys would decode with a table fitted on other data.
-    if s.key.quant().is_some_and(|q| matches!(q.levels, Levels::Nuq(_))) {
-        return Err(Invalid::new(
-            Field::Levels(Tensor::Key),
-            "key levels = nuq with rope: pre(...) is not supported yet (key codebooks are fitted after RoPE); use lloyd_max or uniform keys, or drop `rope`",
-        ));
-    }
+    // Calibrated key codebooks (`levels = nuq`) are fine: a pre-RoPE
+    // scheme's are fitted on pre-RoPE keys, and the calibration records the
+    // stage and refuses a post-RoPE table (kivi_runtime::calib).
     Ok(())
 }

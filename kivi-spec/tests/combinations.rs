@@ -28,6 +28,23 @@ fn each_field_alone_is_accepted() {
     .unwrap();
 }
 
+/// KVQuant's recipe: calibrated codebooks on keys stored before RoPE (the
+/// codebook is fitted on pre-RoPE keys; `kivi_runtime::calib` checks the
+/// stage), on either axis, with nuq values too.
+#[test]
+fn nuq_levels_with_pre_rope_keys_are_accepted() {
+    for key in [
+        "key: quant(bits = 2, axis = channel, group = 32, levels = nuq)",
+        "key: quant(bits = 3, axis = token, group = 32, levels = nuq, norm = l2)",
+    ] {
+        let s = parse_scheme(&format!(
+            "S {{ {key}, value: quant(bits = 2, axis = token, group = 32, levels = nuq), {ROPE}, residual: 32, sinks: 4 }}"
+        ))
+        .unwrap();
+        assert!(s.rope.is_some());
+    }
+}
+
 #[test]
 fn int8_query_with_pre_rope_keys_or_mla_heads_is_refused() {
     let v = "value: quant(bits = 2, axis = token, group = 32)";
@@ -42,10 +59,8 @@ fn int8_query_with_pre_rope_keys_or_mla_heads_is_refused() {
 }
 
 #[test]
-fn nuq_levels_with_pre_rope_keys_or_mla_heads_are_refused() {
-    let v = "value: quant(bits = 2, axis = token, group = 32)";
+fn nuq_levels_with_mla_heads_are_refused() {
     let nuq_key = "key: quant(bits = 2, axis = channel, group = 32, levels = nuq)";
-    refused(&format!("S {{ {nuq_key}, {v}, {ROPE} }}"), &["nuq", "rope: pre"]);
     refused(&format!("S {{ {nuq_key}, {MLA} }}"), &["nuq", "mla"]);
     refused(
         &format!("S {{ {KIVI2_KEY}, heads: mla(q = 16, latent = 512, rope_dim = 64, rope = quant(bits = 4, axis = token, group = 32, levels = nuq)) }}"),

@@ -19,6 +19,10 @@ Lloyd-Max levels with rms and l2 norms, sparse outliers, centering), whose
 Lloyd-Max table is also recomputed here by Lloyd's iteration. Last, MLA
 schemes (heads: mla(...)): latent and RoPE rows through `kivi attend` on the
 reference, cpu and sim backends against numpy's absorbed attention.
+Then calibrated codebooks (levels = nuq) through `kivi attend --calibration`:
+a calibration file written by this script (tables drawn here), keys after
+and before RoPE (rope: pre, both pair conventions; numpy turns the keys),
+and a key codebook of the wrong RoPE stage refused.
 
 Usage: check_attend.py [--kivi PATH] [--quick]
 The kivi binary defaults to $KIVI_BIN, else target/debug/kivi (honouring
@@ -361,9 +365,101 @@ def main():
             checks.ok(r["summary"]["tokens"] == sum(lens), f"batch {backend}: tokens {r['summary']['tokens']}")
 
         check_mla(run, checks, rng, tmp, lengths)
+        check_nuq(run, checks, rng, tmp, lengths)
 
     print(f"check_attend: {checks.passed} passed, {checks.failed} failed")
     return 1 if checks.failed else 0
+
+
+def fnv1a64(b):
+    h = 0xCBF29CE484222325
+    for x in b:
+        h = ((h ^ x) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def calibration_bytes(kv_heads, head_dim, entries):
+    """A kivi calibration file (format version 1, kivi_runtime::calib),
+    written here from the format's description: `entries` are
+    (tensor 0/1, stage 0 post-RoPE / 1 pre-RoPE, fit text, table) of layer
+    0, each a codebook."""
+    import struct
+
+    def s(x):
+        b = x.encode()
+        return struct.pack("<I", len(b)) + b
+
+    out = b"KIVICAL\0" + struct.pack("<I", 1) + s("numpy") + struct.pack("<III", 1, kv_heads, head_dim)
+    out += s("check_attend.py") + struct.pack("<I", len(entries))
+    for tensor, stage, fit, table in sorted(entries, key=lambda e: (e[0], e[1], e[2].encode())):
+        out += struct.pack("<IBBBB", 0, tensor, stage, 1, 0) + s(fit) + struct.pack("<II", 1, len(table))
+        out += np.asarray(table, dtype="<f4").tobytes()
+    return out + struct.pack("<Q", fnv1a64(out))
+
+
+def fit_text(q):
+    """kivi_runtime::calib::fit_key of a codec with no pipeline."""
+    return (f"bits={q.bits} axis={q.axis} group={q.group} norm={q.norm} "
+            "center=none rotation=none outliers=0")
+
+
+def check_nuq(run, checks, rng, tmp, lengths):
+    """Calibrated codebooks (levels = nuq) through `kivi attend --calibration`:
+    tables drawn here and written into a calibration file by this script,
+    keys stored after and before RoPE (rope: pre, both pair conventions),
+    against numpy's table decode (and RoPE turn) of the same codes. Last, a
+    codebook of the wrong RoPE stage is refused by name."""
+    cases = [
+        ("nuqc { key: quant(bits = 2, axis = channel, group = 16, levels = nuq), "
+         "value: quant(bits = 3, axis = token, group = 32, levels = nuq, norm = l2), residual: 16, sinks: 2 }",
+         ref.Quant(2, "channel", 16, levels="nuq"), ref.Quant(3, "token", 32, levels="nuq", norm="l2"),
+         dict(residual=16, sinks=2)),
+        ("nuqpre { key: quant(bits = 3, axis = channel, group = 16, levels = nuq, norm = l2), "
+         "value: quant(bits = 2, axis = token, group = 32), residual: 8, "
+         "rope: pre(theta = 10000, style = half) }",
+         ref.Quant(3, "channel", 16, levels="nuq", norm="l2"), ref.Quant(2, "token", 32),
+         dict(residual=8, rope=(10000.0, "half"))),
+        ("nuqpretok { key: quant(bits = 2, axis = token, group = 32, levels = nuq), "
+         "value: quant(bits = 2, axis = token, group = 32, levels = nuq), residual: 4, sinks: 1, "
+         "rope: pre(theta = 1000000, style = interleaved) }",
+         ref.Quant(2, "token", 32, levels="nuq"), ref.Quant(2, "token", 32, levels="nuq"),
+         dict(residual=4, sinks=1, rope=(1000000.0, "interleaved"))),
+    ]
+    for text, kq, vq, extra in cases:
+        name = text.split("{")[0].strip()
+        path = os.path.join(tmp, f"{name}.kivi")
+        with open(path, "w") as f:
+            f.write(text)
+        # Ascending tables of 2^b distinct levels, not the Lloyd-Max ones.
+        tables = [tuple(float(x) for x in np.sort(rng.standard_normal(2**q.bits) * 1.3).astype(np.float32))
+                  if q.levels == "nuq" else None for q in (kq, vq)]
+        kq = ref.Quant(kq.bits, kq.axis, kq.group, levels=kq.levels, norm=kq.norm, table=tables[0])
+        vq = ref.Quant(vq.bits, vq.axis, vq.group, levels=vq.levels, norm=vq.norm, table=tables[1])
+        scheme = ref.Scheme(key=kq, value=vq, **extra)
+        key_stage = 1 if scheme.rope else 0
+        for layout, (hq, hkv) in LAYOUTS.items():
+            entries = [(t, stage, fit_text(q), q.table)
+                       for t, stage, q in ((0, key_stage, kq), (1, 0, vq)) if q.levels == "nuq"]
+            cal = os.path.join(tmp, f"{name}-{hkv}.kivical")
+            with open(cal, "wb") as f:
+                f.write(calibration_bytes(hkv, HEAD_DIM, entries))
+            for t in lengths:
+                q, k, v = inputs(rng, t, hq, hkv, HEAD_DIM)
+                run.compare(f"nuq {name} {layout} T={t}", path, scheme, q, k, v,
+                            extra=["--calibration", cal, "--layer", "0"])
+            if scheme.rope:
+                # The key codebook filed as fitted after RoPE: refused.
+                wrong = [(t, 0, f, tb) for t, _, f, tb in entries]
+                bad = os.path.join(tmp, f"{name}-{hkv}-post.kivical")
+                with open(bad, "wb") as f:
+                    f.write(calibration_bytes(hkv, HEAD_DIM, wrong))
+                q, k, v = inputs(rng, 33, hq, hkv, HEAD_DIM)
+                paths = run.write(q, k, v)
+                r = subprocess.run([run.kivi, "attend", "--scheme", path, "--q", paths["q"], "--k", paths["k"],
+                                    "--v", paths["v"], "--out", os.path.join(tmp, "bad.npy"),
+                                    "--calibration", bad], capture_output=True, text=True)
+                checks.ok(r.returncode != 0 and "pre-RoPE keys" in r.stderr and "post-RoPE" in r.stderr,
+                          f"nuq {name} {layout}: a post-RoPE codebook is refused: {r.stderr.strip()}")
 
 
 if __name__ == "__main__":

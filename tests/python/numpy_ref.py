@@ -23,8 +23,9 @@ class Quant:
     axis: str  # "channel" or "token"
     group: int
     scale: str = "f16"  # dtype of stored scales and zero points (or norms)
-    levels: str = "uniform"  # or "lloyd_max"
-    norm: str = "rms"  # lloyd_max only: "rms" or "l2"
+    levels: str = "uniform"  # or "lloyd_max", or "nuq" (with `table`)
+    norm: str = "rms"  # lloyd_max and nuq: "rms" or "l2"
+    table: Optional[tuple] = None  # nuq: the calibrated codebook, ascending
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class Scheme:
     rotation: Optional[tuple] = None  # (block, signs seed or None, tensors)
     outliers: Optional[tuple] = None  # (per_token, tensors)
     center: Optional[tuple] = None  # (tokens, tensors)
+    # rope: pre(...): the cache holds keys before RoPE; attention turns each
+    # key to its position. (theta, "half" or "interleaved").
+    rope: Optional[tuple] = None
 
 
 def round_bf16(x):
@@ -132,7 +136,7 @@ def lloyd_groups(x, q, axis):
     s = ||x|| / ||L[c]||; x^ = s * L[c] (f32).
     """
     x = np.asarray(x, dtype=F32)
-    lv = lloyd_levels(q.bits)
+    lv = np.array(q.table, dtype=F32) if q.levels == "nuq" else lloyd_levels(q.bits)
     mids = ((lv[:-1] + lv[1:]) * F32(0.5)).astype(F32)
     ss = np.sum(x.astype(np.float64) ** 2, axis=axis, keepdims=True)
     rms = round_to(np.sqrt(ss / x.shape[axis]).astype(F32), q.scale)
@@ -269,6 +273,25 @@ def cache_view(scheme, q, x, tensor="key"):
     return out
 
 
+def rope_keys(k, theta, style):
+    """Keys [T, H, D] turned to their positions 0..T-1, in float64: the pair
+    (x_a, x_b) of frequency i = theta^(-2i/D) at position t becomes
+    (x_a cos - x_b sin, x_b cos + x_a sin), a = i and b = i + D/2 (half) or
+    a = 2i and b = 2i + 1 (interleaved); cos and sin rounded to f32 as the
+    model's tables hold them."""
+    T, H, D = k.shape
+    out = k.astype(np.float64).copy()
+    i = np.arange(D // 2)
+    ang = np.arange(T)[:, None].astype(np.float64) * theta ** (-2.0 * i / D)[None, :]
+    c = np.cos(ang).astype(F32).astype(np.float64)[:, None, :]
+    s = np.sin(ang).astype(F32).astype(np.float64)[:, None, :]
+    a, b = (i, i + D // 2) if style == "half" else (2 * i, 2 * i + 1)
+    xa, xb = out[..., a].copy(), out[..., b].copy()
+    out[..., a] = xa * c - xb * s
+    out[..., b] = xb * c + xa * s
+    return out
+
+
 def decode_attention(scheme, qry, k, v, scale=None, window=None):
     """One decode query qry [Hq, D] over cache views k, v [T, Hkv, D].
 
@@ -288,6 +311,8 @@ def decode_attention(scheme, qry, k, v, scale=None, window=None):
     if T - start == 0:
         return out.astype(F32)
     group = Hq // Hkv
+    if scheme.rope is not None:
+        k = rope_keys(k, *scheme.rope)
     kk = k[start:].astype(np.float64)
     vv = v[start:].astype(np.float64)
     for h in range(Hq):

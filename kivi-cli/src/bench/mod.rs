@@ -370,6 +370,33 @@ fn bind(name: &str, l: Layout) -> Result<Scheme, String> {
         .map_err(|e| format!("scheme `{name}` does not fit {}: {e}", l.name))
 }
 
+/// A paged cache for `s`. A `levels = nuq` scheme gets codebooks fitted on
+/// another draw of the benchmark's own K/V (layer 0; keys before RoPE are
+/// the same draw, so a pre-RoPE scheme fits too): decode speed depends on
+/// the table's width, not on its values, and the bench needs no model.
+fn new_cache(s: &Scheme, l: Layout, cfg: CacheConfig) -> Result<PagedCache, String> {
+    use kivi_runtime::calib::{fit_key, Calibration, FitOptions, LayerSamples, ModelId};
+    use kivi_spec::Tensor;
+    if fit_key(s, Tensor::Key).is_none() && fit_key(s, Tensor::Value).is_none() {
+        return PagedCache::new(s.clone(), cfg).map_err(|e| format!("{}: {e}", s.name));
+    }
+    let tokens = 1024;
+    let (k, v) = kv_data(tokens, l, 0xca1);
+    let (h, d) = (l.kv_heads as usize, l.head_dim as usize);
+    let mut x = LayerSamples::new(0, tokens, l.q_heads as usize, h, d, k.clone(), v);
+    x.keys_pre_rope = Some(k);
+    let model = ModelId {
+        name: "kivi bench synthetic K/V".into(),
+        layers: 1,
+        kv_heads: h as u32,
+        head_dim: d as u32,
+    };
+    let mut cal = Calibration::new(model, "kv_data(1024 tokens, seed 0xca1)");
+    cal.fit_codebooks(s, &[x], FitOptions::default())
+        .map_err(|e| format!("{}: {e}", s.name))?;
+    PagedCache::with_calibration(s.clone(), cfg, &cal, 0).map_err(|e| format!("{}: {e}", s.name))
+}
+
 /// 4 FLOPs per (query head, channel, token): a multiply-add for the score
 /// and one for the value sum.
 pub fn attention_flops(l: Layout, context: usize, batch: usize) -> f64 {
@@ -395,8 +422,7 @@ fn decode_point(
     for name in &cfg.schemes {
         let s = bind(name, l)?;
         let shape = s.shape().ok_or("unbound scheme")?;
-        let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(batch * (context + 64)))
-            .map_err(|e| format!("{name}: {e}"))?;
+        let mut cache = new_cache(&s, l, CacheConfig::for_tokens(batch * (context + 64)))?;
         let mut ids = Vec::new();
         for _ in 0..batch {
             let id = cache.add_sequence();
@@ -486,8 +512,7 @@ fn prefill_rows(cfg: &Config, l: Layout) -> Result<Vec<PrefillRow>, String> {
     let mut out = Vec::new();
     for name in &cfg.schemes {
         let s = bind(name, l)?;
-        let mut cache =
-            PagedCache::new(s.clone(), CacheConfig::for_tokens(n + appends + 256)).map_err(|e| e.to_string())?;
+        let mut cache = new_cache(&s, l, CacheConfig::for_tokens(n + appends + 256))?;
         let id = cache.add_sequence();
         let t0 = Instant::now();
         cache.extend(id, &k, &v).map_err(|e| e.to_string())?;
@@ -832,6 +857,41 @@ mod tests {
             "{:?}",
             r.decode
         );
+    }
+
+    /// `levels = nuq` schemes (pre-RoPE keys too) get codebooks fitted on
+    /// the bench's own K/V, pass the oracle check before they are timed,
+    /// and prefill; a scheme file holds each.
+    #[test]
+    fn nuq_schemes_are_calibrated_checked_and_timed() {
+        let dir = std::env::temp_dir().join(format!("kivi-bench-nuq-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let texts = [
+            ("nuqk", "nuqk { key: quant(bits = 2, axis = channel, group = 64, levels = nuq), value: quant(bits = 2, axis = token, group = 32, levels = nuq, norm = l2), residual: 32 }"),
+            ("prenuq", "prenuq { key: quant(bits = 2, axis = channel, group = 64, levels = nuq), value: quant(bits = 2, axis = token, group = 32), residual: 32, sinks: 4, rope: pre(theta = 10000, style = half) }"),
+        ];
+        let mut schemes = vec!["kivi2".to_string()];
+        for (name, text) in texts {
+            let p = dir.join(format!("{name}.kivi"));
+            std::fs::write(&p, text).unwrap();
+            schemes.push(p.display().to_string());
+        }
+        let cfg = Config {
+            layouts: vec![MQA],
+            contexts: vec![300],
+            batches: vec![2],
+            schemes,
+            reps: 1,
+            params: CpuParams::default(),
+            cold: false,
+            prefill: true,
+            prefill_tokens: 300,
+        };
+        let r = run(&cfg, "test".into(), &mut |_| peers::PeerReport::default(), &mut |_| {});
+        std::fs::remove_dir_all(&dir).unwrap();
+        let r = r.unwrap();
+        assert_eq!(r.decode.len(), 3);
+        assert!(r.decode[2].path.ends_with("+rope"), "{:?}", r.decode[2].path);
     }
 
     #[test]

@@ -63,6 +63,12 @@ pub struct Args {
     /// Also write the cache's dequantized view of K and V to DIR/k.npy and DIR/v.npy
     #[arg(long, value_name = "DIR")]
     pub dump_dequant: Option<PathBuf>,
+    /// A calibration file (`kivi calibrate`) whose codebooks a scheme with levels = nuq decodes with
+    #[arg(long, value_name = "FILE")]
+    pub calibration: Option<PathBuf>,
+    /// The layer of the calibration to take the codebooks from
+    #[arg(long, default_value_t = 0, requires = "calibration")]
+    pub layer: usize,
 }
 
 /// The validated problem: the scheme bound to the inputs' shape, and the
@@ -201,7 +207,14 @@ pub fn run(args: Args) -> super::Result {
         block_tokens: Some(bt),
         max_blocks,
     };
-    let mut cache = PagedCache::new(p.scheme.clone(), config)?;
+    let mut cache = match &args.calibration {
+        Some(path) => {
+            let cal = kivi_runtime::calib::Calibration::load(path)
+                .map_err(|e| format!("--calibration {}: {e}", path.display()))?;
+            PagedCache::with_calibration(p.scheme.clone(), config, &cal, args.layer)?
+        }
+        None => PagedCache::new(p.scheme.clone(), config)?,
+    };
 
     // Append in order, one token at a time, as a decoder fills its cache.
     let row = hkv * d;

@@ -17,6 +17,9 @@ pub struct Args {
     /// A file of scheme declarations added to `--schemes` (scheme text holds commas)
     #[arg(long)]
     pub schemes_file: Option<PathBuf>,
+    /// Model declarations to evaluate, each one row with its own scheme per layer: a file holding `model NAME { ... }` (what `kivi policy` writes) or the text itself; repeat for more
+    #[arg(long)]
+    pub models: Vec<String>,
     /// A file of scheme declarations for the per-layer codec study
     #[arg(long)]
     pub study: Option<PathBuf>,
@@ -70,7 +73,23 @@ pub fn run(args: Args) -> super::Result {
         Some(p) => read(p)?,
         None => Vec::new(),
     };
+    let models = args
+        .models
+        .iter()
+        .map(|m| -> Result<kivi_spec::ModelDecl, String> {
+            let (text, origin) = if m.contains('{') {
+                (m.clone(), "model text".to_string())
+            } else {
+                (
+                    std::fs::read_to_string(m).map_err(|e| format!("cannot read model file `{m}`: {e}"))?,
+                    m.clone(),
+                )
+            };
+            kivi_spec::parse_model(&text).map_err(|e| format!("{origin}:{e}"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let cfg = EvalConfig {
+        models,
         model: args.model,
         text: args.text,
         prefix: args.prefix,

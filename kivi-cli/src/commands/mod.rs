@@ -8,6 +8,7 @@ pub mod codegen;
 pub mod eval;
 pub mod generate;
 pub mod inspect;
+pub mod policy;
 pub mod schemes;
 pub mod show;
 pub mod show_mla;

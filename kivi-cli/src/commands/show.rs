@@ -2,9 +2,13 @@
 //! — per token per KV head, at a context length, and as a paged cache
 //! really allocates it. With `--model`, the same for a whole model declared
 //! layer by layer (`kivi_spec::parse_model`): each layer's scheme, window
-//! and bytes (sliding layers evicting), and the model's total.
+//! and bytes (sliding layers evicting), the model's total, and the one
+//! block pool every layer draws on (`kivi_runtime::pool`): its bytes at the
+//! context with and without eviction, and its peak during a chunked
+//! prefill (what a pool must hold).
 
 use super::schemes::{hash_hex, load_scheme};
+use kivi_runtime::pool::{BlockPool, PoolReport};
 use kivi_runtime::{CacheConfig, MemoryReport, PagedCache};
 use kivi_spec::layout::{bits_per_element, bytes_per_token_per_head, codes_per_word, default_block_tokens, Footprint};
 use kivi_spec::{Axis, Codec, Heads, Scheme, Tensor};
@@ -176,13 +180,64 @@ pub fn fill_paged_evicting(s: &Scheme, tokens: usize, window: Option<usize>) -> 
     let mut next = move || rng.f32() * 2.0;
     let mut done = 0;
     while done < tokens {
-        let n = (tokens - done).min(1024);
+        let n = (tokens - done).min(CHUNK);
         let k: Vec<f32> = (0..n * row).map(|_| next()).collect();
         let v: Vec<f32> = (0..n * row).map(|_| next()).collect();
         cache.extend(seq, &k, &v)?;
         done += n;
     }
     Ok((cache.memory(), bt))
+}
+
+/// Prefill chunk of [`fill_model_pool`] (and of [`fill_paged`]).
+const CHUNK: usize = 1024;
+
+/// Fills every layer of a model (`schemes[l]`, sliding window
+/// `windows[l]`, evicting) with `tokens` synthetic tokens in lockstep, a
+/// chunk of [`CHUNK`] tokens through all layers at a time as a model's
+/// prefill does, all on one [`BlockPool`]; returns the pool's report (its
+/// peak is the most bytes of blocks the model held at once) and each
+/// layer's memory.
+pub fn fill_model_pool(
+    schemes: &[Scheme],
+    windows: &[Option<usize>],
+    tokens: usize,
+) -> super::Result<(PoolReport, Vec<MemoryReport>)> {
+    // The budget is unbounded here: this measures what a pool must hold.
+    let pool = BlockPool::new(usize::MAX);
+    let mut caches = Vec::with_capacity(schemes.len());
+    for (s, w) in schemes.iter().zip(windows) {
+        let bt = default_block_tokens(s);
+        let config = CacheConfig {
+            block_tokens: Some(bt),
+            max_blocks: tokens.div_ceil(bt) + 1,
+        };
+        let mut c = PagedCache::new(s.clone(), config)?;
+        c.set_eviction_window(*w)?;
+        c.set_pool(Some(pool.clone()))?;
+        let id = c.add_sequence();
+        caches.push((c, id));
+    }
+    let shape = schemes.first().and_then(Scheme::shape).ok_or("scheme has no shape")?;
+    let row = shape.kv_heads * shape.head_dim;
+    let mut rng = kivi_runtime::rand::Rng::new(0x9e37_79b9_7f4a_7c15);
+    let mut done = 0;
+    while done < tokens {
+        let n = (tokens - done).min(CHUNK);
+        let k: Vec<f32> = (0..n * row).map(|_| rng.f32() * 2.0).collect();
+        let v: Vec<f32> = (0..n * row).map(|_| rng.f32() * 2.0).collect();
+        for (c, id) in &mut caches {
+            c.extend(*id, &k, &v)?;
+        }
+        done += n;
+    }
+    Ok((pool.memory(), caches.iter().map(|(c, _)| c.memory()).collect()))
+}
+
+/// Bytes of a cache's blocks (what it draws from a block pool).
+fn block_bytes(s: &Scheme, m: &MemoryReport) -> usize {
+    let shape = s.shape().expect("bound");
+    m.blocks_in_use * kivi_spec::layout::BlockLayout::new(s, shape, default_block_tokens(s)).block_bytes()
 }
 
 /// A memory report as JSON (shared with `attend`).
@@ -372,41 +427,47 @@ fn run_model(arg: &str, args: &Args) -> super::Result {
     )?;
     let schemes = decl.schemes_for(&kinds).map_err(|e| format!("{origin}:{e}"))?;
     check_context(args.context)?;
-    // Layers alike (scheme and window) hold the same bytes: fill each once.
-    let mut seen: Vec<(String, Option<usize>, MemoryReport, MemoryReport)> = Vec::new();
+    let mut bound = Vec::with_capacity(schemes.len());
+    for (l, scheme) in schemes.iter().enumerate() {
+        bound.push(bind_or_default(scheme, args.heads, args.head_dim).map_err(|e| format!("layer {l}: {e}"))?);
+    }
+    let shape = bound[0].shape().ok_or("scheme has no shape")?;
+    if let Some((l, s)) = bound.iter().enumerate().find(|(_, s)| s.shape() != Some(shape)) {
+        return Err(format!("layer {l}: scheme `{}` has another head layout than layer 0", s.name).into());
+    }
+    let windows: Vec<Option<usize>> = windows.iter().map(|w| w.map(|w| w as usize)).collect();
+    // Every layer on one pool, filled in lockstep: each layer's bytes with
+    // eviction, and the pool's.
+    let (pool, evicting) = fill_model_pool(&bound, &windows, args.context)?;
+    // Without eviction, layers of one scheme hold the same bytes: fill each once.
+    let mut seen: Vec<(String, MemoryReport)> = Vec::new();
     let mut rows = Vec::with_capacity(schemes.len());
-    for (l, (scheme, (kind, window))) in schemes.iter().zip(kinds.iter().zip(&windows)).enumerate() {
-        let bound = bind_or_default(scheme, args.heads, args.head_dim).map_err(|e| format!("layer {l}: {e}"))?;
-        let window = window.map(|w| w as usize);
-        let key = kivi_spec::canonical(&bound);
-        let (memory, kept) = match seen.iter().find(|(k, w, _, _)| *k == key && *w == window) {
-            Some((_, _, m, k)) => (*m, *k),
-            None => {
-                let kept = fill_paged(&bound, args.context)?.0;
-                let memory = match window {
-                    Some(_) => fill_paged_evicting(&bound, args.context, window)?.0,
-                    None => kept,
-                };
-                seen.push((key, window, memory, kept));
-                (memory, kept)
+    for (((scheme, kind), window), memory) in bound.into_iter().zip(&kinds).zip(&windows).zip(evicting) {
+        let key = kivi_spec::canonical(&scheme);
+        let kept = match (window, seen.iter().find(|(k, _)| *k == key)) {
+            (None, _) => memory,
+            (Some(_), Some((_, m))) => *m,
+            (Some(_), None) => {
+                let m = fill_paged(&scheme, args.context)?.0;
+                seen.push((key, m));
+                m
             }
         };
         rows.push(LayerRow {
             kind: *kind,
-            window,
-            scheme: bound,
+            window: *window,
+            scheme,
             memory,
             kept,
         });
     }
-    let shape = rows[0].scheme.shape().ok_or("scheme has no shape")?;
-    if let Some((l, r)) = rows.iter().enumerate().find(|(_, r)| r.scheme.shape() != Some(shape)) {
-        return Err(format!(
-            "layer {l}: scheme `{}` has another head layout than layer 0",
-            r.scheme.name
-        )
-        .into());
-    }
+    // The pool holds blocks only; sinks, windows, tables and means are per
+    // sequence, outside it.
+    let pool_kept: usize = rows.iter().map(|r| block_bytes(&r.scheme, &r.kept)).sum();
+    let outside: usize = rows
+        .iter()
+        .map(|r| r.memory.total - block_bytes(&r.scheme, &r.memory))
+        .sum();
     let total: usize = rows.iter().map(|r| r.memory.total).sum();
     let kept: usize = rows.iter().map(|r| r.kept.total).sum();
     let f16_all = rows.len() * f16_bytes(args.context, shape.kv_heads, shape.head_dim);
@@ -433,6 +494,13 @@ fn run_model(arg: &str, args: &Args) -> super::Result {
             "layers": layers,
             "total": total,
             "without_eviction": kept,
+            "pool": {
+                "blocks": pool.used,
+                "peak": pool.peak,
+                "prefill_chunk": CHUNK,
+                "without_eviction": pool_kept,
+                "outside_pool": outside,
+            },
             "f16_bytes": f16_all,
             "ratio": f16_all as f64 / total as f64,
         });
@@ -467,7 +535,21 @@ fn run_model(arg: &str, args: &Args) -> super::Result {
         100.0 * total as f64 / kept as f64,
         f16_all as f64 / total as f64
     );
+    println!(
+        "  pool   one block pool for all {} layers: {} bytes of blocks ({:.2} MiB; without eviction {pool_kept}, {:.2} MiB); \
+         peak {} bytes ({:.2} MiB) during a prefill in chunks of {CHUNK}; {outside} bytes of sinks, windows, tables and means outside it",
+        rows.len(),
+        pool.used,
+        mib(pool.used),
+        mib(pool_kept),
+        pool.peak,
+        mib(pool.peak),
+    );
     Ok(())
+}
+
+fn mib(bytes: usize) -> f64 {
+    bytes as f64 / (1 << 20) as f64
 }
 
 #[cfg(test)]

@@ -609,18 +609,10 @@ mod body {
         }
     }
 
-    /// `exp(x)` for `x <= 0`, the polynomial of `simd::exp_body`; 0 below -64.
+    /// `exp(x)` for `x <= 0` ([`Width::exp_le0`], shared with `dense.rs`).
     #[inline(always)]
     unsafe fn exp<V: Width>(x: V::F) -> V::F {
-        let a = V::max(x, V::splat(-87.0));
-        let n = V::round(V::mul(a, V::splat(std::f32::consts::LOG2_E)));
-        let r = V::fnmadd(n, V::splat(0.693_359_4), a);
-        let r = V::fnmadd(n, V::splat(-2.121_944_4e-4), r);
-        let mut p = V::splat(1.0 / 5040.0);
-        for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
-            p = V::fmadd(p, r, V::splat(c));
-        }
-        V::keep_ge(x, -64.0, V::pow2(p, n))
+        V::exp_le0(x)
     }
 
     /// Online softmax over the tile's scores: `st.p` becomes the weights.

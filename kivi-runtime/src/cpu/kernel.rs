@@ -65,6 +65,10 @@ pub(crate) struct Plan {
     /// Both tensors are `full` and an AVX ISA is on: rows go to the dense
     /// loops (`dense.rs`) instead of the generic ones.
     dense: bool,
+    /// f16 rows on the dense loops with groups of four heads: aligned tiles
+    /// of block-resident tokens run `dense::tile` end to end (scores,
+    /// softmax, values in one call); other tiles take `dense::dot`/`axpy`.
+    dense_tile: bool,
     /// Some tensor runs a codec pipeline through the generic row reader.
     codec_rows: bool,
     /// Per tensor, the fused codec decoding (`codec.rs`) where a codec
@@ -205,7 +209,13 @@ impl Plan {
             ) => Some((Int8Isa::select(isa), bits, qq.group as usize)),
             _ => None,
         };
+        let dense = kinds == [Kind::Full; 2] && isa != Isa::Scalar && !super::env_no_dense();
         Plan {
+            dense_tile: dense
+                && s.dtype == Dtype::F16
+                && rope.is_none()
+                && int8.is_none()
+                && dense::tile_fits(isa, heads, shape.head_dim),
             int8,
             isa,
             tile,
@@ -219,7 +229,7 @@ impl Plan {
             layouts: [l.key, l.value],
             scale,
             fast,
-            dense: kinds == [Kind::Full; 2] && isa != Isa::Scalar && !super::env_no_dense(),
+            dense,
             codec_rows: (s.has_pipeline(Tensor::Key) && rope.is_none()) || s.has_pipeline(Tensor::Value),
             codec: [Tensor::Key, Tensor::Value].map(|t| {
                 if kinds[ti(t)] == Kind::Codec {
@@ -269,6 +279,11 @@ impl Plan {
             match f.isa {
                 Isa::Avx512 => "avx512-fused",
                 _ => "avx2-fused",
+            }
+        } else if self.dense_tile {
+            match self.isa {
+                Isa::Avx512 => "avx512-dense-fused",
+                _ => "avx2-dense-fused",
             }
         } else if self.dense {
             match self.isa {
@@ -844,6 +859,7 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
         }
     }
     let mut fs = plan.fast.map(|f| fused::State::new(f, g, d, tile, q));
+    let mut ds = plan.dense_tile.then(|| dense::TileState::new(g, d, tile));
     let mut t0 = a;
     while t0 < z {
         // Tiles after the sinks start at multiples of `tile` (counted from
@@ -871,6 +887,13 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
                     continue;
                 }
                 fused::tile(f, st, &t, &mut m, &mut l, &mut acc);
+                t0 += n;
+                continue;
+            }
+        }
+        if let Some(st) = ds.as_mut() {
+            if let Some(t) = fast_tile(plan, view, h, t0, n) {
+                dense::tile(plan.isa, st, &t, q, &mut m, &mut l, &mut acc);
                 t0 += n;
                 continue;
             }

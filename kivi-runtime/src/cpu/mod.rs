@@ -17,7 +17,9 @@
 //! [`CpuBackend::kernel_path`] says which path a cache gets. Caches whose
 //! keys and values are both `full` (f16/bf16/f32 rows) take `dense.rs` on
 //! AVX-512 and AVX2: register-resident value accumulation and a next-block
-//! prefetch spread over the tile. Everything else takes the generic loops
+//! prefetch spread over the tile; f16 rows with groups of four heads run
+//! whole tiles fused (scores, vector softmax, values in one call,
+//! `avx512-dense-fused` / `avx2-dense-fused`). Everything else takes the generic loops
 //! below.
 //!
 //! Where the arithmetic happens in the generic loops (see `kernel.rs`):
@@ -256,6 +258,8 @@ impl CpuBackend {
     /// or `avx2-fused` (the fast path: channel-axis 2/4-bit or token-axis
     /// 2/4/8-bit keys with token-axis values, GQA groups of a multiple of
     /// four heads; on AVX2, 2-bit values in groups of at least 32),
+    /// `avx512-dense-fused` / `avx2-dense-fused` (f16 rows, groups of a
+    /// multiple of four heads: whole tiles fused),
     /// `avx512-dense` / `avx2-dense` (both tensors `full`: the `f16` preset,
     /// bf16/f32 schemes; `KIVI_CPU_DENSE=0` turns it off for comparisons), or
     /// `avx512`, `avx2`, `scalar` (the generic loops), with `+codec` when a

@@ -45,7 +45,7 @@
 
 use super::simd::{self, F32Rows, Isa};
 use crate::cache::{params_at, Loc, SeqView};
-use crate::quant::{dequantize, unpack_one, GroupParams};
+use crate::quant::{dequantize_in, unpack_one, GroupParams};
 use kivi_spec::layout::TensorLayout;
 use kivi_spec::{Axis, Levels, Quant, Rope, RopeStyle, ScaleDtype, Scheme, Tensor};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
@@ -199,13 +199,10 @@ impl RopeKeys {
     /// values are those of the row reader, bit for bit (the same
     /// `params_at` and `dequantize`).
     pub fn with_key_layout(mut self, s: &Scheme, tl: TensorLayout) -> RopeKeys {
-        // A calibrated (`nuq`) table lives in the cache, not the scheme: those
-        // keys take the cache's own row reader.
-        if let Some(q) = s
-            .key
-            .quant()
-            .filter(|q| q.axis == Axis::Channel && !matches!(q.levels, Levels::Nuq(_)))
-        {
+        // Table-driven keys (Lloyd–Max, or a calibrated `nuq` codebook, which
+        // lives in the cache, not the scheme) decode with the cache codec's
+        // own table (`key_row`); only uniform keys take the vector decode.
+        if let Some(q) = s.key.quant().filter(|q| q.axis == Axis::Channel) {
             self.chan = Some((*q, tl));
             // The vector decode: eight channels lie in one word (1, 2, 4
             // bits), plain `c * s + z` levels, halves of whole vectors.
@@ -276,8 +273,11 @@ impl RopeKeys {
                 *sc_group = Some(key);
             }
             let row = &part[off * tl.words_per_token..][..tl.words_per_token];
+            // The cache's codec holds the table its writes coded against
+            // (the fixed one, or the calibration's): the row reader's values.
+            let levels = view.codec(Tensor::Key).map_or(&[][..], |c| &c.levels[..]);
             for (c, (o, gp)) in out.iter_mut().zip(sc_params.iter()).enumerate() {
-                *o = dequantize(unpack_one(row, q.bits, c), *gp, q);
+                *o = dequantize_in(unpack_one(row, q.bits, c), *gp, q, levels);
             }
         } else {
             view.row(Tensor::Key, p, h, out);

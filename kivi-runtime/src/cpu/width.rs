@@ -68,6 +68,25 @@ pub(crate) trait Width {
     unsafe fn reduce_max(v: Self::F) -> f32;
     /// The four horizontal sums of `v`, as one 128-bit vector.
     unsafe fn sum4(v: [Self::F; 4]) -> __m128;
+    /// The horizontal sums of `v[4 r + h]` (four rows by four heads) to
+    /// `out[h * stride + r]`: four rows' scores, heads-major (`dense.rs`).
+    /// Four row sums and a 4 x 4 transpose of 128-bit vectors; AVX-512
+    /// does it in one transpose tree instead.
+    #[inline(always)]
+    unsafe fn sum4x4(v: &[Self::F; 16], out: *mut f32, stride: usize) {
+        let s0 = Self::sum4([v[0], v[1], v[2], v[3]]);
+        let s1 = Self::sum4([v[4], v[5], v[6], v[7]]);
+        let s2 = Self::sum4([v[8], v[9], v[10], v[11]]);
+        let s3 = Self::sum4([v[12], v[13], v[14], v[15]]);
+        let t0 = _mm_unpacklo_ps(s0, s1);
+        let t1 = _mm_unpacklo_ps(s2, s3);
+        let t2 = _mm_unpackhi_ps(s0, s1);
+        let t3 = _mm_unpackhi_ps(s2, s3);
+        _mm_storeu_ps(out, _mm_movelh_ps(t0, t1));
+        _mm_storeu_ps(out.add(stride), _mm_movehl_ps(t1, t0));
+        _mm_storeu_ps(out.add(2 * stride), _mm_movelh_ps(t2, t3));
+        _mm_storeu_ps(out.add(3 * stride), _mm_movehl_ps(t3, t2));
+    }
     /// Chunk `c` (`LANES` values) of row `i` of `r`.
     unsafe fn row<R: Rows>(r: &R, i: usize, c: usize) -> Self::F;
     /// `out[i] = reduce_add(v[i])` (wider ISAs overlap the reductions).
@@ -82,6 +101,21 @@ pub(crate) trait Width {
     unsafe fn pow2(p: Self::F, n: Self::F) -> Self::F;
     /// `e` where `x >= lim`, else 0.
     unsafe fn keep_ge(x: Self::F, lim: f32, e: Self::F) -> Self::F;
+
+    /// `exp(x)` for `x <= 0`, the polynomial of `simd::exp_body`; 0 below
+    /// -64 (the fused and dense softmax).
+    #[inline(always)]
+    unsafe fn exp_le0(x: Self::F) -> Self::F {
+        let a = Self::max(x, Self::splat(-87.0));
+        let n = Self::round(Self::mul(a, Self::splat(std::f32::consts::LOG2_E)));
+        let r = Self::fnmadd(n, Self::splat(0.693_359_4), a);
+        let r = Self::fnmadd(n, Self::splat(-2.121_944_4e-4), r);
+        let mut p = Self::splat(1.0 / 5040.0);
+        for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+            p = Self::fmadd(p, r, Self::splat(c));
+        }
+        Self::keep_ge(x, -64.0, Self::pow2(p, n))
+    }
 
     unsafe fn splat_i(x: i32) -> Self::I;
     unsafe fn and_i(a: Self::I, b: Self::I) -> Self::I;
@@ -244,12 +278,26 @@ impl Width for Avx512 {
     }
     #[inline(always)]
     unsafe fn sum4(v: [__m512; 4]) -> __m128 {
-        let half = |v: __m512| _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v));
-        hsum4(half(v[0]), half(v[1]), half(v[2]), half(v[3]))
+        // No closure: it would not inherit the caller's target features.
+        let mut h = [_mm256_setzero_ps(); 4];
+        for (h, v) in h.iter_mut().zip(v) {
+            *h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v));
+        }
+        hsum4(h[0], h[1], h[2], h[3])
     }
     #[inline(always)]
     unsafe fn row<R: Rows>(r: &R, i: usize, c: usize) -> __m512 {
         r.get16(i, c)
+    }
+    /// One transpose tree: lane `4 h + r` holds the sum of `v[4 r + h]`,
+    /// i.e. head `h`'s four rows are lanes `4 h..4 h + 4`.
+    #[inline(always)]
+    unsafe fn sum4x4(v: &[__m512; 16], out: *mut f32, stride: usize) {
+        let t = tree(v);
+        _mm_storeu_ps(out, _mm512_castps512_ps128(t));
+        _mm_storeu_ps(out.add(stride), _mm512_extractf32x4_ps::<1>(t));
+        _mm_storeu_ps(out.add(2 * stride), _mm512_extractf32x4_ps::<2>(t));
+        _mm_storeu_ps(out.add(3 * stride), _mm512_extractf32x4_ps::<3>(t));
     }
     /// Sixteen at a time through one transpose tree.
     #[inline(always)]

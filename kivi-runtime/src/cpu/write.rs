@@ -20,6 +20,30 @@
 //! Lloyd–Max groups re-derived the same way; [`lloyd_group`] says why its
 //! reordered f64 sums still give the oracle's bits.
 //!
+//! **`full` tensors are checked as they are stored** (the f16 preset; bf16
+//! and f32 rows alike). A write must refuse a non-finite value and lose
+//! nothing; quantized tensors get that from a separate vectorised pass over
+//! the input ([`inputs_ok`]) before the first word changes. For a `full`
+//! row that pass was half the write's memory traffic (the input is read
+//! twice, from DRAM for a long prefill), so these rows take the check on
+//! the vectors they store ([`store_row_words`], the same
+//! [`Lanes::and_within`]) and the input is read once. A row that fails
+//! ends its job; the cache then zeroes every row of the write's range
+//! (`cache.rs`, `clear_blocks`, via [`clear_rows`]), gives back the blocks
+//! it took, and the reference path reports the error. Why this keeps
+//! "bad input loses nothing": every row such a write touches lies past
+//! the sequence's stored tokens (fresh blocks, or the unwritten tail of
+//! its last block), where no reader looks, and the tokens, windows,
+//! table, free list and `memory()` are updated only after every job has
+//! succeeded. What can differ after a failure is the content of those
+//! unreadable rows: zero afterwards, whatever they held (zero in a pool
+//! that never held other tokens there, which `tests/cache_writes.rs`
+//! checks word for word; the stale rows of a freed sequence otherwise).
+//! The alternatives cost more on every write to save a failing one: a
+//! copy of the old rows (a second stream of stores) or validating in
+//! L1-sized chunks ahead of the stores (the rows stored before the bad
+//! chunk must be undone anyway).
+//!
 //! Codes are made one byte each and packed into words afterwards
 //! ([`pack_bytes`]), so one packer serves every instruction set.
 //!
@@ -220,11 +244,15 @@ fn job_body<L: Lanes>(plan: &Plan, rows: &Rows, job: &mut Job) -> bool {
     let part_start = |hh: usize| hh * plan.head_words + plan.offset;
     let words = tl.words;
     let Some(q) = plan.quant else {
+        // Checked as stored (see the module docs): the first bad row ends
+        // the job, and the caller clears what the write touched.
         for j in job.first..job.first + job.n {
             let off = j % bt;
             for hh in 0..h {
                 let part = &mut job.block[part_start(hh)..][..words];
-                store_row_words::<L>(rows.row(j, hh), plan.dtype, &mut part[off * wpt..(off + 1) * wpt]);
+                if !store_row_words::<L>(rows.row(j, hh), plan.dtype, &mut part[off * wpt..(off + 1) * wpt]) {
+                    return false;
+                }
             }
         }
         return true;
@@ -741,14 +769,20 @@ fn write_param<L: Lanes>(words: &mut [u32], i: usize, x: f32, dtype: ScaleDtype)
 }
 
 /// A raw row (activation dtype) of a `full` tensor: two 16-bit values per
-/// word, the lower half first, or one f32 per word.
+/// word, the lower half first, or one f32 per word. Returns whether every
+/// value, rounded to `dtype`, is finite: the check of [`inputs_ok`] (the
+/// same [`Lanes::and_within`] on the same vectors), made on the values as
+/// they are stored, so that the input is read once.
 #[inline(always)]
-fn store_row_words<L: Lanes>(src: Src, dtype: Dtype, words: &mut [u32]) {
+fn store_row_words<L: Lanes>(src: Src, dtype: Dtype, words: &mut [u32]) -> bool {
     let d = src.len();
+    let mut finite = true;
     match dtype {
         Dtype::F32 => {
             for (i, w) in words.iter_mut().enumerate().take(d) {
-                *w = scalar_at(src, i, dtype).to_bits();
+                let x = scalar_at(src, i, dtype);
+                finite &= x.is_finite();
+                *w = x.to_bits();
             }
         }
         _ => {
@@ -757,15 +791,23 @@ fn store_row_words<L: Lanes>(src: Src, dtype: Dtype, words: &mut [u32]) {
                 // The words as 16-bit halves, in memory order (little
                 // endian: element `2i` is the lower half of word `i`).
                 let halves = words.as_mut_ptr() as *mut u16;
-                while c + L::N <= d && c + L::N <= 2 * words.len() {
-                    // SAFETY: `c + N <= d` values in the row and `c + N`
-                    // halves in `words`.
-                    unsafe { L::store16(load_for_store16::<L>(src, c, dtype), halves.add(c), dtype) };
-                    c += L::N;
+                // SAFETY: `c + N <= d` values in the row and `c + N`
+                // halves in `words`.
+                unsafe {
+                    let mut ok = L::all_true();
+                    while c + L::N <= d && c + L::N <= 2 * words.len() {
+                        ok = L::and_within(ok, src, c, dtype, f32::MAX);
+                        L::store16(load_for_store16::<L>(src, c, dtype), halves.add(c), dtype);
+                        c += L::N;
+                    }
+                    finite = L::is_all_true(ok);
                 }
             }
             while c < d {
-                let b = quant::to_bits_16(scalar_at(src, c, dtype), dtype) as u32;
+                let x = scalar_at(src, c, dtype);
+                // Already rounded: a NaN stays one, an overflow is infinite.
+                finite &= x.is_finite();
+                let b = quant::to_bits_16(x, dtype) as u32;
                 let w = &mut words[c / 2];
                 let shift = 16 * (c % 2);
                 *w = (*w & !(0xffff << shift)) | (b << shift);
@@ -775,6 +817,22 @@ fn store_row_words<L: Lanes>(src: Src, dtype: Dtype, words: &mut [u32]) {
                 // The unused upper half of the last word is zero.
                 words[d / 2] &= 0xffff;
             }
+        }
+    }
+    finite
+}
+
+/// Zeroes the rows a job of a `full` tensor would write (tokens
+/// `first..first + n` of every head's part): what a failed checked write
+/// leaves in place of the rows it stored (see the module docs).
+pub(crate) fn clear_rows(plan: &Plan, heads: usize, job: &mut Job) {
+    let tl = plan.tl;
+    let (bt, wpt) = (tl.block_tokens, tl.words_per_token);
+    for hh in 0..heads {
+        let part = &mut job.block[hh * plan.head_words + plan.offset..][..tl.words];
+        for j in job.first..job.first + job.n {
+            let off = j % bt;
+            part[off * wpt..(off + 1) * wpt].fill(0);
         }
     }
 }
