@@ -74,6 +74,18 @@ pub struct Config {
     /// Prefill/append throughput and memory at `prefill_tokens`.
     pub prefill: bool,
     pub prefill_tokens: usize,
+    /// A calibration and the layer whose codebooks calibrated schemes
+    /// (`levels = nuq`, `vq(...)`) decode with (`--calibration`,
+    /// `--layer`); every cache is built with it.
+    pub calibration: Option<(kivi_runtime::calib::Calibration, usize)>,
+}
+
+/// A cache for `s`, with the configured calibration if there is one.
+fn new_cache(cfg: &Config, s: &Scheme, config: CacheConfig) -> kivi_runtime::Result<PagedCache> {
+    match &cfg.calibration {
+        Some((cal, layer)) => PagedCache::with_calibration(s.clone(), config, cal, *layer),
+        None => PagedCache::new(s.clone(), config),
+    }
 }
 
 /// Median, 20th/80th percentile and minimum of a set of times, in ms.
@@ -395,8 +407,8 @@ fn decode_point(
     for name in &cfg.schemes {
         let s = bind(name, l)?;
         let shape = s.shape().ok_or("unbound scheme")?;
-        let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(batch * (context + 64)))
-            .map_err(|e| format!("{name}: {e}"))?;
+        let mut cache =
+            new_cache(cfg, &s, CacheConfig::for_tokens(batch * (context + 64))).map_err(|e| format!("{name}: {e}"))?;
         let mut ids = Vec::new();
         for _ in 0..batch {
             let id = cache.add_sequence();
@@ -486,8 +498,7 @@ fn prefill_rows(cfg: &Config, l: Layout) -> Result<Vec<PrefillRow>, String> {
     let mut out = Vec::new();
     for name in &cfg.schemes {
         let s = bind(name, l)?;
-        let mut cache =
-            PagedCache::new(s.clone(), CacheConfig::for_tokens(n + appends + 256)).map_err(|e| e.to_string())?;
+        let mut cache = new_cache(cfg, &s, CacheConfig::for_tokens(n + appends + 256)).map_err(|e| e.to_string())?;
         let id = cache.add_sequence();
         let t0 = Instant::now();
         cache.extend(id, &k, &v).map_err(|e| e.to_string())?;
