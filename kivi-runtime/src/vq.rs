@@ -350,6 +350,10 @@ fn thin(n: usize, max: usize) -> impl Iterator<Item = usize> {
     (0..n).step_by(step)
 }
 
+/// One codebook set to fit: the entry's layer, tensor and fit text, the
+/// codec, and the `(layer, tensor)`s whose rows it is fitted on.
+type FitJob = (usize, Tensor, String, Vq, Vec<(usize, Tensor)>);
+
 impl Calibration {
     /// Fits product codebooks for every vq tensor of `scheme` and every
     /// layer in `samples` (several samples of a layer are pooled; a named
@@ -383,8 +387,7 @@ impl Calibration {
         let mut layers: Vec<usize> = samples.iter().map(|s| s.layer).collect();
         layers.sort_unstable();
         layers.dedup();
-        // (entry layer, entry tensor, fit, vq, contributing (layer, tensor)s)
-        let mut jobs: Vec<(usize, Tensor, String, Vq, Vec<(usize, Tensor)>)> = Vec::new();
+        let mut jobs: Vec<FitJob> = Vec::new();
         for t in [Tensor::Key, Tensor::Value] {
             let (Some(v), Some(fit)) = (bound.codec(t).vq().copied(), fit_key(&bound, t)) else {
                 continue;

@@ -835,6 +835,7 @@ mod tests {
             cold: false,
             prefill: false,
             prefill_tokens: 0,
+            calibration: None,
         };
         let r = run(&cfg, "test".into(), &mut |_| peers::PeerReport::default(), &mut |_| {}).unwrap();
         assert_eq!(r.decode.len(), 4);
@@ -857,6 +858,7 @@ mod tests {
             cold: false,
             prefill: true,
             prefill_tokens: 300,
+            calibration: None,
         };
         let r = run(&cfg, "test".into(), &mut |_| peers::PeerReport::default(), &mut |_| {}).unwrap();
         assert_eq!(r.decode.len(), 2);
