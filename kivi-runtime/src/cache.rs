@@ -1120,6 +1120,22 @@ impl PagedCache {
         tables + vq
     }
 
+    /// The named (shared) vq codebooks this cache decodes with, each name
+    /// once, with their bytes: what a caller summing several caches (the
+    /// layers of a model) counts once per name ([`Self::codebook_bytes`]
+    /// counts them in every cache).
+    pub fn shared_codebooks(&self) -> Vec<(String, usize)> {
+        let mut out: Vec<(String, usize)> = Vec::new();
+        for b in self.vq.iter().flatten() {
+            if let Some(n) = &b.name {
+                if !out.iter().any(|(m, _)| m == n) {
+                    out.push((n.clone(), b.bytes()));
+                }
+            }
+        }
+        out
+    }
+
     /// The product codebooks of tensor `t`, if it is `vq(...)`.
     pub fn vq_book(&self, t: Tensor) -> Option<&Arc<crate::vq::VqBook>> {
         self.vq[ti(t)].as_ref()

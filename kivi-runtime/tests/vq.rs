@@ -342,4 +342,10 @@ fn a_named_codebook_is_shared_across_layers() {
     let b = PagedCache::with_calibration(s.clone(), CacheConfig::for_tokens(64), &cal, 2).unwrap();
     assert_eq!(a.vq_book(Tensor::Key), b.vq_book(Tensor::Value));
     assert_eq!(a.codebook_bytes(), 32 * 1024 * 4);
+    // What a model sums once across its layers.
+    assert_eq!(a.shared_codebooks(), vec![("c".to_string(), 32 * 1024 * 4)]);
+    let per_layer = parse_scheme(VQ[0]).unwrap().with_shape(Heads::Mqa(2), 32).unwrap();
+    let cal = calibrate(&per_layer, Heads::Mqa(2), 32, 1, 12);
+    let c = PagedCache::with_calibration(per_layer, CacheConfig::for_tokens(64), &cal, 0).unwrap();
+    assert!(c.shared_codebooks().is_empty());
 }
