@@ -7,8 +7,8 @@
 //! forward once with every layer's q/k/v captured; keys before RoPE are
 //! recovered from the captured keys by the inverse rotation. Per layer the
 //! calibration gets the channel RMS of keys (before and after RoPE) and
-//! values, and a codebook for every `levels = nuq` tensor of every scheme
-//! asked for. The default text, the US Constitution, is disjoint from the
+//! values, and a codebook for every `levels = nuq` tensor and product
+//! codebooks for every `vq(...)` tensor of every scheme asked for. The default text, the US Constitution, is disjoint from the
 //! evaluation texts (the Declaration of Independence bundled for
 //! `kivi eval`, the GPL v3 of docs/accuracy.md).
 
@@ -219,6 +219,31 @@ pub fn run(cfg: &CalibConfig, progress: &mut dyn FnMut(Step)) -> Result<(Calibra
                 done: i * c.layers + layer + 1,
                 total,
             });
+        }
+        // Product codebooks (`vq(...)`): all layers at once, since a named
+        // codebook pools every layer that shares it.
+        if s.has_vq() {
+            let fits = cal
+                .fit_vq(
+                    s,
+                    &samples,
+                    kivi_runtime::vq::VqFitOptions {
+                        keep_existing: true,
+                        ..Default::default()
+                    },
+                )
+                .map_err(kivi_runtime::Error::from)?;
+            for r in fits {
+                progress(Step::Note(format!(
+                    "{}: vq layer {} {} ({}): {} rows, relative mse {:.4}",
+                    s.name,
+                    r.layer,
+                    r.tensor.name(),
+                    r.fit,
+                    r.rows,
+                    r.mse / r.mean_square.max(f64::MIN_POSITIVE)
+                )));
+            }
         }
     }
     Ok((cal, reports))

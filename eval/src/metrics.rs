@@ -166,10 +166,18 @@ pub struct Report {
 /// A tensor's codec, short: `2c32` (2-bit per-channel groups of 32), then
 /// the pipeline: `·lm` Lloyd–Max (`·lm2` with the l2 norm), `·H256`
 /// Hadamard blocks (`s` with signs), `·o2` outliers per token, `·μ32`
-/// centering on the first 32 tokens.
+/// centering on the first 32 tokens; `vq8x256` a product quantizer of
+/// 8-channel sub-vectors and 256 centroids (`·NAME` when shared).
 pub fn codec_short(s: &Scheme, t: Tensor) -> String {
     let q = match s.codec(t) {
         Codec::Full => return s.dtype.name().to_string(),
+        Codec::Vq(v) => {
+            let mut o = format!("vq{}x{}", v.dim, v.entries);
+            if let Some(n) = v.codebook {
+                o += &format!("·{n}");
+            }
+            return o;
+        }
         Codec::Quant(q) => q,
     };
     let mut o = format!(

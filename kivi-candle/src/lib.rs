@@ -702,11 +702,20 @@ impl KiviKvCache {
     }
 
     /// Bytes the cache holds, by kind, summed over layers (exact, from the
-    /// caches' own accounting).
+    /// caches' own accounting; a vq codebook shared by name across layers
+    /// counted once).
     pub fn memory(&self) -> MemoryReport {
         let mut m = MemoryReport::default();
+        // A vq codebook shared by name across layers is counted once.
+        let mut shared = std::collections::HashSet::new();
         for l in &self.layers {
-            let r = l.cache.memory();
+            let mut r = l.cache.memory();
+            for (name, bytes) in l.cache.shared_codebooks() {
+                if !shared.insert((name, bytes)) {
+                    r.codebooks -= bytes;
+                    r.total -= bytes;
+                }
+            }
             m.codes += r.codes;
             m.scales += r.scales;
             m.zeros += r.zeros;

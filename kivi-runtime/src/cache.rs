@@ -50,6 +50,7 @@ use crate::reference::round_inputs;
 use kivi_spec::layout::{self, regions, BlockLayout, TensorLayout};
 use kivi_spec::{Axis, Codec, Dtype, Quant, ScaleDtype, Scheme, Shape, Tensor};
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 /// Identifies a sequence within one cache.
 pub type SeqId = u64;
@@ -219,6 +220,8 @@ pub struct PagedCache {
     /// The pool this cache's blocks are charged to, shared with other
     /// caches ([`Self::set_pool`]); `None`: only `max_blocks` bounds it.
     shared: Option<BlockPool>,
+    /// The product codebooks of each `vq(...)` tensor ([`crate::vq`]).
+    vq: [Option<Arc<crate::vq::VqBook>>; 2],
 }
 
 /// Where a token of one tensor lives.
@@ -300,6 +303,7 @@ impl PagedCache {
     /// calibration, [`Self::with_calibration`].
     pub fn new(scheme: Scheme, config: CacheConfig) -> Result<Self> {
         crate::calib::levels_for(&scheme, None, 0)?;
+        crate::vq::books_for(&scheme, None, 0)?;
         Self::build(scheme, config)
     }
 
@@ -335,7 +339,9 @@ impl PagedCache {
         kivi_spec::validate(&scheme)?;
         calibration.check_shape(&scheme)?;
         let levels = crate::calib::levels_for(&scheme, Some(calibration), layer)?;
+        let books = crate::vq::books_for(&scheme, Some(calibration), layer)?;
         let mut c = Self::build(scheme, config)?;
+        c.vq = books;
         for (codec, l) in c.codecs.iter_mut().zip(levels) {
             if let (Some(codec), Some(l)) = (codec.as_mut(), l) {
                 codec.levels = l;
@@ -395,6 +401,7 @@ impl PagedCache {
             evict_window: None,
             calibration: None,
             shared: None,
+            vq: [None, None],
             scheme,
         })
     }
@@ -661,7 +668,8 @@ impl PagedCache {
         let old_tokens = self.seq(id)?.tokens;
         // Bad input, and anything the vectorised writes decline, takes the
         // reference path: it names the offending value and changes nothing.
-        if let Some(isa) = self.write_isa {
+        // vq tensors are coded by `crate::vq` on the reference path.
+        if let Some(isa) = self.write_isa.filter(|_| !self.scheme.has_vq()) {
             // `full` tensors (the f16 preset) check their rows as they store
             // them instead, reading the input once (`cpu/write.rs`).
             let checked = self.checked_in_store(old_tokens);
@@ -999,6 +1007,21 @@ impl PagedCache {
                     }
                 }
             };
+            if let Some(book) = &self.vq[i] {
+                vq_range(
+                    &self.layout,
+                    t,
+                    &mut self.pool,
+                    Blocks {
+                        ids: &table,
+                        first: seq_ref.first_block,
+                    },
+                    seq_ref.quantized[i]..target[i],
+                    &src,
+                    book,
+                );
+                continue;
+            }
             // On error nothing visible changed; `fresh` is still free and
             // the pool gets its bytes back.
             let r = quantize_range(
@@ -1132,12 +1155,40 @@ impl PagedCache {
     /// Bytes of the Lloyd–Max tables this scheme's kernels keep (one
     /// `2^b`-entry f32 table per Lloyd–Max tensor).
     pub fn codebook_bytes(&self) -> usize {
-        self.codecs
+        let tables: usize = self
+            .codecs
             .iter()
             .flatten()
             .filter(|c| c.quant.levels != kivi_spec::Levels::Uniform)
             .map(|c| (1usize << c.quant.bits) * 4)
-            .sum()
+            .sum();
+        // vq codebooks, a set that keys and values share by name once.
+        let vq: usize = match &self.vq {
+            [Some(k), Some(v)] if k.name.is_some() && k.name == v.name => k.bytes(),
+            books => books.iter().flatten().map(|b| b.bytes()).sum(),
+        };
+        tables + vq
+    }
+
+    /// The named (shared) vq codebooks this cache decodes with, each name
+    /// once, with their bytes: what a caller summing several caches (the
+    /// layers of a model) counts once per name ([`Self::codebook_bytes`]
+    /// counts them in every cache).
+    pub fn shared_codebooks(&self) -> Vec<(String, usize)> {
+        let mut out: Vec<(String, usize)> = Vec::new();
+        for b in self.vq.iter().flatten() {
+            if let Some(n) = &b.name {
+                if !out.iter().any(|(m, _)| m == n) {
+                    out.push((n.clone(), b.bytes()));
+                }
+            }
+        }
+        out
+    }
+
+    /// The product codebooks of tensor `t`, if it is `vq(...)`.
+    pub fn vq_book(&self, t: Tensor) -> Option<&Arc<crate::vq::VqBook>> {
+        self.vq[ti(t)].as_ref()
     }
 
     /// The codec pipeline of tensor `t` (`None` for a `full` tensor).
@@ -1589,6 +1640,34 @@ fn quantize_range(
     Ok(())
 }
 
+/// Codes relative tokens `range` of vq tensor `t` into the blocks of
+/// `table`: each row through [`crate::vq::VqBook::encode`] (as the oracle
+/// codes it), the codes packed like scalar ones.
+#[allow(clippy::too_many_arguments)]
+fn vq_range(
+    l: &BlockLayout,
+    t: Tensor,
+    pool: &mut [u32],
+    table: Blocks,
+    range: std::ops::Range<usize>,
+    src: &dyn Fn(usize, usize, &mut [f32]),
+    book: &crate::vq::VqBook,
+) {
+    let (h, d) = (l.shape.kv_heads, l.shape.head_dim);
+    let (bt, wpt) = (l.block_tokens, l.tensor(t).words_per_token);
+    let bits = book.entries.trailing_zeros();
+    let mut row = vec![0f32; d];
+    let mut codes = vec![0u32; book.subvectors];
+    for j in range {
+        for hh in 0..h {
+            src(j, hh, &mut row);
+            book.encode(&row, &mut codes);
+            let part = part_mut(l, pool, table[j / bt], hh, t);
+            quant::pack(&codes, bits, &mut part[(j % bt) * wpt..][..wpt]);
+        }
+    }
+}
+
 /// Raw rows of a sink or window buffer, `[slot][kv_head][D]` in the
 /// activation dtype (f16/bf16 bits, or f32) — what a kernel reads.
 #[derive(Clone, Copy, Debug)]
@@ -1786,6 +1865,16 @@ impl<'a> SeqView<'a> {
                             *o = read_raw(row, c, self.cache.scheme.dtype);
                         }
                     }
+                    Codec::Vq(v) => match &self.cache.vq[i] {
+                        Some(book) => {
+                            let bits = v.code_bits();
+                            for (j, o) in out.chunks_exact_mut(book.dim).enumerate() {
+                                o.copy_from_slice(book.centroid(j, quant::unpack_one(row, bits, j) as usize));
+                            }
+                        }
+                        // A vq cache is only built with its codebooks.
+                        None => out.fill(0.0),
+                    },
                     Codec::Quant(q) => {
                         let levels = self.cache.codec(t).map_or(&[][..], |c| &c.levels);
                         for (c, o) in out.iter_mut().enumerate() {

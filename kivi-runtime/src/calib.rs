@@ -18,7 +18,8 @@
 //! source   str      what the calibration was fitted on (free text)
 //! entries  u32 count, then per entry, in key order:
 //!          u32 layer, u8 tensor (0 key, 1 value), u8 stage (0 post-RoPE,
-//!          1 pre-RoPE), u8 kind (1 codebook, 2 channel RMS), u8 0,
+//!          1 pre-RoPE), u8 kind (1 codebook, 2 channel RMS, 3 vq
+//!          codebooks, see [`crate::vq`]), u8 0,
 //!          str fit, u32 rank, rank x u32 dims, prod(dims) x f32 data
 //! hash     u64      FNV-1a 64 of every byte before it
 //! ```
@@ -89,6 +90,8 @@ pub enum CalibError {
     },
     #[error("scheme `{scheme}` uses levels = nuq on its {tensor}s: build the cache with a calibration (PagedCache::with_calibration)")]
     Needed { scheme: String, tensor: &'static str },
+    #[error("scheme `{scheme}` uses vq(...) on its {tensor}s: build the cache with a calibration that has its codebooks (PagedCache::with_calibration)")]
+    VqNeeded { scheme: String, tensor: &'static str },
     #[error("calibration samples: {0}")]
     Samples(String),
     #[error("scheme `{scheme}` stores {wanted} keys, but the calibration `{calibration}` has only a {found} key codebook for layer {layer} ({fit}); run `kivi calibrate` with this scheme")]
@@ -168,6 +171,9 @@ pub enum Kind {
     /// The RMS of every channel over the calibration tokens, shape
     /// `[kv_heads, head_dim]` (scales for later schemes).
     ChannelRms,
+    /// Product codebooks of a `vq(...)` tensor, shape
+    /// `[head_dim / dim, entries, dim]` ([`crate::vq`]).
+    VqCodebook,
 }
 
 impl Kind {
@@ -175,6 +181,7 @@ impl Kind {
         match self {
             Kind::Codebook => 1,
             Kind::ChannelRms => 2,
+            Kind::VqCodebook => 3,
         }
     }
 }
@@ -500,6 +507,7 @@ impl Calibration {
             let kind = match head[2] {
                 1 => Kind::Codebook,
                 2 => Kind::ChannelRms,
+                3 => Kind::VqCodebook,
                 x => return Err(CalibError::Malformed(format!("entry {i}: unknown kind {x}"))),
             };
             if head[3] != 0 {
@@ -653,6 +661,7 @@ fn check_entry(model: &ModelId, e: &Entry) -> Result<(), CalibError> {
                 return Err(bad("codebook levels are not ascending".into()));
             }
         }
+        Kind::VqCodebook => crate::vq::check_entry(model, e).map_err(bad)?,
         Kind::ChannelRms => {
             if e.shape != [model.kv_heads, model.head_dim] {
                 return Err(bad(format!(
@@ -749,6 +758,11 @@ impl LayerSamples {
         }
         Ok(())
     }
+}
+
+/// [`LayerSamples`]' own checks, for the other fitters of the crate.
+pub(crate) fn check_samples(s: &LayerSamples) -> Result<(), CalibError> {
+    s.check()
 }
 
 /// How codebooks are fitted.

@@ -28,6 +28,7 @@ pub mod quant;
 pub mod rand;
 pub mod reference;
 pub mod sim;
+pub mod vq;
 
 pub use backend::{Backend, NewTokens, ReferenceBackend};
 pub use cache::{CacheConfig, MemoryReport, PagedCache, RawRows, SeqId, SeqView};

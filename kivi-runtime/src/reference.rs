@@ -91,11 +91,23 @@ pub fn cache_view_calibrated(
     calibration: &Calibration,
     layer: usize,
 ) -> Result<Vec<f32>> {
+    // A vq tensor decodes with its product codebooks (crate::vq).
+    if s.codec(t).vq().is_some() {
+        let book = crate::vq::book(calibration, s, t, layer)?;
+        return crate::vq::cache_view(s, t, x, &book);
+    }
     let [k, v] = crate::calib::levels_for(s, Some(calibration), layer)?;
     cache_view_levels(s, t, x, if t == Tensor::Key { k } else { v })
 }
 
 fn cache_view_levels(s: &Scheme, t: Tensor, x: &[f32], levels: Option<Vec<f32>>) -> Result<Vec<f32>> {
+    if s.codec(t).vq().is_some() {
+        return Err(CalibError::VqNeeded {
+            scheme: s.name.clone(),
+            tensor: t.name(),
+        }
+        .into());
+    }
     let shape = shape_of(s)?;
     let (h, d) = (shape.kv_heads, shape.head_dim);
     if !x.len().is_multiple_of(h * d) {

@@ -24,6 +24,12 @@ use std::fmt::Write;
 pub(crate) fn codec_text(c: &Codec) -> String {
     match c {
         Codec::Full => "full".into(),
+        Codec::Vq(v) => format!(
+            "vq(dim = {}, entries = {}{})",
+            v.dim,
+            v.entries,
+            v.codebook.map_or(String::new(), |n| format!(", codebook = {n}"))
+        ),
         Codec::Quant(q) => format!(
             "quant(bits = {}, axis = {}, group = {}, scale = {}{})",
             q.bits,

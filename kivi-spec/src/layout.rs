@@ -68,6 +68,11 @@ pub fn regions(s: &Scheme, t: Tensor, tokens: usize) -> Regions {
     let r = s.residual as usize;
     let quantized = match s.codec(t) {
         Codec::Full => p,
+        // A vq token is coded on its own, like a token-axis group.
+        Codec::Vq(_) => match s.flush {
+            Flush::Chunked => (p / r) * r,
+            Flush::Eager => p.saturating_sub(r),
+        },
         Codec::Quant(q) => match s.flush {
             Flush::Chunked => (p / r) * r,
             Flush::Eager => match q.axis {
@@ -91,6 +96,10 @@ pub fn window_capacity(s: &Scheme, t: Tensor) -> usize {
     let r = s.residual as usize;
     match s.codec(t) {
         Codec::Full => 0,
+        Codec::Vq(_) => match s.flush {
+            Flush::Chunked => r.saturating_sub(1),
+            Flush::Eager => r,
+        },
         Codec::Quant(q) => match s.flush {
             Flush::Chunked => r.saturating_sub(1),
             Flush::Eager => match q.axis {
@@ -151,6 +160,9 @@ impl TensorLayout {
     pub fn new(codec: Codec, dtype: Dtype, head_dim: usize, block_tokens: usize) -> Self {
         let (words_per_token, params_per_block, param_bytes) = match codec {
             Codec::Full => ((head_dim * dtype.bytes()).div_ceil(4), 0, 0),
+            // One code per sub-vector, packed like scalar codes; the
+            // codebooks are per layer, not per block.
+            Codec::Vq(v) => (v.subvectors(head_dim).div_ceil(codes_per_word(v.code_bits())), 0, 0),
             Codec::Quant(q) => {
                 let g = q.group as usize;
                 let params = match q.axis {
@@ -202,7 +214,7 @@ impl TensorLayout {
     #[inline]
     pub fn param_index(&self, t: usize, d: usize) -> usize {
         match self.codec {
-            Codec::Full => 0,
+            Codec::Full | Codec::Vq(_) => 0,
             Codec::Quant(q) => {
                 let g = q.group as usize;
                 match q.axis {
@@ -363,6 +375,7 @@ impl Footprint {
             f.windows += (r.sinks + r.window) * d * s.dtype.bytes();
             match s.codec(t) {
                 Codec::Full => f.codes += r.quantized * d * s.dtype.bytes(),
+                Codec::Vq(v) => f.codes += r.quantized * v.subvectors(d).div_ceil(codes_per_word(v.code_bits())) * 4,
                 Codec::Quant(q) => {
                     let wpt = d.div_ceil(codes_per_word(q.bits));
                     f.codes += r.quantized * wpt * 4;

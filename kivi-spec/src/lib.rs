@@ -33,6 +33,7 @@ mod parse;
 pub mod presets;
 pub mod tokens;
 mod validate;
+pub mod vq;
 
 pub use canonical::{canonical, canonical_body, fnv1a64, scheme_hash};
 pub use load::{load_scheme, resolve_scheme, LoadError, ResolvedScheme, SchemeSource};
@@ -41,3 +42,4 @@ pub use model::*;
 pub use model_decl::{parse_model, LayerKind, ModelDecl, SchemeRef};
 pub use parse::{parse_decls, parse_scheme, parse_schemes, span_for, ParseError, SchemeDecl, SchemeList};
 pub use validate::{validate, Field, Invalid, ALLOWED_BITS, LLOYD_MAX_BITS};
+pub use vq::{Vq, VqName};

@@ -169,6 +169,8 @@ pub fn mla_bytes_per_token(s: &Scheme) -> Option<(usize, usize)> {
 fn part_bytes(c: &Codec, dtype: Dtype, d: usize, n: usize) -> usize {
     match c {
         Codec::Full => n * d * dtype.bytes(),
+        // `validate_vq` refuses vq with mla heads; counted as stored anyway.
+        Codec::Vq(v) => n * v.subvectors(d).div_ceil(codes_per_word(v.code_bits())) * 4,
         Codec::Quant(q) => {
             let g = q.group as usize;
             let params = match q.axis {

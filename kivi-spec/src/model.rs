@@ -206,14 +206,33 @@ pub enum Codec {
     /// Kept in the activation dtype (the unquantized baseline).
     Full,
     Quant(Quant),
+    /// Product vector quantization with calibrated codebooks
+    /// (`vq(dim = M, entries = E [, codebook = NAME])`, see [`crate::vq`]).
+    Vq(crate::vq::Vq),
 }
 
 impl Codec {
+    /// The scalar quantizer, if this codec is one (`None` for `full` and
+    /// `vq`).
     pub fn quant(&self) -> Option<&Quant> {
         match self {
-            Codec::Full => None,
+            Codec::Full | Codec::Vq(_) => None,
             Codec::Quant(q) => Some(q),
         }
+    }
+
+    /// The vector quantizer, if this codec is one.
+    pub fn vq(&self) -> Option<&crate::vq::Vq> {
+        match self {
+            Codec::Vq(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// Whether tokens past the windows are stored coded (anything but
+    /// `full`).
+    pub fn is_coded(&self) -> bool {
+        !matches!(self, Codec::Full)
     }
 }
 
@@ -603,6 +622,11 @@ impl Scheme {
             || self.outliers_of(t) > 0
             || self.center_of(t).is_some()
             || self.codec(t).quant().is_some_and(|q| q.levels != Levels::Uniform)
+    }
+
+    /// Whether either tensor uses product vector quantization.
+    pub fn has_vq(&self) -> bool {
+        self.key.vq().is_some() || self.value.vq().is_some()
     }
 
     /// The bound shape, when both heads and head_dim are set.

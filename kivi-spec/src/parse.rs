@@ -17,6 +17,7 @@
 //!           | query: int8(group = INT)
 //! codec    := full | quant(bits = INT, axis = channel|token, group = INT
 //!                          [, scale = f16|f32] [, levels = uniform|lloyd_max|nuq] [, norm = rms|l2])
+//!           | vq(dim = INT, entries = INT [, codebook = NAME])
 //! tensors  := [key] | [value] | [key, value]
 //! heads    := mha(INT) | gqa(q = INT, kv = INT) | mqa(q = INT)
 //!           | mla(q = INT, latent = INT, rope_dim = INT [, rope = codec])
@@ -38,6 +39,7 @@
 
 use crate::model::*;
 use crate::validate::{validate, Field};
+use crate::vq::VqName;
 use proc_macro2::Span;
 use std::collections::HashMap;
 use syn::parse::{Parse, ParseStream};
@@ -61,7 +63,10 @@ pub struct SchemeList(pub Vec<SchemeDecl>);
 const FUTURE_FIELDS: &[(&str, &str)] = &[
     ("codebook", "calibrated non-uniform codebooks"),
     ("low_rank", "low-rank keys"),
-    ("vq", "vector quantization"),
+    (
+        "vq",
+        "a top-level vq field; vector quantization is a codec: `key: vq(dim = 8, entries = 256)`",
+    ),
     ("normalize", "per-channel key normalisation folded into the query"),
 ];
 
@@ -139,21 +144,22 @@ enum LevelsKind {
 fn parse_codec(input: ParseStream, t: Tensor, spans: &mut HashMap<Field, Span>) -> syn::Result<Codec> {
     let head: Ident = input
         .parse()
-        .map_err(|e| syn::Error::new(e.span(), "expected `full` or `quant(...)`"))?;
+        .map_err(|e| syn::Error::new(e.span(), "expected `full`, `quant(...)` or `vq(...)`"))?;
     spans.insert(Field::Codec(t), head.span());
     match head.to_string().as_str() {
         "full" => return Ok(Codec::Full),
         "quant" => {}
-        "nuq" | "codebook" | "vq" | "lut" => {
+        "vq" => return parse_vq(input, &head, t, spans),
+        "nuq" | "codebook" | "lut" => {
             return err(
                 head.span(),
-                format!("`{head}` codecs are not supported yet; use `quant(...)` or `full`"),
+                format!("`{head}` codecs are not supported yet; use `quant(...)`, `vq(...)` or `full`"),
             )
         }
         other => {
             return err(
                 head.span(),
-                format!("unknown codec `{other}`; expected `full` or `quant(...)`"),
+                format!("unknown codec `{other}`; expected `full`, `quant(...)` or `vq(...)`"),
             )
         }
     }
@@ -281,6 +287,72 @@ fn parse_codec(input: ParseStream, t: Tensor, spans: &mut HashMap<Field, Span>) 
         group: group.ok_or_else(|| missing("group"))?,
         scale: scale.unwrap_or(ScaleDtype::F16),
         levels,
+    }))
+}
+
+/// `vq(dim = M, entries = E [, codebook = NAME])` after its head (see
+/// [`crate::vq`]); the numbers are checked by the validator.
+fn parse_vq(input: ParseStream, head: &Ident, t: Tensor, spans: &mut HashMap<Field, Span>) -> syn::Result<Codec> {
+    let content;
+    parenthesized!(content in input);
+    let (mut dim, mut entries, mut codebook) = (None, None, None);
+    while !content.is_empty() {
+        let arg: Ident = content.parse()?;
+        let name = arg.to_string();
+        let seen = match name.as_str() {
+            "dim" => dim.is_some(),
+            "entries" => entries.is_some(),
+            "codebook" => codebook.is_some(),
+            _ => {
+                return err(
+                    arg.span(),
+                    format!("unknown vq argument `{name}`; expected dim, entries or codebook"),
+                )
+            }
+        };
+        if seen {
+            return err(arg.span(), format!("duplicate vq argument `{name}`"));
+        }
+        expect_eq(&content, &arg)?;
+        match name.as_str() {
+            "dim" => {
+                let (v, sp) = parse_u32(&content, "dim")?;
+                spans.insert(Field::VqDim(t), sp);
+                dim = Some(v);
+            }
+            "entries" => {
+                let (v, sp) = parse_u32(&content, "entries")?;
+                spans.insert(Field::VqEntries(t), sp);
+                entries = Some(v);
+            }
+            _ => {
+                // Any identifier, keywords included (`loop` is a good name
+                // for LoopVQ's shared codebook).
+                let id: Ident = syn::ext::IdentExt::parse_any(&content)
+                    .map_err(|e| syn::Error::new(e.span(), "expected a codebook name (an identifier)"))?;
+                let text = id.to_string();
+                let n = VqName::new(&text).ok_or_else(|| {
+                    syn::Error::new(
+                        id.span(),
+                        format!(
+                            "codebook name `{text}` must be an ASCII identifier of at most {} bytes",
+                            crate::vq::MAX_VQ_NAME
+                        ),
+                    )
+                })?;
+                spans.insert(Field::VqCodebook(t), id.span());
+                codebook = Some(n);
+            }
+        }
+        if !content.is_empty() {
+            content.parse::<Token![,]>()?;
+        }
+    }
+    let missing = |what: &str| syn::Error::new(head.span(), format!("{} vq(...) is missing `{what}`", t.name()));
+    Ok(Codec::Vq(crate::vq::Vq {
+        dim: dim.ok_or_else(|| missing("dim"))?,
+        entries: entries.ok_or_else(|| missing("entries"))?,
+        codebook,
     }))
 }
 
@@ -904,9 +976,15 @@ impl Parse for SchemeDecl {
 /// The span that best points at `field`, falling back to its parent.
 pub fn span_for(spans: &HashMap<Field, Span>, field: Field) -> Option<Span> {
     let parent = match field {
-        Field::Bits(t) | Field::Axis(t) | Field::Group(t) | Field::Scale(t) | Field::Levels(t) | Field::Norm(t) => {
-            Some(Field::Codec(t))
-        }
+        Field::Bits(t)
+        | Field::Axis(t)
+        | Field::Group(t)
+        | Field::Scale(t)
+        | Field::Levels(t)
+        | Field::Norm(t)
+        | Field::VqDim(t)
+        | Field::VqEntries(t)
+        | Field::VqCodebook(t) => Some(Field::Codec(t)),
         Field::RotationBlock | Field::RotationApply => Some(Field::Rotation),
         Field::OutliersPerToken | Field::OutliersApply => Some(Field::Outliers),
         Field::CenterTokens | Field::CenterApply => Some(Field::Center),

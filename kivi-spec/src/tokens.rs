@@ -9,6 +9,15 @@ use quote::quote;
 fn codec(c: &Codec) -> TokenStream {
     match c {
         Codec::Full => quote!(::kivi::spec::Codec::Full),
+        Codec::Vq(v) => {
+            let (dim, entries) = (v.dim, v.entries);
+            let codebook = opt(v.codebook.map(|n| {
+                let n = n.as_str();
+                // Checked by the parser, so the name rebuilds.
+                quote!(::kivi::spec::VqName::new(#n).expect("a parsed codebook name"))
+            }));
+            quote!(::kivi::spec::Codec::Vq(::kivi::spec::Vq { dim: #dim, entries: #entries, codebook: #codebook }))
+        }
         Codec::Quant(q) => {
             let bits = q.bits;
             let group = q.group;

@@ -18,6 +18,10 @@ pub enum Field {
     Levels(Tensor),
     /// `norm = ...` of a tensor's quant.
     Norm(Tensor),
+    /// `dim = ...`, `entries = ...` and `codebook = ...` of a tensor's `vq`.
+    VqDim(Tensor),
+    VqEntries(Tensor),
+    VqCodebook(Tensor),
     /// The `rotation` field (its kind), its `block`, and its `apply` list.
     Rotation,
     RotationBlock,
@@ -177,8 +181,8 @@ pub fn validate(s: &Scheme) -> Result<(), Invalid> {
             format!("sinks = {} is absurd; at most {MAX_SINKS}", s.sinks),
         ));
     }
-    let any_quant =
-        s.key.quant().is_some() || s.value.quant().is_some() || s.mla().is_some_and(|m| m.rope.quant().is_some());
+    crate::vq::validate_vq(s)?;
+    let any_quant = s.key.is_coded() || s.value.is_coded() || s.mla().is_some_and(|m| m.rope.quant().is_some());
     if !any_quant && (s.residual > 0 || s.sinks > 0) {
         let field = if s.residual > 0 { Field::Residual } else { Field::Sinks };
         return Err(Invalid::new(

@@ -66,6 +66,7 @@ fn pipe_tag(s: &Scheme, t: Tensor) -> String {
 fn codec_tag(c: &Codec) -> String {
     match c {
         Codec::Full => "full".into(),
+        Codec::Vq(v) => format!("vq.d{}.e{}", v.dim, v.entries),
         Codec::Quant(q) => {
             let axis = match q.axis {
                 Axis::Channel => "c",
@@ -160,6 +161,8 @@ pub(crate) fn tensor_cfg(
             false,
             format!("{}: full (rows stored raw in the activation dtype)", t.name()),
         ),
+        // `check_codecs` refuses vq before any source is generated.
+        Codec::Vq(_) => (false, 0, false, 1, false, format!("{}: vq (no template)", t.name())),
         Codec::Quant(q) => (
             true,
             q.bits,

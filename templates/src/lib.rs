@@ -432,6 +432,19 @@ fn check_codecs(scheme: &Scheme) -> Result<(), GenError> {
             field: kivi_spec::Field::Heads,
         });
     }
+    // Product vector quantization decodes on the CPU (lookup tables per
+    // step); no CUDA template has its codebooks yet.
+    for t in [kivi_spec::Tensor::Key, kivi_spec::Tensor::Value] {
+        if scheme.codec(t).vq().is_some() {
+            return Err(GenError::Unsupported {
+                what: format!(
+                    "{} vq(...) codecs in the generated kernels (the CPU backend decodes them)",
+                    t.name()
+                ),
+                field: kivi_spec::Field::Codec(t),
+            });
+        }
+    }
     Ok(())
 }
 
@@ -490,11 +503,11 @@ pub type KernelError = (String, Option<kivi_spec::Field>);
 
 /// `(name, source)` of the default variant of the prefill, append and
 /// decode kernels of a scheme with a shape (none without one, or with mla
-/// heads, which have no template yet): what
+/// heads or vq codecs, which have no template yet): what
 /// `kivi::scheme!` embeds. On failure, the message the macro reports and
 /// the part of the scheme it is about, where the generator names one.
 pub fn default_kernels(s: &Scheme) -> Result<Vec<(String, String)>, KernelError> {
-    if s.shape().is_none() || s.mla().is_some() {
+    if s.shape().is_none() || s.mla().is_some() || s.has_vq() {
         return Ok(Vec::new());
     }
     [Kernel::Prefill, Kernel::Append, Kernel::Decode]

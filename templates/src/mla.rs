@@ -93,7 +93,8 @@ fn part_cfg(o: &mut String, name: &str, tl: &TensorLayout, part_offset: usize) {
     let _ = writeln!(o, "  static constexpr int SCALES = {};", tl.scales_offset);
     let _ = writeln!(o, "  static constexpr int ZEROS = {};", tl.zeros_offset);
     match tl.codec {
-        Codec::Full => {
+        // `validate` refuses vq with mla heads, so no mla part is vq.
+        Codec::Full | Codec::Vq(_) => {
             let _ = writeln!(o, "  static constexpr bool QUANT = false;");
             let _ = writeln!(o, "  static constexpr int BITS = 0, CPW = 1, GROUP = 1;");
             let _ = writeln!(o, "  static constexpr bool TOKEN_AXIS = false, SCALE_F32 = false;");

@@ -194,6 +194,7 @@ pub(crate) fn cpw(layout: &BlockLayout, key: bool) -> usize {
     match t.codec {
         kivi_spec::Codec::Quant(q) => kivi_spec::layout::codes_per_word(q.bits),
         kivi_spec::Codec::Full => 4 / t.dtype.bytes(),
+        kivi_spec::Codec::Vq(v) => kivi_spec::layout::codes_per_word(v.code_bits()),
     }
 }
 

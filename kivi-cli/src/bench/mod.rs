@@ -74,7 +74,12 @@ pub struct Config {
     /// Prefill/append throughput and memory at `prefill_tokens`.
     pub prefill: bool,
     pub prefill_tokens: usize,
+    /// A calibration and the layer whose codebooks calibrated schemes
+    /// (`levels = nuq`, `vq(...)`) decode with (`--calibration`,
+    /// `--layer`); every cache is built with it.
+    pub calibration: Option<(kivi_runtime::calib::Calibration, usize)>,
 }
+
 
 /// Median, 20th/80th percentile and minimum of a set of times, in ms.
 #[derive(Clone, Copy, Debug, Default, Serialize)]
@@ -370,13 +375,17 @@ fn bind(name: &str, l: Layout) -> Result<Scheme, String> {
         .map_err(|e| format!("scheme `{name}` does not fit {}: {e}", l.name))
 }
 
-/// A paged cache for `s`. A `levels = nuq` scheme gets codebooks fitted on
+/// A paged cache for `s`: with `--calibration`, that file's codebooks;
+/// otherwise a `levels = nuq` scheme gets codebooks fitted on
 /// another draw of the benchmark's own K/V (layer 0; keys before RoPE are
 /// the same draw, so a pre-RoPE scheme fits too): decode speed depends on
 /// the table's width, not on its values, and the bench needs no model.
-fn new_cache(s: &Scheme, l: Layout, cfg: CacheConfig) -> Result<PagedCache, String> {
+fn new_cache(bench: &Config, s: &Scheme, l: Layout, cfg: CacheConfig) -> Result<PagedCache, String> {
     use kivi_runtime::calib::{fit_key, Calibration, FitOptions, LayerSamples, ModelId};
     use kivi_spec::Tensor;
+    if let Some((cal, layer)) = &bench.calibration {
+        return PagedCache::with_calibration(s.clone(), cfg, cal, *layer).map_err(|e| format!("{}: {e}", s.name));
+    }
     if fit_key(s, Tensor::Key).is_none() && fit_key(s, Tensor::Value).is_none() {
         return PagedCache::new(s.clone(), cfg).map_err(|e| format!("{}: {e}", s.name));
     }
@@ -422,7 +431,7 @@ fn decode_point(
     for name in &cfg.schemes {
         let s = bind(name, l)?;
         let shape = s.shape().ok_or("unbound scheme")?;
-        let mut cache = new_cache(&s, l, CacheConfig::for_tokens(batch * (context + 64)))?;
+        let mut cache = new_cache(cfg, &s, l, CacheConfig::for_tokens(batch * (context + 64)))?;
         let mut ids = Vec::new();
         for _ in 0..batch {
             let id = cache.add_sequence();
@@ -512,7 +521,7 @@ fn prefill_rows(cfg: &Config, l: Layout) -> Result<Vec<PrefillRow>, String> {
     let mut out = Vec::new();
     for name in &cfg.schemes {
         let s = bind(name, l)?;
-        let mut cache = new_cache(&s, l, CacheConfig::for_tokens(n + appends + 256))?;
+        let mut cache = new_cache(cfg, &s, l, CacheConfig::for_tokens(n + appends + 256))?;
         let id = cache.add_sequence();
         let t0 = Instant::now();
         cache.extend(id, &k, &v).map_err(|e| e.to_string())?;
@@ -849,6 +858,7 @@ mod tests {
             cold: false,
             prefill: false,
             prefill_tokens: 0,
+            calibration: None,
         };
         let r = run(&cfg, "test".into(), &mut |_| peers::PeerReport::default(), &mut |_| {}).unwrap();
         assert_eq!(r.decode.len(), 4);
@@ -906,6 +916,7 @@ mod tests {
             cold: false,
             prefill: true,
             prefill_tokens: 300,
+            calibration: None,
         };
         let r = run(&cfg, "test".into(), &mut |_| peers::PeerReport::default(), &mut |_| {}).unwrap();
         assert_eq!(r.decode.len(), 2);

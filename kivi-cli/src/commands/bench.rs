@@ -7,6 +7,8 @@
 //! kivi bench --long --json > bench.json   # adds 64k
 //! kivi bench --contexts 4096 --batches 8 --layouts mqa --schemes f16,kivi2 --no-peers
 //! kivi bench --quick --peers numpy,llama.cpp  # adds ggml's flash attention (f16, q8_0, q4_0 KV)
+//! kivi bench --layouts mqa --contexts 32k --schemes f16,kivi2,eval/schemes/vq.kivi \
+//!     --calibration gemma-vq.kivical      # calibrated schemes (nuq, vq) with their codebooks
 //! ```
 
 use crate::bench as suite;
@@ -89,6 +91,12 @@ pub struct Args {
     /// Also write the JSON report to this file
     #[arg(long)]
     out: Option<PathBuf>,
+    /// A calibration file (`kivi calibrate`) for schemes with calibrated codebooks (levels = nuq, vq(...)); its model's shape must match the layouts (Gemma 3 270M: --layouts mqa)
+    #[arg(long)]
+    calibration: Option<PathBuf>,
+    /// The layer of the calibration whose codebooks the caches use
+    #[arg(long, default_value_t = 0)]
+    layer: usize,
 }
 
 pub fn run(a: Args) -> super::Result {
@@ -151,6 +159,13 @@ pub fn run(a: Args) -> super::Result {
         cold: !a.warm,
         prefill: !a.no_prefill,
         prefill_tokens: a.prefill_tokens,
+        calibration: match &a.calibration {
+            Some(p) => Some((
+                kivi_runtime::calib::Calibration::load(p).map_err(|e| e.to_string())?,
+                a.layer,
+            )),
+            None => None,
+        },
     };
     let peer_opts = suite::peers::PeerOptions {
         venv: a.venv,

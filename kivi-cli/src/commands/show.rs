@@ -102,6 +102,11 @@ pub fn tensor_cost(s: &Scheme, t: Tensor, head_dim: usize, tokens: usize) -> Cos
             codes: tokens * head_dim * s.dtype.bytes(),
             ..Cost::default()
         },
+        // One packed code per sub-vector; the codebooks are per layer.
+        Codec::Vq(v) => Cost {
+            codes: tokens * v.subvectors(head_dim).div_ceil(codes_per_word(v.code_bits())) * 4,
+            ..Cost::default()
+        },
         Codec::Quant(q) => {
             let g = q.group as usize;
             let params = match q.axis {

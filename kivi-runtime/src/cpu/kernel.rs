@@ -44,6 +44,9 @@ enum Kind {
     /// `q . m`, values accumulate in the rotated domain and the output is
     /// un-rotated (and `sum p * m` added) once per split.
     Codec,
+    /// Product vector quantization (`vq.rs`): keys scored by table
+    /// lookups, values binned per centroid and expanded once per split.
+    Vq { bits: u32 },
 }
 
 /// Per-call decisions shared by every task.
@@ -80,11 +83,14 @@ pub(crate) struct Plan {
     /// `query: int8(group = G)`: the integer loops, the key bits and `G`
     /// (`int8.rs`); key scores of block-resident tokens come from there.
     int8: Option<(Int8Isa, u32, usize)>,
+    /// The product codebooks of `vq(...)` tensors.
+    vq: [Option<std::sync::Arc<crate::vq::VqBook>>; 2],
 }
 
 fn kind_of(codec: &Codec, t: Tensor, isa: Isa) -> Kind {
     let q = match codec {
         Codec::Full => return Kind::Full,
+        Codec::Vq(v) => return Kind::Vq { bits: v.code_bits() },
         Codec::Quant(q) => q,
     };
     // Scales are read as little-endian halves of words; elsewhere the
@@ -240,6 +246,7 @@ impl Plan {
                 }
             }),
             rope,
+            vq: [Tensor::Key, Tensor::Value].map(|t| cache.vq_book(t).cloned()),
         }
     }
 }
@@ -381,6 +388,10 @@ struct Scratch {
     rope: RopeScratch,
     /// The integer-domain query (`query: int8(...)`), where the plan has one.
     int8: Option<Int8Keys>,
+    /// vq keys: the query-by-codebook table of every head (`vq.rs`).
+    vq_lut: Vec<f32>,
+    /// vq values: the weight binned per head, sub-vector and centroid.
+    vq_bins: Vec<f32>,
 }
 
 /// Runs `op` over rows `0..n`, applying the instruction set of the plan.
@@ -754,6 +765,17 @@ fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: us
                             }
                         }
                     }
+                    Kind::Vq { bits } => {
+                        let book = plan.vq[i].as_deref().expect("a vq kind has its codebooks");
+                        match &mut sub {
+                            Op::Score { out, .. } => {
+                                super::vq::score(book, bits, part, base, wpt, len, &sc.vq_lut, g, out)
+                            }
+                            Op::Accum { p: pr, .. } => {
+                                super::vq::accumulate(book, bits, part, base, wpt, len, pr, g, &mut sc.vq_bins)
+                            }
+                        }
+                    }
                     Kind::Generic => {
                         sc.rows.resize(len * d, 0.0);
                         for r in 0..len {
@@ -826,6 +848,8 @@ impl Scratch {
             psum: vec![0.0; g],
             rope: RopeScratch::default(),
             int8: None,
+            vq_lut: Vec::new(),
+            vq_bins: Vec::new(),
         }
     }
 }
@@ -857,6 +881,12 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
         if let Some(cr) = plan.codec[0].as_ref().filter(|c| c.uniform()) {
             sc.qsum = cr.group_sums(&sc.qrot, g);
         }
+    }
+    if let Some(book) = plan.vq[0].as_deref() {
+        super::vq::build_lut(book, q, g, &mut sc.vq_lut);
+    }
+    if let Some(book) = plan.vq[1].as_deref() {
+        sc.vq_bins = vec![0.0; g * book.subvectors * book.entries];
     }
     let mut fs = plan.fast.map(|f| fused::State::new(f, g, d, tile, q));
     let mut ds = plan.dense_tile.then(|| dense::TileState::new(g, d, tile));
@@ -925,6 +955,12 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
                 for x in &mut acc[hh * d..(hh + 1) * d] {
                     *x *= corr;
                 }
+                if let Some(book) = plan.vq[1].as_deref() {
+                    let n = book.subvectors * book.entries;
+                    for x in &mut sc.vq_bins[hh * n..(hh + 1) * n] {
+                        *x *= corr;
+                    }
+                }
                 if plan.kinds[1] == Kind::Codec {
                     sc.psum[hh] *= corr;
                     for x in &mut sc.acc_rot[hh * d..(hh + 1) * d] {
@@ -962,6 +998,10 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
     }
     if let Some(st) = fs.as_mut() {
         st.flush(&mut l, &mut acc);
+    }
+    if let Some(book) = plan.vq[1].as_deref() {
+        // The binned weights, expanded to centroids once per split.
+        super::vq::expand(book, &sc.vq_bins, g, &mut acc);
     }
     if plan.kinds[1] == Kind::Codec {
         // Back from the rotated domain once: T^-1 (sum p v') + (sum p) m.

@@ -66,6 +66,7 @@ pub mod mla;
 mod probe;
 mod rope;
 mod simd;
+mod vq;
 mod width;
 pub(crate) mod write;
 

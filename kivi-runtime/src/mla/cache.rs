@@ -416,6 +416,12 @@ impl MlaCache {
                     write_raw_row(&mut out.words[j * wpt..(j + 1) * wpt], &buf, self.scheme.dtype);
                 }
             }
+            // `validate` refuses vq with mla heads; a hand-built one is an error.
+            Codec::Vq(_) => {
+                return Err(Error::Config(
+                    "vq codecs do not apply to mla caches (kivi_spec::validate refuses them)".into(),
+                ))
+            }
             Codec::Quant(q) => {
                 let g = q.group as usize;
                 let mut codes = vec![0u32; rows * d];
@@ -580,6 +586,7 @@ impl MlaCache {
             let raw = st.sinks.bytes() + st.window.bytes();
             let stored = match self.codec(part) {
                 Codec::Full => st.stored * d * self.scheme.dtype.bytes(),
+                Codec::Vq(_) => st.stored * self.tensor_layout(part).0.words_per_token * 4,
                 Codec::Quant(q) => {
                     let (tl, _) = self.tensor_layout(part);
                     let g = q.group as usize;
@@ -639,6 +646,8 @@ pub(crate) fn decode_row(tl: &TensorLayout, words: &[u32], slot: usize, out: &mu
                 *o = read_raw(row, c, tl.dtype);
             }
         }
+        // Never stored (the writer refuses vq parts).
+        Codec::Vq(_) => out.fill(0.0),
         Codec::Quant(q) => {
             for (c, o) in out.iter_mut().enumerate() {
                 let p = params_at(tl, words, &q, slot, c);
