@@ -896,6 +896,7 @@ mod tests {
             cold: false,
             prefill: true,
             prefill_tokens: 300,
+            calibration: None,
         };
         let r = run(&cfg, "test".into(), &mut |_| peers::PeerReport::default(), &mut |_| {});
         std::fs::remove_dir_all(&dir).unwrap();
