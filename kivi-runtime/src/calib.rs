@@ -129,6 +129,10 @@ pub enum Kind {
     /// The RMS of every channel over the calibration tokens, shape
     /// `[kv_heads, head_dim]` (scales for later schemes).
     ChannelRms,
+    /// An orthonormal basis per KV head for low-rank keys and values,
+    /// shape `[kv_heads, head_dim, head_dim]`, vectors as rows by
+    /// decreasing eigenvalue (`crate::low_rank`). File code 4.
+    Basis,
 }
 
 impl Kind {
@@ -136,6 +140,7 @@ impl Kind {
         match self {
             Kind::Codebook => 1,
             Kind::ChannelRms => 2,
+            Kind::Basis => 4,
         }
     }
 }
@@ -441,6 +446,7 @@ impl Calibration {
             let kind = match head[2] {
                 1 => Kind::Codebook,
                 2 => Kind::ChannelRms,
+                4 => Kind::Basis,
                 x => return Err(CalibError::Malformed(format!("entry {i}: unknown kind {x}"))),
             };
             if head[3] != 0 {
@@ -603,6 +609,23 @@ fn check_entry(model: &ModelId, e: &Entry) -> Result<(), CalibError> {
             }
             if e.data.iter().any(|x| *x < 0.0) {
                 return Err(bad("negative RMS".into()));
+            }
+        }
+        Kind::Basis => {
+            let d = model.head_dim as usize;
+            if e.shape != [model.kv_heads, model.head_dim, model.head_dim] {
+                return Err(bad(format!(
+                    "a basis has shape [kv_heads, head_dim, head_dim] = [{}, {d}, {d}], not {:?}",
+                    model.kv_heads, e.shape
+                )));
+            }
+            // Unit rows (orthogonality is checked where a cache takes a
+            // prefix: low_rank::Bases::new).
+            if let Some(i) = e.data.chunks(d).position(|r| {
+                let n: f64 = r.iter().map(|x| *x as f64 * *x as f64).sum();
+                (n - 1.0).abs() > 1e-3
+            }) {
+                return Err(bad(format!("basis row {i} is not of unit length")));
             }
         }
     }

@@ -96,6 +96,9 @@ pub fn cache_view_calibrated(
 }
 
 fn cache_view_levels(s: &Scheme, t: Tensor, x: &[f32], levels: Option<Vec<f32>>) -> Result<Vec<f32>> {
+    if s.low_rank.is_some() {
+        return Err(Error::Config(crate::low_rank::NOT_PAGED.into()));
+    }
     let shape = shape_of(s)?;
     let (h, d) = (shape.kv_heads, shape.head_dim);
     if !x.len().is_multiple_of(h * d) {
