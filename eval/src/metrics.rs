@@ -155,12 +155,14 @@ pub struct Report {
 /// Hadamard blocks (`s` with signs), `·o2` outliers per token, `·μ32`
 /// centering on the first 32 tokens.
 pub fn codec_short(s: &Scheme, t: Tensor) -> String {
+    // A low-rank tensor: `pcaR·` before how its coordinates are stored.
+    let pca = s.rank_of(t).map_or(String::new(), |r| format!("pca{r}·"));
     let q = match s.codec(t) {
-        Codec::Full => return s.dtype.name().to_string(),
+        Codec::Full => return format!("{pca}{}", s.dtype.name()),
         Codec::Quant(q) => q,
     };
     let mut o = format!(
-        "{}{}{}",
+        "{pca}{}{}{}",
         q.bits,
         if q.axis == kivi_spec::Axis::Channel { 'c' } else { 't' },
         q.group
