@@ -417,8 +417,10 @@ impl KiviKvCache {
                 max_blocks: max_tokens.div_ceil(block),
             };
             let mut cache = match calibration {
-                Some(c) => PagedCache::with_calibration(bound, config, c, i),
-                None => PagedCache::new(bound, config),
+                // A coordinate scheme has head_dim R, not the model's, and no
+                // nuq tables (low_rank refuses them): a plain cache.
+                Some(c) if low_rank.is_none() => PagedCache::with_calibration(bound, config, c, i),
+                _ => PagedCache::new(bound, config),
             }
             .map_err(in_layer)?;
             let seq = cache.add_sequence();
