@@ -207,11 +207,16 @@ pub fn run(cfg: &CalibConfig, progress: &mut dyn FnMut(Step)) -> Result<(Calibra
     cal.add_channel_rms(&samples).map_err(kivi_runtime::Error::from)?;
     // Low-rank bases (low_rank: pca(...)) for every layer: keys after and
     // before RoPE, values; a scheme of any rank takes a prefix.
-    progress(Step::Note("fitting low-rank bases (PCA of K/V per layer and KV head)".into()));
+    progress(Step::Note(
+        "fitting low-rank bases (PCA of K/V per layer and KV head)".into(),
+    ));
     let bases = cal.fit_bases(&samples).map_err(kivi_runtime::Error::from)?;
     for layer in 0..c.layers {
         let mut line = format!("layer {layer:2} basis energy kept at rank");
-        for r in kivi_runtime::low_rank::REPORT_RANKS.into_iter().filter(|&r| r <= c.head_dim) {
+        for r in kivi_runtime::low_rank::REPORT_RANKS
+            .into_iter()
+            .filter(|&r| r <= c.head_dim)
+        {
             line += &format!(" {r}:");
             for (t, st, tag) in [
                 (Tensor::Key, Stage::PostRope, "k"),

@@ -807,7 +807,10 @@ impl Layer {
         let (h, d) = (b.kv_heads, b.head_dim);
         let k = kivi_runtime::reference::round_inputs(s, "key", &k, h, d)?;
         let v = kivi_runtime::reference::round_inputs(s, "value", &v, h, d)?;
-        Ok((b.project(kivi_spec::Tensor::Key, &k), b.project(kivi_spec::Tensor::Value, &v)))
+        Ok((
+            b.project(kivi_spec::Tensor::Key, &k),
+            b.project(kivi_spec::Tensor::Value, &v),
+        ))
     }
 
     /// The layer's memory: its cache's, plus a low-rank layer's bases once.

@@ -23,7 +23,14 @@ fn tensor(rows: &[f32], n: usize, heads: usize, d: usize) -> Tensor {
 }
 
 fn host(t: &Tensor) -> Vec<f32> {
-    t.squeeze(0).unwrap().transpose(0, 1).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    t.squeeze(0)
+        .unwrap()
+        .transpose(0, 1)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
 }
 
 #[test]
@@ -36,26 +43,51 @@ fn low_rank_layers_match_the_oracle() {
         (0..n * h)
             .flat_map(|_| {
                 let z: Vec<f32> = (0..6).map(|_| rng.normal()).collect();
-                (0..d).map(|c| (0..6).map(|j| mix[c * 6 + j] * z[j]).sum::<f32>() + 0.05 * rng.normal()).collect::<Vec<_>>()
+                (0..d)
+                    .map(|c| (0..6).map(|j| mix[c * 6 + j] * z[j]).sum::<f32>() + 0.05 * rng.normal())
+                    .collect::<Vec<_>>()
             })
             .collect()
     };
     let mut cal = Calibration::new(
-        ModelId { name: "toy".into(), layers: layers as u32, kv_heads: h as u32, head_dim: d as u32 },
+        ModelId {
+            name: "toy".into(),
+            layers: layers as u32,
+            kv_heads: h as u32,
+            head_dim: d as u32,
+        },
         "synthetic",
     );
-    let samples: Vec<LayerSamples> = (0..layers).map(|l| LayerSamples::new(l, 300, hq, h, d, rows(&mut rng, 300), rows(&mut rng, 300))).collect();
+    let samples: Vec<LayerSamples> = (0..layers)
+        .map(|l| LayerSamples::new(l, 300, hq, h, d, rows(&mut rng, 300), rows(&mut rng, 300)))
+        .collect();
     cal.fit_bases(&samples).unwrap();
     let s = kivi_spec::parse_scheme(&format!(
         "L {{ key: quant(bits = 4, axis = channel, group = 16), value: quant(bits = 4, axis = token, group = 16), \
          residual: 16, dtype: f32, low_rank: pca(rank = {rank}, apply = [key, value]) }}"
     ))
     .unwrap();
-    let shape = ModelShape { layers, q_heads: hq, kv_heads: h, head_dim: d };
-    let e = KiviKvCache::per_layer(&vec![s.clone(); layers], shape, 512).err().unwrap().to_string();
+    let shape = ModelShape {
+        layers,
+        q_heads: hq,
+        kv_heads: h,
+        head_dim: d,
+    };
+    let e = KiviKvCache::per_layer(&vec![s.clone(); layers], shape, 512)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("calibration"), "{e}");
     let mut cache = KiviKvCache::per_layer_calibrated(&vec![s.clone(); layers], shape, 512, Some(&cal)).unwrap();
-    let bound = s.with_shape(Heads::Gqa { q: hq as u32, kv: h as u32 }, d as u32).unwrap();
+    let bound = s
+        .with_shape(
+            Heads::Gqa {
+                q: hq as u32,
+                kv: h as u32,
+            },
+            d as u32,
+        )
+        .unwrap();
     assert_eq!(cache.scheme(0).unwrap(), &bound);
     let attn = AttnParams::of(&bound, bound.shape().unwrap());
     let total = 1 + 30 + 33 + 63;
@@ -67,20 +99,31 @@ fn low_rank_layers_match_the_oracle() {
         let mut at = 0;
         for n in [1, 30, 33, 63] {
             let out = cache
-                .attend(layer, &tensor(&q[at * qr..(at + n) * qr], n, hq, d), &tensor(&k[at * kr..(at + n) * kr], n, h, d), &tensor(&v[at * kr..(at + n) * kr], n, h, d))
+                .attend(
+                    layer,
+                    &tensor(&q[at * qr..(at + n) * qr], n, hq, d),
+                    &tensor(&k[at * kr..(at + n) * kr], n, h, d),
+                    &tensor(&v[at * kr..(at + n) * kr], n, h, d),
+                )
                 .unwrap();
             let got = host(&out);
             for i in 0..n {
                 let t = at + i + 1;
-                let want = low_rank::attend(&bound, &q[(t - 1) * qr..t * qr], &k[..t * kr], &v[..t * kr], attn, &b).unwrap();
+                let want =
+                    low_rank::attend(&bound, &q[(t - 1) * qr..t * qr], &k[..t * kr], &v[..t * kr], attn, &b).unwrap();
                 let scale = want.iter().fold(0.1f32, |m, x| m.max(x.abs()));
-                let err = want.iter().zip(&got[i * qr..(i + 1) * qr]).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                let err = want
+                    .iter()
+                    .zip(&got[i * qr..(i + 1) * qr])
+                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
                 assert!(err <= 2e-4 * scale, "layer {layer} token {t}: {err} of {scale}");
             }
             at += n;
         }
         // The drop-in path returns the oracle's reconstructed rows.
-        let (kk, _) = cache.append(layer, &tensor(&k[..0], 0, h, d), &tensor(&v[..0], 0, h, d)).unwrap();
+        let (kk, _) = cache
+            .append(layer, &tensor(&k[..0], 0, h, d), &tensor(&v[..0], 0, h, d))
+            .unwrap();
         assert_eq!(host(&kk), low_rank::cache_view(&bound, Which::Key, &k, &b).unwrap());
     }
     let m = cache.memory();
