@@ -210,9 +210,11 @@ pub fn run(cfg: &CalibConfig, progress: &mut dyn FnMut(Step)) -> Result<(Calibra
     progress(Step::Note(
         "fitting low-rank bases (PCA of K/V per layer and KV head)".into(),
     ));
-    let bases = cal.fit_bases(&samples).map_err(kivi_runtime::Error::from)?;
     for layer in 0..c.layers {
-        let mut line = format!("layer {layer:2} basis energy kept at rank");
+        // One layer at a time, so that each line reports progress.
+        let mine: Vec<LayerSamples> = samples.iter().filter(|x| x.layer == layer).cloned().collect();
+        let bases = cal.fit_bases(&mine).map_err(kivi_runtime::Error::from)?;
+        let mut line = format!("basis {}/{}: layer {layer:2} energy kept at rank", layer + 1, c.layers);
         for r in kivi_runtime::low_rank::REPORT_RANKS
             .into_iter()
             .filter(|&r| r <= c.head_dim)
@@ -226,7 +228,7 @@ pub fn run(cfg: &CalibConfig, progress: &mut dyn FnMut(Step)) -> Result<(Calibra
                 // Mean over KV heads.
                 let e: Vec<f64> = bases
                     .iter()
-                    .filter(|b| b.layer == layer && b.tensor == t && b.stage == st)
+                    .filter(|b| b.tensor == t && b.stage == st)
                     .filter_map(|b| b.energy.iter().find(|(k, _)| *k == r).map(|x| x.1))
                     .collect();
                 if !e.is_empty() {
