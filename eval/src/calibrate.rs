@@ -15,8 +15,8 @@
 use crate::error::{Error, Result};
 use crate::fetch;
 use crate::model::{Config, Gemma3, Logits, Weights};
-use kivi_runtime::calib::{Calibration, FitOptions, FitReport, LayerSamples, ModelId};
-use kivi_spec::Scheme;
+use kivi_runtime::calib::{Calibration, FitOptions, FitReport, LayerSamples, ModelId, Stage};
+use kivi_spec::{Scheme, Tensor};
 use std::path::{Path, PathBuf};
 
 /// The calibration text used when none is given: the Constitution of the
@@ -205,6 +205,39 @@ pub fn run(cfg: &CalibConfig, progress: &mut dyn FnMut(Step)) -> Result<(Calibra
         ),
     );
     cal.add_channel_rms(&samples).map_err(kivi_runtime::Error::from)?;
+    // Low-rank bases (low_rank: pca(...)) for every layer: keys after and
+    // before RoPE, values; a scheme of any rank takes a prefix.
+    progress(Step::Note(
+        "fitting low-rank bases (PCA of K/V per layer and KV head)".into(),
+    ));
+    for layer in 0..c.layers {
+        // One layer at a time, so that each line reports progress.
+        let mine: Vec<LayerSamples> = samples.iter().filter(|x| x.layer == layer).cloned().collect();
+        let bases = cal.fit_bases(&mine).map_err(kivi_runtime::Error::from)?;
+        let mut line = format!("basis {}/{}: layer {layer:2} energy kept at rank", layer + 1, c.layers);
+        for r in kivi_runtime::low_rank::REPORT_RANKS
+            .into_iter()
+            .filter(|&r| r <= c.head_dim)
+        {
+            line += &format!(" {r}:");
+            for (t, st, tag) in [
+                (Tensor::Key, Stage::PostRope, "k"),
+                (Tensor::Key, Stage::PreRope, "kpre"),
+                (Tensor::Value, Stage::PostRope, "v"),
+            ] {
+                // Mean over KV heads.
+                let e: Vec<f64> = bases
+                    .iter()
+                    .filter(|b| b.tensor == t && b.stage == st)
+                    .filter_map(|b| b.energy.iter().find(|(k, _)| *k == r).map(|x| x.1))
+                    .collect();
+                if !e.is_empty() {
+                    line += &format!(" {tag} {:.3}", e.iter().sum::<f64>() / e.len() as f64);
+                }
+            }
+        }
+        progress(Step::Note(line));
+    }
     let total = cfg.schemes.len() * c.layers;
     let mut reports = Vec::new();
     for (i, s) in cfg.schemes.iter().enumerate() {

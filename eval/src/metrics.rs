@@ -169,10 +169,12 @@ pub struct Report {
 /// centering on the first 32 tokens; `vq8x256` a product quantizer of
 /// 8-channel sub-vectors and 256 centroids (`·NAME` when shared).
 pub fn codec_short(s: &Scheme, t: Tensor) -> String {
+    // A low-rank tensor: `pcaR·` before how its coordinates are stored.
+    let pca = s.rank_of(t).map_or(String::new(), |r| format!("pca{r}·"));
     let q = match s.codec(t) {
-        Codec::Full => return s.dtype.name().to_string(),
+        Codec::Full => return format!("{pca}{}", s.dtype.name()),
         Codec::Vq(v) => {
-            let mut o = format!("vq{}x{}", v.dim, v.entries);
+            let mut o = format!("{pca}vq{}x{}", v.dim, v.entries);
             if let Some(n) = v.codebook {
                 o += &format!("·{n}");
             }
@@ -181,7 +183,7 @@ pub fn codec_short(s: &Scheme, t: Tensor) -> String {
         Codec::Quant(q) => q,
     };
     let mut o = format!(
-        "{}{}{}",
+        "{pca}{}{}{}",
         q.bits,
         if q.axis == kivi_spec::Axis::Channel { 'c' } else { 't' },
         q.group

@@ -329,7 +329,12 @@ impl std::fmt::Debug for AttentionBackend {
 }
 
 struct Layer {
+    /// The layer's cache; for a `low_rank` scheme, of its coordinates.
     cache: PagedCache,
+    /// A `low_rank` scheme (head_dim `D`) and its bases: rows are projected
+    /// on the way in, queries once per call, outputs reconstructed once
+    /// (`kivi_runtime::low_rank`).
+    low_rank: Option<(Scheme, kivi_runtime::low_rank::Bases)>,
     seq: SeqId,
     attn: AttnParams,
     /// Whether the layer frees the blocks its sliding window no longer sees.
@@ -422,20 +427,38 @@ impl KiviKvCache {
             // Exactly enough blocks for `max_tokens` quantized tokens: only
             // quantized tokens live in blocks, and the pool is reserved up
             // front (untouched pages cost no memory).
+            let attn = AttnParams::of(&bound, shape_of(shape));
+            // A low-rank layer stores its coordinates: a cache of the
+            // coordinate scheme, with the layer's bases from the calibration.
+            let (bound, low_rank) = match bound.coordinate_scheme() {
+                None => (bound, None),
+                Some(coords) => {
+                    let c = calibration.ok_or_else(|| {
+                        in_layer(kivi_runtime::Error::Config(format!(
+                            "scheme `{}` is low_rank: its bases come from a calibration (per_layer_calibrated)",
+                            bound.name
+                        )))
+                    })?;
+                    let bases = kivi_runtime::low_rank::Bases::for_layer(&bound, c, i).map_err(in_layer)?;
+                    (coords, Some((bound, bases)))
+                }
+            };
             let block = kivi_spec::layout::default_block_tokens(&bound);
             let config = CacheConfig {
                 block_tokens: Some(block),
                 max_blocks: max_tokens.div_ceil(block),
             };
-            let attn = AttnParams::of(&bound, shape_of(shape));
             let mut cache = match calibration {
-                Some(c) => PagedCache::with_calibration(bound, config, c, i),
-                None => PagedCache::new(bound, config),
+                // A coordinate scheme has head_dim R, not the model's, and no
+                // nuq tables (low_rank refuses them): a plain cache.
+                Some(c) if low_rank.is_none() => PagedCache::with_calibration(bound, config, c, i),
+                _ => PagedCache::new(bound, config),
             }
             .map_err(in_layer)?;
             let seq = cache.add_sequence();
             let mut layer = Layer {
                 cache,
+                low_rank,
                 seq,
                 attn,
                 evict: true,
@@ -610,7 +633,8 @@ impl KiviKvCache {
 
     /// A layer's scheme, bound to the model's head layout.
     pub fn scheme(&self, layer: usize) -> Result<&Scheme> {
-        Ok(self.layer(layer)?.cache.scheme())
+        let l = self.layer(layer)?;
+        Ok(l.low_rank.as_ref().map_or(l.cache.scheme(), |(s, _)| s))
     }
 
     /// A layer's sliding window (`None`: full attention).
@@ -709,13 +733,14 @@ impl KiviKvCache {
         // A vq codebook shared by name across layers is counted once.
         let mut shared = std::collections::HashSet::new();
         for l in &self.layers {
-            let mut r = l.cache.memory();
+            let mut r = l.memory();
             for (name, bytes) in l.cache.shared_codebooks() {
                 if !shared.insert((name, bytes)) {
                     r.codebooks -= bytes;
                     r.total -= bytes;
                 }
             }
+            m.bases += r.bases;
             m.codes += r.codes;
             m.scales += r.scales;
             m.zeros += r.zeros;
@@ -751,6 +776,7 @@ impl KiviKvCache {
         let (n, kh, vh) = self.new_kv(layer, k, v)?;
         self.check_room(layer, n)?;
         let l = &mut self.layers[layer];
+        let (kh, vh) = l.coordinates(kh, vh).map_err(|e| Error::Cache { layer, source: e })?;
         l.cache
             .extend(l.seq, &kh, &vh)
             .map_err(|e| Error::Cache { layer, source: e })
@@ -770,6 +796,10 @@ impl KiviKvCache {
                 .cache
                 .dequantize(l.seq, t)
                 .map_err(|e| Error::Cache { layer, source: e })?;
+            let rows = match &l.low_rank {
+                Some((_, b)) => b.reconstruct(t, &rows),
+                None => rows,
+            };
             Ok(
                 Tensor::from_vec(rows, (len, self.shape.kv_heads, self.shape.head_dim), &Device::Cpu)?
                     .transpose(0, 1)?
@@ -800,6 +830,16 @@ impl KiviKvCache {
         }
         self.check_room(layer, n)?;
         let l = &mut self.layers[layer];
+        let (kh, vh) = l.coordinates(kh, vh).map_err(|e| Error::Cache { layer, source: e })?;
+        let qh = match &l.low_rank {
+            // The query once per call: q . (B c) = (Bᵀ q) . c.
+            Some((s, b)) => b.project_queries(
+                &kivi_runtime::reference::round_inputs(s, "query", &qh, self.shape.q_heads, self.shape.head_dim)
+                    .map_err(|e| Error::Cache { layer, source: e })?,
+                self.shape.q_heads,
+            ),
+            None => qh,
+        };
         let blocks = [NewTokens {
             seq: l.seq,
             q: &qh,
@@ -818,6 +858,11 @@ impl KiviKvCache {
             };
             Error::Cache { layer, source }
         })?;
+        let out = match &l.low_rank {
+            // Value coordinates accumulated by the backend, reconstructed once.
+            Some((_, b)) => b.reconstruct_outputs(&out, self.shape.q_heads),
+            None => out,
+        };
         Ok(
             Tensor::from_vec(out, (n, self.shape.q_heads, self.shape.head_dim), &Device::Cpu)?
                 .transpose(0, 1)?
@@ -829,7 +874,7 @@ impl KiviKvCache {
 
     /// A layer's exact memory report.
     pub fn layer_memory(&self, layer: usize) -> Result<MemoryReport> {
-        Ok(self.layer(layer)?.cache.memory())
+        Ok(self.layer(layer)?.memory())
     }
 
     fn layer(&self, layer: usize) -> Result<&Layer> {
@@ -874,6 +919,31 @@ impl KiviKvCache {
 }
 
 impl Layer {
+    /// The rows a layer's cache stores: as given, or for a low-rank layer
+    /// rounded to the activation dtype and projected on its bases.
+    fn coordinates(&self, k: Vec<f32>, v: Vec<f32>) -> kivi_runtime::Result<(Vec<f32>, Vec<f32>)> {
+        let Some((s, b)) = &self.low_rank else {
+            return Ok((k, v));
+        };
+        let (h, d) = (b.kv_heads, b.head_dim);
+        let k = kivi_runtime::reference::round_inputs(s, "key", &k, h, d)?;
+        let v = kivi_runtime::reference::round_inputs(s, "value", &v, h, d)?;
+        Ok((
+            b.project(kivi_spec::Tensor::Key, &k),
+            b.project(kivi_spec::Tensor::Value, &v),
+        ))
+    }
+
+    /// The layer's memory: its cache's, plus a low-rank layer's bases once.
+    fn memory(&self) -> MemoryReport {
+        let mut m = self.cache.memory();
+        if let Some((_, b)) = &self.low_rank {
+            m.bases = b.bytes();
+            m.total += m.bases;
+        }
+        m
+    }
+
     /// The cache evicts with the attention window when eviction is on.
     fn sync_eviction(&mut self) -> kivi_runtime::Result<()> {
         let w = if self.evict { self.attn.window } else { None };

@@ -274,11 +274,11 @@ fn show_rejects_bad_arguments() {
     let file = s.path("bad.kivi");
     std::fs::write(
         &file,
-        "bad {\n  key: quant(bits = 2, axis = channel, group = 32),\n  value: full,\n  low_rank: yes,\n}\n",
+        "bad {\n  key: quant(bits = 2, axis = channel, group = 32),\n  value: full,\n  normalize: yes,\n}\n",
     )
     .unwrap();
     let e = fails(&["show", "--scheme", &file], "not supported yet");
-    assert!(e.contains(&format!("{file}:4:3: field `low_rank`")), "{e}");
+    assert!(e.contains(&format!("{file}:4:3: field `normalize`")), "{e}");
 }
 
 #[test]

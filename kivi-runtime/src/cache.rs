@@ -186,6 +186,8 @@ pub struct MemoryReport {
     pub means: usize,
     /// Lloyd–Max tables (`2^b` f32 per such tensor, once per cache).
     pub codebooks: usize,
+    /// Low-rank bases (`kivi_runtime::low_rank`), once per cache (layer).
+    pub bases: usize,
     /// Sink and window buffers (their full capacity, as allocated).
     pub windows: usize,
     /// Block-table entries (4 bytes each).
@@ -367,6 +369,9 @@ impl PagedCache {
         kivi_spec::validate(&scheme)?;
         if scheme.mla().is_some() {
             return Err(Error::Config(crate::mla::NOT_PAGED.into()));
+        }
+        if scheme.low_rank.is_some() {
+            return Err(Error::Config(crate::low_rank::NOT_PAGED.into()));
         }
         let shape = scheme.shape().ok_or_else(|| Error::Unbound(scheme.name.clone()))?;
         let block_tokens = config
@@ -1119,6 +1124,7 @@ impl PagedCache {
             outliers,
             means,
             codebooks: 0,
+            bases: 0,
             windows,
             tables,
             blocks_in_use: blocks,

@@ -174,6 +174,10 @@ pub enum Kind {
     /// Product codebooks of a `vq(...)` tensor, shape
     /// `[head_dim / dim, entries, dim]` ([`crate::vq`]).
     VqCodebook,
+    /// An orthonormal basis per KV head for low-rank keys and values,
+    /// shape `[kv_heads, head_dim, head_dim]`, vectors as rows by
+    /// decreasing eigenvalue (`crate::low_rank`). File code 4.
+    Basis,
 }
 
 impl Kind {
@@ -182,6 +186,7 @@ impl Kind {
             Kind::Codebook => 1,
             Kind::ChannelRms => 2,
             Kind::VqCodebook => 3,
+            Kind::Basis => 4,
         }
     }
 }
@@ -508,6 +513,7 @@ impl Calibration {
                 1 => Kind::Codebook,
                 2 => Kind::ChannelRms,
                 3 => Kind::VqCodebook,
+                4 => Kind::Basis,
                 x => return Err(CalibError::Malformed(format!("entry {i}: unknown kind {x}"))),
             };
             if head[3] != 0 {
@@ -671,6 +677,23 @@ fn check_entry(model: &ModelId, e: &Entry) -> Result<(), CalibError> {
             }
             if e.data.iter().any(|x| *x < 0.0) {
                 return Err(bad("negative RMS".into()));
+            }
+        }
+        Kind::Basis => {
+            let d = model.head_dim as usize;
+            if e.shape != [model.kv_heads, model.head_dim, model.head_dim] {
+                return Err(bad(format!(
+                    "a basis has shape [kv_heads, head_dim, head_dim] = [{}, {d}, {d}], not {:?}",
+                    model.kv_heads, e.shape
+                )));
+            }
+            // Unit rows (orthogonality is checked where a cache takes a
+            // prefix: low_rank::Bases::new).
+            if let Some(i) = e.data.chunks(d).position(|r| {
+                let n: f64 = r.iter().map(|x| *x as f64 * *x as f64).sum();
+                (n - 1.0).abs() > 1e-3
+            }) {
+                return Err(bad(format!("basis row {i} is not of unit length")));
             }
         }
     }

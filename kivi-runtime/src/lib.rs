@@ -22,6 +22,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod device;
 mod error;
+pub mod low_rank;
 pub mod mla;
 pub mod pool;
 pub mod quant;

@@ -101,6 +101,9 @@ pub fn cache_view_calibrated(
 }
 
 fn cache_view_levels(s: &Scheme, t: Tensor, x: &[f32], levels: Option<Vec<f32>>) -> Result<Vec<f32>> {
+    if s.low_rank.is_some() {
+        return Err(Error::Config(crate::low_rank::NOT_PAGED.into()));
+    }
     if s.codec(t).vq().is_some() {
         return Err(CalibError::VqNeeded {
             scheme: s.name.clone(),

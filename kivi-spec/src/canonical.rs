@@ -12,7 +12,7 @@
 //! field order, spacing, or how the same head layout was spelled.
 //!
 //! The codec pipeline (`levels`/`norm` of a quant, `rotation`, `outliers`,
-//! `center`), `rope: pre(...)` and the integer-domain query (`query`) are
+//! `center`), `rope: pre(...)`, the integer-domain query (`query`) and `low_rank` are
 //! printed only where they differ from KIVI's plain uniform codes,
 //! so that every scheme written before it existed keeps its text and its
 //! hash (tuning decisions are keyed by the hash); when present, every one of
@@ -130,6 +130,9 @@ pub fn canonical_body(s: &Scheme) -> String {
     }
     if let Some(q) = &s.query {
         let _ = writeln!(o, "    query: int8(group = {}),", q.group);
+    }
+    if let Some(l) = &s.low_rank {
+        let _ = writeln!(o, "    low_rank: {},", l.text());
     }
     o
 }

@@ -425,6 +425,10 @@ impl Footprint {
 /// assert_eq!(bytes as f64 / per as f64, 96.0); // vs 512 for f16 K + V
 /// ```
 pub fn bytes_per_token_per_head(s: &Scheme) -> (usize, usize) {
+    // A low-rank token stores its R coordinates as a head of width R.
+    if let Some(c) = s.coordinate_scheme() {
+        return bytes_per_token_per_head(&c);
+    }
     let one = Scheme {
         heads: Some(Heads::Mha(1)),
         ..s.clone()

@@ -26,6 +26,7 @@
 mod canonical;
 pub mod layout;
 mod load;
+pub mod low_rank;
 pub mod mla;
 mod model;
 mod model_decl;
@@ -37,6 +38,7 @@ pub mod vq;
 
 pub use canonical::{canonical, canonical_body, fnv1a64, scheme_hash};
 pub use load::{load_scheme, resolve_scheme, LoadError, ResolvedScheme, SchemeSource};
+pub use low_rank::LowRank;
 pub use mla::{mla_bytes_per_token, Mla, MlaLayout, MlaParts};
 pub use model::*;
 pub use model_decl::{parse_model, LayerKind, ModelDecl, SchemeRef};

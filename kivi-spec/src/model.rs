@@ -556,6 +556,9 @@ pub struct Scheme {
     pub rope: Option<Rope>,
     /// Integer-domain decode (an 8-bit query), if any.
     pub query: Option<QueryQuant>,
+    /// Low-rank keys and values stored as coordinates in a calibrated
+    /// basis, if any (see [`crate::low_rank`]).
+    pub low_rank: Option<crate::low_rank::LowRank>,
 }
 
 /// Query heads, KV heads and head dimension of a bound scheme.

@@ -15,6 +15,7 @@
 //!           | rope: post | pre(theta = NUMBER, style = half|interleaved
 //!                              [, scaling = none|linear(NUMBER)])
 //!           | query: int8(group = INT)
+//!           | low_rank: pca(rank = INT, apply = tensors)
 //! codec    := full | quant(bits = INT, axis = channel|token, group = INT
 //!                          [, scale = f16|f32] [, levels = uniform|lloyd_max|nuq] [, norm = rms|l2])
 //!           | vq(dim = INT, entries = INT [, codebook = NAME])
@@ -37,6 +38,7 @@
 //! taken *before* RoPE; decode rotates each cached key to its absolute
 //! position (see [`Rope`]).
 
+use crate::low_rank::LowRank;
 use crate::model::*;
 use crate::validate::{validate, Field};
 use crate::vq::VqName;
@@ -62,7 +64,6 @@ pub struct SchemeList(pub Vec<SchemeDecl>);
 /// Top-level fields planned but not implemented, with what they will mean.
 const FUTURE_FIELDS: &[(&str, &str)] = &[
     ("codebook", "calibrated non-uniform codebooks"),
-    ("low_rank", "low-rank keys"),
     (
         "vq",
         "a top-level vq field; vector quantization is a codec: `key: vq(dim = 8, entries = 256)`",
@@ -81,7 +82,7 @@ const MISPLACED_QUANT_ARGS: &[(&str, &str)] = &[
     ("center", "center: channel_mean(tokens = N, apply = [key])"),
 ];
 
-const FIELDS: &str = "key, value, residual, sinks, flush, heads, head_dim, dtype, softmax_scale, sliding_window, nonfinite, rotation, outliers, center, rope, query";
+const FIELDS: &str = "key, value, residual, sinks, flush, heads, head_dim, dtype, softmax_scale, sliding_window, nonfinite, rotation, outliers, center, rope, query, low_rank";
 
 fn err<T>(span: Span, msg: impl std::fmt::Display) -> syn::Result<T> {
     Err(syn::Error::new(span, msg))
@@ -528,6 +529,38 @@ fn parse_center(input: ParseStream, spans: &mut HashMap<Field, Span>) -> syn::Re
     })
 }
 
+/// `pca(rank = R, apply = [...])` of `low_rank:` (see [`crate::low_rank`]).
+fn parse_low_rank(input: ParseStream, spans: &mut HashMap<Field, Span>) -> syn::Result<LowRank> {
+    let kind: Ident = input
+        .parse()
+        .map_err(|e| syn::Error::new(e.span(), "expected pca(rank = R, apply = [key, value])"))?;
+    spans.insert(Field::LowRank, kind.span());
+    if kind != "pca" {
+        return err(
+            kind.span(),
+            format!("unknown low-rank basis `{kind}`; expected pca(rank = R, apply = [key, value])"),
+        );
+    }
+    let (mut rank, mut apply) = (None, None);
+    let close = parse_args(input, "pca", "rank or apply", |name, c| {
+        match name.to_string().as_str() {
+            "rank" => {
+                let (v, sp) = parse_u32(c, "rank")?;
+                spans.insert(Field::LowRankRank, sp);
+                rank = Some(v);
+            }
+            "apply" => apply = Some(parse_apply(c, Field::LowRankApply, spans)?),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    })?;
+    let missing = |what: &str| syn::Error::new(close, format!("pca(...) is missing `{what}`"));
+    Ok(LowRank {
+        rank: rank.ok_or_else(|| missing("rank"))?,
+        apply: apply.ok_or_else(|| missing("apply"))?,
+    })
+}
+
 /// A positive number as f64 (`10000`, `1_000_000`, `1e6`, `8.0`).
 fn parse_f64(input: ParseStream, what: &str) -> syn::Result<(f64, Span)> {
     let lit: syn::Lit = input
@@ -824,6 +857,7 @@ impl Parse for SchemeDecl {
         let (mut rotation, mut outliers, mut center) = (None, None, None);
         let mut rope = None;
         let mut query = None;
+        let mut low_rank = None;
         while !body.is_empty() {
             let field: Ident = body.parse()?;
             let name = field.to_string();
@@ -908,6 +942,7 @@ impl Parse for SchemeDecl {
                     )
                 }
                 "query" => query = Some(parse_query(&body, &mut spans)?),
+                "low_rank" => low_rank = Some(parse_low_rank(&body, &mut spans)?),
                 "hadamard" => {
                     return err(
                         field.span(),
@@ -958,6 +993,7 @@ impl Parse for SchemeDecl {
             center,
             rope,
             query,
+            low_rank,
         };
         if let Err(e) = validate(&scheme) {
             let span = span_for(&spans, e.field).unwrap_or_else(|| ident.span());
@@ -992,6 +1028,7 @@ pub fn span_for(spans: &HashMap<Field, Span>, field: Field) -> Option<Span> {
         Field::QHeads | Field::KvHeads | Field::MlaLatent | Field::MlaRopeDim | Field::MlaRope => Some(Field::Heads),
         Field::MlaRopeBits | Field::MlaRopeGroup => Some(Field::MlaRope),
         Field::QueryGroup => Some(Field::Query),
+        Field::LowRankRank | Field::LowRankApply => Some(Field::LowRank),
         _ => None,
     };
     spans

@@ -26,6 +26,7 @@ fn base(name: &str, key: Codec, value: Codec, residual: u32) -> Scheme {
         center: None,
         rope: None,
         query: None,
+        low_rank: None,
     }
 }
 

@@ -106,6 +106,10 @@ pub fn scheme_expr(s: &Scheme) -> TokenStream {
         };
         quote!(::kivi::spec::Rope { theta: #theta, style: #style, scaling: #scaling })
     }));
+    let low_rank = opt(s.low_rank.map(|l| {
+        let (r, a) = (l.rank, apply(&l.apply));
+        quote!(::kivi::spec::LowRank { rank: #r, apply: #a })
+    }));
     let query = opt(s.query.map(|q| {
         let g = q.group;
         quote!(::kivi::spec::QueryQuant { group: #g })
@@ -128,5 +132,6 @@ pub fn scheme_expr(s: &Scheme) -> TokenStream {
         center: #center,
         rope: #rope,
         query: #query,
+        low_rank: #low_rank,
     })
 }

@@ -42,6 +42,10 @@ pub enum Field {
     /// The `query` field (its kind) and its `group`.
     Query,
     QueryGroup,
+    /// The `low_rank` field (its kind), its `rank` and its `apply` list.
+    LowRank,
+    LowRankRank,
+    LowRankApply,
     Residual,
     Sinks,
     Flush,
@@ -107,6 +111,8 @@ pub const MAX_HEAD_DIM: u32 = 1024;
 /// assert_eq!(e.field, kivi_spec::Field::Residual);
 /// ```
 pub fn validate(s: &Scheme) -> Result<(), Invalid> {
+    // First, so that a codec that does not fit the coordinates is named as such.
+    crate::low_rank::validate_low_rank(s)?;
     for t in [Tensor::Key, Tensor::Value] {
         if let Codec::Quant(q) = s.codec(t) {
             if !ALLOWED_BITS.contains(&q.bits) {
@@ -137,7 +143,9 @@ pub fn validate(s: &Scheme) -> Result<(), Invalid> {
                     ),
                 ));
             }
-            if let (Axis::Token, Some(d)) = (q.axis, s.head_dim) {
+            // A low-rank tensor's token groups split its R coordinates.
+            let width = s.low_rank.map(|l| l.rank).or(s.head_dim);
+            if let (Axis::Token, Some(d)) = (q.axis, width) {
                 if d % q.group != 0 {
                     return Err(Invalid::new(
                         Field::Group(t),

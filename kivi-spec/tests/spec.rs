@@ -102,8 +102,8 @@ fn runtime_errors_carry_line_and_column() {
         ),
         (
             "A { key: full, value: full,\n low_rank: yes }",
-            (2, 2),
-            "not supported yet",
+            (2, 12),
+            "unknown low-rank basis `yes`",
         ),
         (
             "A { key: full, value: quant(bits = 2, axis = token, group = 48), head_dim: 128 }",

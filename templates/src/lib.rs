@@ -423,6 +423,15 @@ pub fn check_calibrated(scheme: &Scheme, cb: &Codebooks) -> Result<(), GenError>
 
 /// What no table can fix: caches the paged-cache kernels have no layout for.
 fn check_codecs(scheme: &Scheme) -> Result<(), GenError> {
+    // Low-rank caches store coordinates in a calibrated basis
+    // (kivi_runtime::low_rank): no template projects or reconstructs yet,
+    // and a plain kernel would read the coordinates as rows.
+    if scheme.low_rank.is_some() {
+        return Err(GenError::Unsupported {
+            what: "low_rank (coordinates in a calibrated basis; CPU only for now)".into(),
+            field: kivi_spec::Field::LowRank,
+        });
+    }
     // Every codec of the grammar is generated (see above), and the
     // integer-domain query (`query: int8(...)`) by the decode template;
     // MLA caches have their own layout (kivi_spec::mla) and no template yet.
@@ -507,7 +516,8 @@ pub type KernelError = (String, Option<kivi_spec::Field>);
 /// `kivi::scheme!` embeds. On failure, the message the macro reports and
 /// the part of the scheme it is about, where the generator names one.
 pub fn default_kernels(s: &Scheme) -> Result<Vec<(String, String)>, KernelError> {
-    if s.shape().is_none() || s.mla().is_some() || s.has_vq() {
+    // Low-rank and vq schemes have no template yet (CPU only).
+    if s.shape().is_none() || s.mla().is_some() || s.has_vq() || s.low_rank.is_some() {
         return Ok(Vec::new());
     }
     [Kernel::Prefill, Kernel::Append, Kernel::Decode]

@@ -1,0 +1,348 @@
+//! Low-rank keys and values (`low_rank: pca(...)`): the basis fit, the
+//! calibration entries and their errors, the oracle, and `LowRankCache` on
+//! the CPU and reference backends against the oracle at odd lengths on
+//! MHA, GQA and MQA.
+
+use kivi_runtime::calib::{CalibError, Calibration, Entry, Kind, LayerSamples, ModelId, Stage};
+use kivi_runtime::low_rank::{self, symmetric_eigen, Bases, LowRankCache};
+use kivi_runtime::rand::Rng;
+use kivi_runtime::{reference, AttnParams, Backend, CacheConfig, CpuBackend, CpuParams, PagedCache, ReferenceBackend};
+use kivi_spec::{parse_scheme, Heads, Scheme, Tensor};
+
+/// Rows `[n, h, d]` near a rank-`r0` subspace per head (a fixed mixing per
+/// head and a little isotropic noise), with a mean offset like real keys.
+fn low_rank_rows(rng: &mut Rng, mix: &[Vec<f32>], n: usize, h: usize, d: usize, r0: usize) -> Vec<f32> {
+    let mut out = vec![0f32; n * h * d];
+    for t in 0..n {
+        for head in 0..h {
+            let z: Vec<f32> = (0..r0).map(|_| rng.normal()).collect();
+            for c in 0..d {
+                let mut x = 0.05 * rng.normal() + 0.5;
+                for (j, zj) in z.iter().enumerate() {
+                    x += mix[head][c * r0 + j] * zj;
+                }
+                out[(t * h + head) * d + c] = x;
+            }
+        }
+    }
+    out
+}
+
+fn mixing(rng: &mut Rng, h: usize, d: usize, r0: usize) -> Vec<Vec<f32>> {
+    (0..h).map(|_| (0..d * r0).map(|_| rng.normal()).collect()).collect()
+}
+
+fn model(layers: u32, h: usize, d: usize) -> ModelId {
+    ModelId {
+        name: "toy".into(),
+        layers,
+        kv_heads: h as u32,
+        head_dim: d as u32,
+    }
+}
+
+/// A calibration with bases for `layers` layers fitted on rank-`r0` data.
+fn calibrated(
+    rng: &mut Rng,
+    layers: usize,
+    hq: usize,
+    h: usize,
+    d: usize,
+    r0: usize,
+) -> (Calibration, Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let (mk, mv) = (mixing(rng, h, d, r0), mixing(rng, h, d, r0));
+    let mut cal = Calibration::new(model(layers as u32, h, d), "synthetic");
+    let samples: Vec<LayerSamples> = (0..layers)
+        .map(|l| {
+            let n = 400;
+            let (k, v) = (
+                low_rank_rows(rng, &mk, n, h, d, r0),
+                low_rank_rows(rng, &mv, n, h, d, r0),
+            );
+            LayerSamples::new(l, n, hq, h, d, k, v)
+        })
+        .collect();
+    let reports = cal.fit_bases(&samples).unwrap();
+    // Rank-r0 data plus a mean and noise: 16 vectors keep nearly all of it.
+    for r in &reports {
+        let e16 = r.energy.iter().find(|(k, _)| *k == 16).unwrap().1;
+        assert!(e16 > 0.99, "{r:?}");
+    }
+    (cal, mk, mv)
+}
+
+#[test]
+fn jacobi_eigenvectors_diagonalise_a_random_symmetric_matrix() {
+    let mut rng = Rng::new(5);
+    let n = 24;
+    let mut a = vec![0f64; n * n];
+    for i in 0..n {
+        for j in i..n {
+            let x = rng.normal() as f64;
+            a[i * n + j] = x;
+            a[j * n + i] = x;
+        }
+    }
+    let (vals, vecs) = symmetric_eigen(a.clone(), n);
+    assert!(vals.windows(2).all(|w| w[0] >= w[1]));
+    for k in 0..n {
+        let v = &vecs[k * n..][..n];
+        for i in 0..n {
+            let av: f64 = (0..n).map(|j| a[i * n + j] * v[j]).sum();
+            assert!((av - vals[k] * v[i]).abs() < 1e-9, "A v != l v at {k},{i}");
+        }
+        for m in 0..n {
+            let dot: f64 = (0..n).map(|j| v[j] * vecs[m * n + j]).sum();
+            assert!((dot - if m == k { 1.0 } else { 0.0 }).abs() < 1e-9);
+        }
+        // Sign convention: the largest component is positive.
+        let big = v.iter().fold(0f64, |m, x| if x.abs() > m.abs() { *x } else { m });
+        assert!(big > 0.0);
+    }
+    // Deterministic: the same input gives the same bits.
+    assert_eq!(symmetric_eigen(a.clone(), n), (vals, vecs));
+}
+
+fn scheme(text_codecs: &str, rank: usize, heads: Heads, d: usize) -> Scheme {
+    parse_scheme(&format!(
+        "L {{ {text_codecs}, low_rank: pca(rank = {rank}, apply = [key, value]) }}"
+    ))
+    .unwrap()
+    .with_shape(heads, d as u32)
+    .unwrap()
+}
+
+const Q4: &str =
+    "key: quant(bits = 4, axis = channel, group = 32), value: quant(bits = 4, axis = token, group = 16), residual: 32";
+
+#[test]
+fn bases_round_trip_and_missing_or_mismatched_ones_are_errors() {
+    let mut rng = Rng::new(1);
+    let (cal, _, _) = calibrated(&mut rng, 2, 2, 2, 32, 4);
+    let back = Calibration::from_bytes(&cal.to_bytes()).unwrap();
+    assert_eq!(back, cal);
+    // Keys after and before RoPE? these samples have no pre-RoPE keys: post only.
+    assert!(cal
+        .get(0, Tensor::Key, Stage::PreRope, Kind::Basis, low_rank::FIT)
+        .is_none());
+    let s = scheme(Q4, 16, Heads::Mha(2), 32);
+    Bases::for_layer(&s, &cal, 1).unwrap();
+    let e = Bases::for_layer(&s, &cal, 2).unwrap_err().to_string();
+    assert!(e.contains("layer 2 key"), "{e}");
+    // A calibration without the value basis of layer 0 names it.
+    let mut partial = Calibration::new(cal.model.clone(), "partial");
+    for e in cal
+        .entries()
+        .iter()
+        .filter(|e| !(e.layer == 0 && e.tensor == Tensor::Value))
+    {
+        partial.insert(e.clone()).unwrap();
+    }
+    let e = Bases::for_layer(&s, &partial, 0).unwrap_err().to_string();
+    assert!(e.contains("layer 0 value") && e.contains("no basis"), "{e}");
+    // Another model shape: a mismatch, not a wrong basis.
+    let other = scheme(Q4, 16, Heads::Mha(4), 32);
+    let e = Bases::for_layer(&other, &cal, 0).unwrap_err().to_string();
+    assert!(e.contains("kv heads"), "{e}");
+    // Malformed entries are refused on insert (and so on load).
+    let mut bad = Calibration::new(model(1, 1, 4), "bad");
+    let entry = |shape: Vec<u32>, data: Vec<f32>| Entry {
+        layer: 0,
+        tensor: Tensor::Key,
+        stage: Stage::PostRope,
+        kind: Kind::Basis,
+        fit: low_rank::FIT.into(),
+        shape,
+        data,
+    };
+    assert!(matches!(
+        bad.insert(entry(vec![1, 4, 3], vec![0.5; 12])),
+        Err(CalibError::Malformed(_))
+    ));
+    let e = bad.insert(entry(vec![1, 4, 4], vec![0.5; 16]));
+    assert!(e.is_ok(), "rows of 0.5 x 4 have unit length");
+    let e = bad.insert(entry(vec![1, 4, 4], vec![0.4; 16])).unwrap_err().to_string();
+    assert!(e.contains("unit length"), "{e}");
+    // Rows of unit length that are not orthogonal: the cache refuses them.
+    let s1 = scheme("key: full, value: full", 2, Heads::Mha(1), 4);
+    let e = Bases::for_layer(&s1, &bad, 0).unwrap_err().to_string();
+    assert!(e.contains("layer 0 value"), "{e}");
+    let e = Bases::new(&s1, vec![0.5; 8], vec![0.5; 8]).unwrap_err().to_string();
+    assert!(e.contains("not orthonormal"), "{e}");
+}
+
+#[test]
+fn plain_caches_and_the_plain_oracle_refuse_low_rank_schemes() {
+    let s = scheme(Q4, 16, Heads::Mha(2), 32);
+    let e = PagedCache::new(s.clone(), CacheConfig::for_tokens(64))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("LowRankCache"), "{e}");
+    let e = reference::cache_view(&s, Tensor::Key, &[0.0; 64])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("low_rank"), "{e}");
+}
+
+/// Full rank with `full` coordinates loses nothing but roundings: the
+/// oracle equals the plain one within f32 noise. Rank 8 of rank-4 data
+/// with full coordinates: also close (the noise is all it drops).
+#[test]
+fn full_rank_and_exact_subspaces_reconstruct() {
+    let mut rng = Rng::new(2);
+    let (h, d) = (2, 32);
+    let (cal, mk, mv) = calibrated(&mut rng, 1, 4, h, d, 4);
+    let full = "key: full, value: full";
+    let plain = parse_scheme(&format!("P {{ {full}, dtype: f32 }}"))
+        .unwrap()
+        .with_shape(Heads::Gqa { q: 4, kv: 2 }, 32)
+        .unwrap();
+    let n = 50;
+    let (k, v) = (
+        low_rank_rows(&mut rng, &mk, n, h, d, 4),
+        low_rank_rows(&mut rng, &mv, n, h, d, 4),
+    );
+    let q: Vec<f32> = (0..4 * d).map(|_| rng.normal()).collect();
+    let attn = AttnParams::of(&plain, plain.shape().unwrap());
+    let want = reference::attend(&plain, &q, &k, &v, attn).unwrap();
+    for (rank, tol) in [(32, 1e-4), (8, 0.05)] {
+        let mut s = scheme(full, rank, Heads::Gqa { q: 4, kv: 2 }, d);
+        s.dtype = kivi_spec::Dtype::F32;
+        let b = Bases::for_layer(&s, &cal, 0).unwrap();
+        let got = low_rank::attend(&s, &q, &k, &v, attn, &b).unwrap();
+        let err = want.iter().zip(&got).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+        assert!(err <= tol * scale, "rank {rank}: {err} of {scale}");
+    }
+    // Rank 2 of rank-4 data drops real signal: visibly worse.
+    let mut s = scheme(full, 2, Heads::Gqa { q: 4, kv: 2 }, d);
+    s.dtype = kivi_spec::Dtype::F32;
+    let b = Bases::for_layer(&s, &cal, 0).unwrap();
+    let kv = low_rank::cache_view(&s, Tensor::Key, &k, &b).unwrap();
+    let err = k.iter().zip(&kv).map(|(a, b)| (a - b).powi(2)).sum::<f32>() / k.iter().map(|a| a * a).sum::<f32>();
+    assert!(err > 0.05, "rank 2 of rank-4 keys should lose energy: {err}");
+}
+
+/// `LowRankCache` on the CPU backend (every ISA) and the reference backend
+/// against the oracle, at lengths 1, 31, 33, 127 and 1000 on MHA, GQA and
+/// MQA, f32 and f16 activations; appends one by one and in one call store
+/// the same coordinates; memory counts the bases once.
+#[test]
+fn cache_decode_matches_the_oracle() {
+    let mut rng = Rng::new(3);
+    let d = 64;
+    let p0 = CpuParams::default();
+    let backends: Vec<(String, Box<dyn Backend>)> = vec![
+        ("reference".into(), Box::new(ReferenceBackend)),
+        ("cpu".into(), Box::new(CpuBackend::new(p0).unwrap())),
+        (
+            "cpu-avx2".into(),
+            Box::new(CpuBackend::new(CpuParams { avx512: false, ..p0 }).unwrap()),
+        ),
+        (
+            "cpu-scalar".into(),
+            Box::new(CpuBackend::new(CpuParams { scalar: true, ..p0 }).unwrap()),
+        ),
+    ];
+    for (hq, h) in [(4, 4), (8, 2), (4, 1)] {
+        let heads = Heads::from_counts(hq as u32, h as u32);
+        let (cal, mk, mv) = calibrated(&mut rng, 1, hq, h, d, 6);
+        for (codecs, rank, dtype) in [
+            (Q4, 32, "f32"),
+            (Q4, 16, "f16"),
+            (
+                "key: quant(bits = 2, axis = token, group = 16, levels = lloyd_max), value: full, residual: 16",
+                48,
+                "f16",
+            ),
+        ] {
+            let s = scheme(&format!("{codecs}, dtype: {dtype}"), rank, heads, d);
+            let lens = [1usize, 31, 33, 127, 1000];
+            let mut cache = LowRankCache::with_calibration(s.clone(), CacheConfig::for_tokens(2400), &cal, 0).unwrap();
+            let mut one = LowRankCache::with_calibration(s.clone(), CacheConfig::for_tokens(2400), &cal, 0).unwrap();
+            let b = cache.bases().clone();
+            let (mut seqs, mut views) = (Vec::new(), Vec::new());
+            for &n in &lens {
+                let (k, v) = (
+                    low_rank_rows(&mut rng, &mk, n, h, d, 6),
+                    low_rank_rows(&mut rng, &mv, n, h, d, 6),
+                );
+                let id = cache.add_sequence();
+                cache.extend(id, &k, &v).unwrap();
+                if n <= 127 {
+                    let id1 = one.add_sequence();
+                    for t in 0..n {
+                        let r = h * d;
+                        one.extend(id1, &k[t * r..(t + 1) * r], &v[t * r..(t + 1) * r]).unwrap();
+                    }
+                    for t in [Tensor::Key, Tensor::Value] {
+                        assert_eq!(one.dequantize(id1, t).unwrap(), cache.dequantize(id, t).unwrap());
+                    }
+                }
+                let (kw, vw) = (
+                    low_rank::cache_view(&s, Tensor::Key, &k, &b).unwrap(),
+                    low_rank::cache_view(&s, Tensor::Value, &v, &b).unwrap(),
+                );
+                // The cache stores what the oracle computes (same projection,
+                // same coordinate codec), reconstructed the same way.
+                assert_eq!(cache.dequantize(id, Tensor::Key).unwrap(), kw, "keys {n}");
+                assert_eq!(cache.dequantize(id, Tensor::Value).unwrap(), vw, "values {n}");
+                seqs.push(id);
+                views.push((k, v));
+            }
+            let q: Vec<f32> = (0..lens.len() * hq * d).map(|_| 0.3 * rng.normal()).collect();
+            let attn = AttnParams::of(&s, s.shape().unwrap());
+            let per = hq * d;
+            let want: Vec<f32> = views
+                .iter()
+                .enumerate()
+                .flat_map(|(i, (k, v))| low_rank::attend(&s, &q[i * per..(i + 1) * per], k, v, attn, &b).unwrap())
+                .collect();
+            // f32: only roundings of k^ / q' differ; f16: the projected query
+            // is rounded to f16 by the backend (module docs), ~1e-3 of a score.
+            let tol = if dtype == "f32" { 2e-4 } else { 1e-2 };
+            for (name, be) in &backends {
+                let got = cache.decode(be.as_ref(), &seqs, &q, attn).unwrap();
+                for (i, n) in lens.iter().enumerate() {
+                    let (w, g) = (&want[i * per..(i + 1) * per], &got[i * per..(i + 1) * per]);
+                    let scale = w.iter().fold(0f32, |m, x| m.max(x.abs())).max(0.1);
+                    let err = w.iter().zip(g).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+                    assert!(
+                        err <= tol * scale,
+                        "{heads} {codecs} {dtype} R{rank} len {n} {name}: {err:e} vs {scale:e}"
+                    );
+                }
+            }
+            // Memory: the coordinate cache plus both bases once, in the dtype.
+            let m = cache.memory();
+            let inner = cache.coordinates().memory();
+            let elem = if dtype == "f32" { 4 } else { 2 };
+            assert_eq!(m.bases, 2 * h * rank * d * elem);
+            assert_eq!(m.total, inner.total + m.bases);
+            assert_eq!(cache.coordinates().shape().head_dim, rank);
+        }
+    }
+}
+
+#[test]
+fn bad_inputs_are_typed_errors() {
+    let mut rng = Rng::new(4);
+    let (cal, _, _) = calibrated(&mut rng, 1, 2, 1, 32, 4);
+    let s = scheme(Q4, 16, Heads::Mqa(2), 32);
+    let mut c = LowRankCache::with_calibration(s, CacheConfig::for_tokens(64), &cal, 0).unwrap();
+    let id = c.add_sequence();
+    assert!(c.extend(id, &[0.0; 31], &[0.0; 31]).is_err());
+    let mut k = vec![0.5f32; 32];
+    k[3] = f32::NAN;
+    let e = c.extend(id, &k, &[0.5; 32]).unwrap_err().to_string();
+    assert!(e.contains("channel 3"), "{e}");
+    assert_eq!(c.len(id).unwrap(), 0);
+    c.extend(id, &[0.5; 32], &[0.5; 32]).unwrap();
+    let attn = AttnParams {
+        softmax_scale: 0.1,
+        window: None,
+    };
+    assert!(c.decode(&ReferenceBackend, &[id], &[0.0; 63], attn).is_err());
+    assert_eq!(c.decode(&ReferenceBackend, &[id], &[0.0; 64], attn).unwrap().len(), 64);
+}
