@@ -106,6 +106,15 @@ pub(crate) fn validate_low_rank(s: &Scheme) -> Result<(), Invalid> {
         ))
     };
     for t in [Tensor::Key, Tensor::Value] {
+        if s.codec(t).vq().is_some() {
+            return refuse(
+                Field::Codec(t),
+                &format!(
+                    "{} vq(...) (product codebooks fitted on full rows, not coordinates)",
+                    t.name()
+                ),
+            );
+        }
         if s.codec(t).quant().is_some_and(|q| matches!(q.levels, Levels::Nuq(_))) {
             return refuse(
                 Field::Levels(t),

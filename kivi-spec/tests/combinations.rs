@@ -67,3 +67,19 @@ fn nuq_levels_with_mla_heads_are_refused() {
         &["nuq", "mla"],
     );
 }
+
+/// Both calibrated codecs learn their tables on full rows, so neither may
+/// store the coordinates of a low-rank tensor.
+#[test]
+fn vq_codecs_with_low_rank_are_refused() {
+    let lr = "low_rank: pca(rank = 64, apply = [key, value])";
+    for (k, v) in [
+        ("key: vq(dim = 8, entries = 256)", "value: quant(bits = 2, axis = token, group = 32)"),
+        (KIVI2_KEY, "value: vq(dim = 8, entries = 256)"),
+    ] {
+        refused(
+            &format!("S {{ {k}, {v}, {lr}, residual: 32, heads: mha(4), head_dim: 128 }}"),
+            &["vq", "low_rank"],
+        );
+    }
+}
