@@ -74,7 +74,10 @@ fn nuq_levels_with_mla_heads_are_refused() {
 fn vq_codecs_with_low_rank_are_refused() {
     let lr = "low_rank: pca(rank = 64, apply = [key, value])";
     for (k, v) in [
-        ("key: vq(dim = 8, entries = 256)", "value: quant(bits = 2, axis = token, group = 32)"),
+        (
+            "key: vq(dim = 8, entries = 256)",
+            "value: quant(bits = 2, axis = token, group = 32)",
+        ),
         (KIVI2_KEY, "value: vq(dim = 8, entries = 256)"),
     ] {
         refused(

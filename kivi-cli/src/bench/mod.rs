@@ -80,7 +80,6 @@ pub struct Config {
     pub calibration: Option<(kivi_runtime::calib::Calibration, usize)>,
 }
 
-
 /// Median, 20th/80th percentile and minimum of a set of times, in ms.
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct Stats {
