@@ -30,9 +30,12 @@
 //!
 //! A tensor's codec is a small pipeline: center (subtract per-channel
 //! means), rotate, take out the sparse outliers, quantize the rest with
-//! `quant(...)`. Names reserved for what comes next (`codebook`,
-//! `low_rank`, `vq`, learned rotations, ...) are
-//! recognised and rejected with "not supported yet" rather than ignored.
+//! `quant(...)`, or store it as product-codebook indices with `vq(...)`;
+//! `low_rank: pca(...)` stores keys and values as coordinates in a
+//! calibrated basis (see [`crate::low_rank`]). Names reserved for what
+//! comes next (a top-level `codebook` or `vq`, `normalize`, learned
+//! rotations, ...) are recognised and rejected with "not supported yet"
+//! rather than ignored.
 //!
 //! `rope: pre(...)` (KVQuant) declares that the keys given to the cache are
 //! taken *before* RoPE; decode rotates each cached key to its absolute
