@@ -343,6 +343,7 @@ fn run(
 
 /// The body instantiated for AVX-512 (`keys`: score the tile from its
 /// keys, else its scores are already in `st.p`).
+// No VL (unlike dense.rs): with it this body's code only swapped 138 zeroing idioms, no spills (objdump, rustc 1.95).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
