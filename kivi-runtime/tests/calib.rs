@@ -13,6 +13,9 @@ use kivi_runtime::reference::{cache_view, cache_view_calibrated, decode_attentio
 use kivi_runtime::*;
 use kivi_spec::{fnv1a64, lloyd_max_levels, parse_scheme, Heads, Scheme, Tensor};
 
+mod calib_util;
+use calib_util::kv;
+
 fn model(layers: u32, kv: u32, d: u32) -> ModelId {
     ModelId {
         name: "toy".into(),
@@ -302,20 +305,6 @@ fn layouts() -> [Heads; 4] {
     ]
 }
 
-/// Keys with per-channel offsets (skewed), values noise.
-fn kv(rng: &mut Rng, tokens: usize, h: usize, d: usize, key: bool) -> Vec<f32> {
-    (0..tokens * h * d)
-        .map(|i| {
-            let c = i % d;
-            if key {
-                ((c * 7) % 5) as f32 - 2.0 + (0.5 + (c % 3) as f32) * rng.f32()
-            } else {
-                rng.normal()
-            }
-        })
-        .collect()
-}
-
 /// A calibration of `layers` layers fitted on other draws of the same data.
 fn calibrate(s: &Scheme, heads: Heads, d: usize, layers: usize, seed: u64) -> Calibration {
     let (hq, hkv) = (heads.q_heads() as usize, heads.kv_heads() as usize);
@@ -348,7 +337,7 @@ fn calibrated_caches_match_the_oracle_odd_lengths_and_layouts() {
         let s0 = parse_scheme(text).unwrap();
         for (j, heads) in layouts().into_iter().enumerate() {
             let s = s0.with_shape(heads, d as u32).unwrap();
-            let (hq, hkv) = (heads.q_heads() as usize, heads.kv_heads() as usize);
+            let hq = heads.q_heads() as usize;
             let cal = calibrate(&s, heads, d, 2, 70 + j as u64);
             let layer = 1;
             let lens = [1usize, 31, 33, 127, 1000];
@@ -368,43 +357,7 @@ fn calibrated_caches_match_the_oracle_odd_lengths_and_layouts() {
                     c
                 })
                 .collect();
-            let mut seqs = Vec::new();
-            let mut views = Vec::new();
-            for (n_i, &n) in lens.iter().enumerate() {
-                let k = kv(&mut rng, n, hkv, d, true);
-                let v = kv(&mut rng, n, hkv, d, false);
-                let mut id = 0;
-                for (ci, c) in caches.iter_mut().enumerate() {
-                    id = c.add_sequence();
-                    if (n_i + ci) % 2 == 0 {
-                        c.extend(id, &k, &v).unwrap();
-                    } else {
-                        let row = hkv * d;
-                        for t in 0..n {
-                            c.append(id, &k[t * row..(t + 1) * row], &v[t * row..(t + 1) * row])
-                                .unwrap();
-                        }
-                    }
-                }
-                let kw = cache_view_calibrated(&s, Tensor::Key, &k, &cal, layer).unwrap();
-                let vw = cache_view_calibrated(&s, Tensor::Value, &v, &cal, layer).unwrap();
-                for c in &caches {
-                    assert_eq!(
-                        c.dequantize(id, Tensor::Key).unwrap(),
-                        kw,
-                        "{} {heads} len {n} keys",
-                        s.name
-                    );
-                    assert_eq!(
-                        c.dequantize(id, Tensor::Value).unwrap(),
-                        vw,
-                        "{} {heads} len {n} values",
-                        s.name
-                    );
-                }
-                seqs.push(id);
-                views.push((kw, vw));
-            }
+            let (seqs, views) = calib_util::fill_and_check(&mut caches, &s, &cal, layer, &lens[..], &mut rng, &heads);
             assert_eq!(caches[0].pool(), caches[1].pool());
             let q: Vec<f32> = (0..lens.len() * hq * d).map(|_| 2.0 * rng.f32()).collect();
             let attn = AttnParams::of(&s, s.shape().unwrap());

@@ -24,6 +24,9 @@ use kivi_runtime::reference::{cache_view_calibrated, decode_attention};
 use kivi_runtime::*;
 use kivi_spec::{parse_scheme, Heads, Rope, RopeStyle, Scheme, Tensor};
 
+mod calib_util;
+use calib_util::kv;
+
 const LENS: [usize; 5] = [1, 31, 33, 127, 1000];
 
 /// Pre-RoPE keys on both axes, nuq or uniform values, sinks.
@@ -51,21 +54,6 @@ fn post_twin(s: &Scheme) -> Scheme {
         rope: None,
         ..s.clone()
     }
-}
-
-/// Pre-RoPE keys with per-channel offsets (skewed: what makes channel-axis
-/// quantization before RoPE worth it), values noise.
-fn kv(rng: &mut Rng, tokens: usize, h: usize, d: usize, key: bool) -> Vec<f32> {
-    (0..tokens * h * d)
-        .map(|i| {
-            let c = i % d;
-            if key {
-                ((c * 7) % 5) as f32 - 2.0 + (0.5 + (c % 3) as f32) * rng.f32()
-            } else {
-                rng.normal()
-            }
-        })
-        .collect()
 }
 
 /// `k` (`[T, H, D]`, positions `0..T`) turned by `rope`.
@@ -286,7 +274,7 @@ fn calibrated_pre_rope_caches_match_the_oracle_odd_lengths_and_layouts() {
                 let r = s.rope.as_mut().unwrap();
                 r.theta = theta;
                 kivi_spec::validate(&s).unwrap();
-                let (hq, hkv) = (heads.q_heads() as usize, heads.kv_heads() as usize);
+                let hq = heads.q_heads() as usize;
                 let cal = fit(&s, &samples(&s, heads, d, 2, 70 + case), true).unwrap();
                 let layer = 1;
                 let total: usize = LENS.iter().sum();
@@ -305,43 +293,7 @@ fn calibrated_pre_rope_caches_match_the_oracle_odd_lengths_and_layouts() {
                         c
                     })
                     .collect();
-                let mut seqs = Vec::new();
-                let mut views = Vec::new();
-                for (n_i, &n) in LENS.iter().enumerate() {
-                    let k = kv(&mut rng, n, hkv, d, true);
-                    let v = kv(&mut rng, n, hkv, d, false);
-                    let mut id = 0;
-                    for (ci, c) in caches.iter_mut().enumerate() {
-                        id = c.add_sequence();
-                        if (n_i + ci) % 2 == 0 {
-                            c.extend(id, &k, &v).unwrap();
-                        } else {
-                            let row = hkv * d;
-                            for t in 0..n {
-                                c.append(id, &k[t * row..(t + 1) * row], &v[t * row..(t + 1) * row])
-                                    .unwrap();
-                            }
-                        }
-                    }
-                    let kw = cache_view_calibrated(&s, Tensor::Key, &k, &cal, layer).unwrap();
-                    let vw = cache_view_calibrated(&s, Tensor::Value, &v, &cal, layer).unwrap();
-                    for c in &caches {
-                        assert_eq!(
-                            c.dequantize(id, Tensor::Key).unwrap(),
-                            kw,
-                            "{} {heads} len {n} keys",
-                            s.name
-                        );
-                        assert_eq!(
-                            c.dequantize(id, Tensor::Value).unwrap(),
-                            vw,
-                            "{} {heads} len {n} values",
-                            s.name
-                        );
-                    }
-                    seqs.push(id);
-                    views.push((kw, vw));
-                }
+                let (seqs, views) = calib_util::fill_and_check(&mut caches, &s, &cal, layer, &LENS, &mut rng, &heads);
                 assert_eq!(caches[0].pool(), caches[1].pool());
                 let q: Vec<f32> = (0..LENS.len() * hq * d).map(|_| 2.0 * rng.f32() - 1.0).collect();
                 let attn = AttnParams::of(&s, s.shape().unwrap());

@@ -12,6 +12,9 @@ use kivi_runtime::vq::{kmeans, nearest, VqFitOptions};
 use kivi_runtime::*;
 use kivi_spec::{fnv1a64, parse_scheme, Heads, Scheme, Tensor};
 
+mod calib_util;
+use calib_util::kv;
+
 fn model(layers: u32, kv: u32, d: u32) -> ModelId {
     ModelId {
         name: "toy".into(),
@@ -19,20 +22,6 @@ fn model(layers: u32, kv: u32, d: u32) -> ModelId {
         kv_heads: kv,
         head_dim: d,
     }
-}
-
-/// Keys with per-channel offsets (skewed), values noise.
-fn kv(rng: &mut Rng, tokens: usize, h: usize, d: usize, key: bool) -> Vec<f32> {
-    (0..tokens * h * d)
-        .map(|i| {
-            let c = i % d;
-            if key {
-                ((c * 7) % 5) as f32 - 2.0 + (0.5 + (c % 3) as f32) * rng.f32()
-            } else {
-                rng.normal()
-            }
-        })
-        .collect()
 }
 
 /// A calibration of `layers` layers fitted on other draws of the same data.
@@ -234,50 +223,7 @@ fn vq_caches_match_the_oracle_odd_lengths_and_layouts() {
                     .unwrap()
                 })
                 .collect();
-            let mut seqs = Vec::new();
-            let mut views = Vec::new();
-            for (n_i, &n) in lens.iter().enumerate() {
-                let k = kv(&mut rng, n, hkv, d, true);
-                let v = kv(&mut rng, n, hkv, d, false);
-                let mut id = 0;
-                for (ci, c) in caches.iter_mut().enumerate() {
-                    id = c.add_sequence();
-                    if (n_i + ci) % 2 == 0 {
-                        c.extend(id, &k, &v).unwrap();
-                    } else {
-                        let row = hkv * d;
-                        for t in 0..n {
-                            c.append(id, &k[t * row..(t + 1) * row], &v[t * row..(t + 1) * row])
-                                .unwrap();
-                        }
-                    }
-                }
-                let kw = cache_view_calibrated(&s, Tensor::Key, &k, &cal, layer).unwrap();
-                let vw = cache_view_calibrated(&s, Tensor::Value, &v, &cal, layer).unwrap();
-                for c in &caches {
-                    assert_eq!(
-                        c.dequantize(id, Tensor::Key).unwrap(),
-                        kw,
-                        "{} {heads} len {n} keys",
-                        s.name
-                    );
-                    assert_eq!(
-                        c.dequantize(id, Tensor::Value).unwrap(),
-                        vw,
-                        "{} {heads} len {n} values",
-                        s.name
-                    );
-                }
-                // The oracle really coded something where tokens left the window.
-                if n == 1000 {
-                    let r = kivi_runtime::reference::round_inputs(&s, "value", &v, hkv, d).unwrap();
-                    if s.value.vq().is_some() {
-                        assert_ne!(vw, r, "{}", s.name);
-                    }
-                }
-                seqs.push(id);
-                views.push((kw, vw));
-            }
+            let (seqs, views) = calib_util::fill_and_check(&mut caches, &s, &cal, layer, &lens[..], &mut rng, &heads);
             assert_eq!(caches[0].pool(), caches[1].pool());
             // Exact memory: codes only per block, codebooks once.
             let m = caches[0].memory();
