@@ -151,7 +151,12 @@ pub(crate) fn tensor_cfg(
     } else {
         1
     };
-    let team = team_of(tl.words_per_token, w);
+    // A vq tensor's lanes split its sub-vectors, not vector loads of its
+    // words (kivi_vq_decode.cuh): one lane per code word.
+    let team = match s.codec(t) {
+        Codec::Vq(_) => team_of(tl.words_per_token, 1),
+        _ => team_of(tl.words_per_token, w),
+    };
     let (quant, bits, token_axis, group, scale_f32, what) = match s.codec(t) {
         Codec::Full => (
             false,
@@ -161,8 +166,17 @@ pub(crate) fn tensor_cfg(
             false,
             format!("{}: full (rows stored raw in the activation dtype)", t.name()),
         ),
-        // `check_codecs` refuses vq before any source is generated.
-        Codec::Vq(_) => (false, 0, false, 1, false, format!("{}: vq (no template)", t.name())),
+        // Only the vq decode template reads a vq tensor's lines: `QUANT`
+        // and `TOKEN_AXIS` give its window the token-axis rule (a token is
+        // coded alone, kivi_spec::layout::regions), `BITS` the code width.
+        Codec::Vq(q) => (
+            true,
+            q.code_bits(),
+            true,
+            1,
+            false,
+            format!("{}: vq(dim = {}, entries = {})", t.name(), q.dim, q.entries),
+        ),
         Codec::Quant(q) => (
             true,
             q.bits,
@@ -347,6 +361,24 @@ pub(crate) fn tensor_cfg(
             "  __device__ __forceinline__ static float level(unsigned int c) {{ return {name}_levels[c]; }}"
         );
     }
+    if s.has_vq() {
+        // Only in vq sources (every other source stays byte for byte as it was).
+        let (on, dim, entries) = match s.codec(t) {
+            Codec::Vq(q) => (true, q.dim as usize, q.entries as usize),
+            _ => (false, 1, 1),
+        };
+        let d = l.shape.head_dim;
+        let rows: [(&str, &str, String, &str); 4] = [
+            ("bool", "VQ", on.to_string(), "product vector quantized (kivi_vq_decode.cuh)"),
+            ("int", "VDIM", dim.to_string(), "channels per sub-vector, M"),
+            ("int", "VSUB", (d / dim).to_string(), "sub-vectors per row, D / M"),
+            ("int", "VENT", entries.to_string(), "centroids per codebook, E"),
+        ];
+        for (ty, field, value, what) in rows {
+            let decl = format!("static constexpr {ty} {field} = {value};");
+            let _ = writeln!(o, "  {decl:<44} // {what}");
+        }
+    }
     let _ = writeln!(o, "}};");
 }
 
@@ -470,6 +502,30 @@ fn decode_params() -> Vec<Param> {
     ]
 }
 
+/// The vq decode kernel's arguments: [`decode_params`] without the
+/// centering means (refused with vq) and with the codebooks, f32
+/// `[D / M][E][M]` per vq tensor (a one-element buffer for the other).
+fn vq_decode_params() -> Vec<Param> {
+    use ParamTy::*;
+    vec![
+        p("pool", PtrU32),
+        p("tables", PtrU32),
+        p("table_stride", I32),
+        p("seq_lens", PtrI32),
+        p("q", PtrAct),
+        p("sinks_k", PtrAct),
+        p("sinks_v", PtrAct),
+        p("ring_k", PtrAct),
+        p("ring_v", PtrAct),
+        p("book_k", PtrF32),
+        p("book_v", PtrF32),
+        p("sm_scale", F32),
+        p("window", I32),
+        p("part_ml", PtrF32Mut),
+        p("part_acc", PtrF32Mut),
+    ]
+}
+
 fn combine_params() -> Vec<Param> {
     use ParamTy::*;
     vec![p("part_ml", PtrF32), p("part_acc", PtrF32), p("out", PtrF32Mut)]
@@ -529,6 +585,15 @@ pub(crate) fn decode_shared_bytes(v: &Variant, s: &Scheme, l: &BlockLayout) -> u
     let h = v.heads_per_block as usize;
     let warps = v.threads as usize / 32;
     let base = h * v.tile_tokens as usize + 3 * h + warps * h * d;
+    if s.has_vq() {
+        // kivi_vq_decode.cuh: vq keys add the scaled query and the lookup
+        // table, `[H][D / M][E]` (one float each otherwise).
+        let lut = match s.key.vq() {
+            Some(k) => h * d + h * (d / k.dim as usize) * k.entries as usize,
+            None => 2,
+        };
+        return 4 * (base + lut);
+    }
     // The query in both domains (keys with a pipeline), the quantized
     // tokens' probability sum and accumulator of a split (values rotated or
     // centered); one float per array when unused (the arrays exist).
@@ -678,9 +743,11 @@ pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant,
     );
     source_header(&mut o, name.as_str(), s);
     let pipeline = Pipe::of(s, Tensor::Key, l).any() || Pipe::of(s, Tensor::Value, l).any();
+    let vq = s.has_vq();
     for (file, text) in TEMPLATES {
         let wanted = match file {
             "kivi_common.cuh" => true,
+            "kivi_vq_decode.cuh" => vq && kernel == Kernel::Decode,
             "kivi_decode.cuh" => kernel == Kernel::Decode,
             "kivi_codec_decode.cuh" => pipeline && kernel == Kernel::Decode,
             "kivi_codec_extend.cuh" => pipeline && kernel != Kernel::Decode,
@@ -737,21 +804,20 @@ pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant,
         Kernel::Decode => {
             let h = v.heads_per_block as usize;
             if kernel == Kernel::Decode {
-                entry(
-                    &mut o,
-                    "kivi_decode",
-                    v.threads,
-                    &decode_params(),
-                    "kivi::decode_kernel<Cfg>",
-                    act,
-                );
+                // vq schemes: the lookup-table kernel, codebooks as arguments.
+                let (params, body) = if vq {
+                    (vq_decode_params(), "kivi::vq_decode_kernel<Cfg>")
+                } else {
+                    (decode_params(), "kivi::decode_kernel<Cfg>")
+                };
+                entry(&mut o, "kivi_decode", v.threads, &params, body, act);
                 entry_points.push("kivi_decode".to_string());
                 entries.push(EntryLaunch {
                     entry: "kivi_decode".into(),
                     block: [v.threads, 1, 1],
                     grid_xy: [v.splits, (shape.kv_heads * group / h) as u32],
                     shared_bytes: decode_shared_bytes(v, s, l) as u32,
-                    params: decode_params(),
+                    params,
                 });
             }
             entry(

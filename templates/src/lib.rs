@@ -441,18 +441,58 @@ fn check_codecs(scheme: &Scheme) -> Result<(), GenError> {
             field: kivi_spec::Field::Heads,
         });
     }
-    // Product vector quantization decodes on the CPU (lookup tables per
-    // step); no CUDA template has its codebooks yet.
-    for t in [kivi_spec::Tensor::Key, kivi_spec::Tensor::Value] {
-        if scheme.codec(t).vq().is_some() {
-            return Err(GenError::Unsupported {
-                what: format!(
-                    "{} vq(...) codecs in the generated kernels (the CPU backend decodes them)",
-                    t.name()
-                ),
-                field: kivi_spec::Field::Codec(t),
-            });
+    if scheme.has_vq() {
+        check_vq(scheme)?;
+    }
+    Ok(())
+}
+
+/// What the vq decode template (`cuda/kivi_vq_decode.cuh`) leaves out:
+/// the codec pipeline of the other tensor (rotations, outliers,
+/// centering), pre-RoPE keys and the int8 query. Each is refused by name
+/// rather than generated wrong.
+fn check_vq(scheme: &Scheme) -> Result<(), GenError> {
+    use kivi_spec::{Field, Tensor};
+    let refuse = |what: &str, field: Field| {
+        Err(GenError::Unsupported {
+            what: format!("{what} in a scheme with vq(...) codecs (kivi_vq_decode.cuh has no such step)"),
+            field,
+        })
+    };
+    if scheme.rope.is_some() {
+        return refuse("pre-RoPE keys (rope: pre)", Field::Rope);
+    }
+    if scheme.query.is_some() {
+        return refuse("an int8 query (query: int8)", Field::Query);
+    }
+    for t in [Tensor::Key, Tensor::Value] {
+        if scheme.rotation_of(t).is_some() || scheme.outliers_of(t) > 0 || scheme.center_of(t).is_some() {
+            return refuse(
+                &format!("a rotation, outliers or centering of the {}s", t.name()),
+                Field::Codec(t),
+            );
         }
+    }
+    Ok(())
+}
+
+/// vq schemes have a decode kernel only: their rows are coded on the host
+/// by the oracle's encoder (`kivi_runtime::vq::VqBook::encode`) and
+/// uploaded (docs/cuda.md says why), so no prefill or append is generated.
+fn check_vq_kernel(scheme: &Scheme, kernel: Kernel) -> Result<(), GenError> {
+    if scheme.has_vq() && kernel != Kernel::Decode {
+        let t = if scheme.key.vq().is_some() {
+            kivi_spec::Tensor::Key
+        } else {
+            kivi_spec::Tensor::Value
+        };
+        return Err(GenError::Unsupported {
+            what: format!(
+                "a {kernel} kernel for vq(...) codecs (the device cache codes vq rows on the host with \
+                 the oracle's encoder and uploads them)"
+            ),
+            field: kivi_spec::Field::Codec(t),
+        });
     }
     Ok(())
 }
@@ -487,6 +527,9 @@ pub fn variants_with(scheme: &Scheme, kernel: Kernel, opts: GenOptions) -> Vec<V
     let Ok(layout) = layout_unchecked(scheme, opts) else {
         return Vec::new();
     };
+    if check_vq_kernel(scheme, kernel).is_err() {
+        return Vec::new();
+    }
     let mut out: Vec<Variant> = Vec::new();
     for v in variant::space(scheme, &layout, kernel) {
         if v.check(kernel, scheme, &layout).is_ok() && !out.contains(&v) {
@@ -516,12 +559,19 @@ pub type KernelError = (String, Option<kivi_spec::Field>);
 /// `kivi::scheme!` embeds. On failure, the message the macro reports and
 /// the part of the scheme it is about, where the generator names one.
 pub fn default_kernels(s: &Scheme) -> Result<Vec<(String, String)>, KernelError> {
-    // Low-rank and vq schemes have no template yet (CPU only).
-    if s.shape().is_none() || s.mla().is_some() || s.has_vq() || s.low_rank.is_some() {
+    // Low-rank schemes have no template yet (CPU only).
+    if s.shape().is_none() || s.mla().is_some() || s.low_rank.is_some() {
         return Ok(Vec::new());
     }
-    [Kernel::Prefill, Kernel::Append, Kernel::Decode]
-        .into_iter()
+    // vq schemes: the decode kernel only (rows are coded on the host).
+    let kernels: &[Kernel] = if s.has_vq() {
+        &[Kernel::Decode]
+    } else {
+        &[Kernel::Prefill, Kernel::Append, Kernel::Decode]
+    };
+    kernels
+        .iter()
+        .copied()
         .map(|k| {
             generate(s, k, &default_variant(s, k))
                 .map(|g| (g.name, g.source))
@@ -575,6 +625,7 @@ pub fn generate_with(
     opts: GenOptions,
 ) -> Result<Generated, GenError> {
     let layout = layout_of(scheme, opts)?;
+    check_vq_kernel(scheme, kernel)?;
     variant.check(kernel, scheme, &layout)?;
     Ok(generate::generate(
         scheme,
@@ -611,6 +662,7 @@ pub fn generate_calibrated(
 ) -> Result<Generated, GenError> {
     check_calibrated(scheme, cb)?;
     let layout = layout_unchecked(scheme, opts)?;
+    check_vq_kernel(scheme, kernel)?;
     variant.check(kernel, scheme, &layout)?;
     Ok(generate::generate(scheme, &layout, kernel, variant, cb))
 }
@@ -639,12 +691,15 @@ pub const SIM_SHIM: &str = include_str!("../cuda/sim_shim.h");
 /// pastes them.
 /// The two `kivi_codec_*` files hold the codec pipeline and are pasted
 /// only into the sources of schemes that have one.
-pub const TEMPLATES: [(&str, &str); 5] = [
+/// `kivi_vq_decode.cuh` (the lookup-table decode of vq schemes) is pasted
+/// only into those schemes' decode sources, after `kivi_decode.cuh`.
+pub const TEMPLATES: [(&str, &str); 6] = [
     ("kivi_common.cuh", include_str!("../cuda/kivi_common.cuh")),
     ("kivi_decode.cuh", include_str!("../cuda/kivi_decode.cuh")),
     ("kivi_extend.cuh", include_str!("../cuda/kivi_extend.cuh")),
     ("kivi_codec_decode.cuh", include_str!("../cuda/kivi_codec_decode.cuh")),
     ("kivi_codec_extend.cuh", include_str!("../cuda/kivi_codec_extend.cuh")),
+    ("kivi_vq_decode.cuh", include_str!("../cuda/kivi_vq_decode.cuh")),
 ];
 
 /// The many-query (block) kernel's template (`cuda/kivi_block.cuh`), pasted
@@ -696,6 +751,18 @@ pub fn generate_block_calibrated(scheme: &Scheme, opts: GenOptions, cb: &Codeboo
         return Err(GenError::Unsupported {
             what: "pre-RoPE keys (rope: pre) in the many-query block kernel".into(),
             field: kivi_spec::Field::Rope,
+        });
+    }
+    if scheme.has_vq() {
+        // The block kernel brings stored rows to the raw domain per tile;
+        // it has no codebook argument (vq decodes one query at a time).
+        return Err(GenError::Unsupported {
+            what: "vq(...) codecs in the many-query block kernel".into(),
+            field: kivi_spec::Field::Codec(if scheme.key.vq().is_some() {
+                kivi_spec::Tensor::Key
+            } else {
+                kivi_spec::Tensor::Value
+            }),
         });
     }
     check_calibrated(scheme, cb)?;

@@ -175,10 +175,20 @@ impl Variant {
     /// and brought back once per split).
     pub fn register_floats(&self, scheme: &Scheme, layout: &BlockLayout) -> usize {
         let w = self.load_width.max(1) as usize;
-        let k = crate::generate::team_of(layout.key.words_per_token, w)
+        let mut k = crate::generate::team_of(layout.key.words_per_token, w)
             .channels(layout.key.words_per_token, cpw(layout, true));
-        let v = crate::generate::team_of(layout.value.words_per_token, w)
+        let mut v = crate::generate::team_of(layout.value.words_per_token, w)
             .channels(layout.value.words_per_token, cpw(layout, false));
+        // vq (kivi_vq_decode.cuh): keys score from the shared lookup table
+        // (no query in registers); a value lane holds M accumulators for
+        // each sub-vector it owns, one lane per code word.
+        if scheme.key.vq().is_some() {
+            k = 0;
+        }
+        if let Some(q) = scheme.value.vq() {
+            let team = crate::generate::team_of(layout.value.words_per_token, 1).size;
+            v = q.subvectors(layout.shape.head_dim).div_ceil(team) * q.dim as usize;
+        }
         let accs = if crate::generate::value_split(scheme, layout) {
             2
         } else {
@@ -222,7 +232,27 @@ fn head_choices(shape: &Shape) -> Vec<u32> {
 /// that keeps the thread within the register budget, and single words.
 fn head_width_pairs(scheme: &Scheme, layout: &BlockLayout) -> Vec<(u32, u32)> {
     let mut out = Vec::new();
-    for h in head_choices(&layout.shape) {
+    let mut heads = head_choices(&layout.shape);
+    if scheme.key.vq().is_some() {
+        // vq keys: each head of a block has its own lookup table in shared
+        // memory (`[D / M][E]` floats), so the head count is what fits:
+        // the largest divisor of the group whose tables fit, and 1.
+        let g = layout.shape.group_size() as u32;
+        let fit = |h: u32| {
+            let v = Variant {
+                threads: 128,
+                tile_tokens: 32,
+                splits: 8,
+                heads_per_block: h,
+                load_width: 1,
+                unroll: 1,
+            };
+            v.check(Kernel::Decode, scheme, layout).is_ok()
+        };
+        let best = (1..=g.min(16)).rev().find(|&h| g.is_multiple_of(h) && fit(h)).unwrap_or(1);
+        heads = if best > 1 { vec![best, 1] } else { vec![1] };
+    }
+    for h in heads {
         let fits = |w: u32| {
             let v = Variant {
                 threads: 128,
@@ -275,8 +305,15 @@ pub(crate) fn space(scheme: &Scheme, layout: &BlockLayout, kernel: Kernel) -> Ve
                 }
             }
             // Long contexts want more splits; and an unrolled token loop.
+            // vq keys rebuild their lookup table in every split (D x E
+            // FMAs per head): fewer splits amortize it over more tokens.
             let (h, w) = pairs[0];
-            for (splits, unroll) in [(32, 1), (16, 2)] {
+            let fewer: &[(u32, u32)] = if scheme.key.vq().is_some() {
+                &[(4, 1), (2, 1)]
+            } else {
+                &[]
+            };
+            for &(splits, unroll) in [(32, 1), (16, 2)].iter().chain(fewer) {
                 out.push(Variant {
                     threads: 128,
                     tile_tokens: 32,

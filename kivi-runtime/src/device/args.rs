@@ -162,6 +162,90 @@ impl DecodeArgs<'_> {
     }
 }
 
+/// `kivi_decode` of a scheme with `vq(...)` codecs
+/// (`templates/cuda/kivi_vq_decode.cuh`): [`DecodeArgs`] without the
+/// centering means (vq schemes have none) and with the codebooks.
+pub struct VqDecodeArgs<'a> {
+    pub batch: usize,
+    pub pool: &'a Buffer,
+    pub tables: &'a Buffer,
+    pub table_stride: usize,
+    pub seq_lens: &'a Buffer,
+    pub q: &'a Buffer,
+    pub sinks_k: &'a Buffer,
+    pub sinks_v: &'a Buffer,
+    pub ring_k: &'a Buffer,
+    pub ring_v: &'a Buffer,
+    /// Product codebooks, f32 `[D / M][E][M]`, of a vq key / value (a
+    /// one-element buffer for a tensor that is not vq: never read). A
+    /// codebook the two tensors share by name may be one buffer passed twice.
+    pub book_k: &'a Buffer,
+    pub book_v: &'a Buffer,
+    pub sm_scale: f32,
+    pub window: Window,
+    pub part_ml: &'a mut Buffer,
+    pub part_acc: &'a mut Buffer,
+}
+
+impl VqDecodeArgs<'_> {
+    pub const ENTRY: &'static str = "kivi_decode";
+    pub const PARAMS: [&'static str; 15] = [
+        "pool",
+        "tables",
+        "table_stride",
+        "seq_lens",
+        "q",
+        "sinks_k",
+        "sinks_v",
+        "ring_k",
+        "ring_v",
+        "book_k",
+        "book_v",
+        "sm_scale",
+        "window",
+        "part_ml",
+        "part_acc",
+    ];
+
+    /// `book_k` / `book_v` must hold `book_len[0]` / `book_len[1]` floats
+    /// (the codebook sizes the scheme implies; 0 for a tensor that is not vq).
+    pub fn launch(self, dev: &dyn Device, m: &Module, book_len: [usize; 2]) -> Result<()> {
+        check_names(m, Self::ENTRY, &Self::PARAMS)?;
+        let li = &m.generated.launch;
+        let (hq, d) = (li.q_heads as usize, li.head_dim as usize);
+        let stride = table_stride(self.tables, self.batch, self.table_stride)?;
+        at_least(self.seq_lens, self.batch, "seq_lens")?;
+        at_least(self.q, self.batch * hq * d, "q")?;
+        at_least(self.book_k, book_len[0], "book_k")?;
+        at_least(self.book_v, book_len[1], "book_v")?;
+        at_least(self.part_ml, li.part_ml_len(self.batch), "part_ml")?;
+        at_least(self.part_acc, li.part_acc_len(self.batch), "part_acc")?;
+        let g = grid(m, Self::ENTRY, self.batch)?;
+        dev.launch(
+            m,
+            Self::ENTRY,
+            g,
+            &mut [
+                KernelArg::In(self.pool),
+                KernelArg::In(self.tables),
+                KernelArg::I32(stride),
+                KernelArg::In(self.seq_lens),
+                KernelArg::In(self.q),
+                KernelArg::In(self.sinks_k),
+                KernelArg::In(self.sinks_v),
+                KernelArg::In(self.ring_k),
+                KernelArg::In(self.ring_v),
+                KernelArg::In(self.book_k),
+                KernelArg::In(self.book_v),
+                KernelArg::F32(self.sm_scale),
+                KernelArg::I32(self.window.raw()),
+                KernelArg::Out(self.part_ml),
+                KernelArg::Out(self.part_acc),
+            ],
+        )
+    }
+}
+
 /// `kivi_combine`: merges the splits of [`DecodeArgs`] into `[batch][Hq][D]` f32.
 pub struct CombineArgs<'a> {
     pub batch: usize,

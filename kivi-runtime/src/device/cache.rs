@@ -7,17 +7,18 @@
 //! the device by the generated prefill/append kernels, and compared word for
 //! word. [`DeviceBackend`] implements [`Backend`] on top of it.
 
-use super::args::{CombineArgs, DecodeArgs, ExtendArgs, Window};
+use super::args::{CombineArgs, DecodeArgs, ExtendArgs, VqDecodeArgs, Window};
 use super::{download, upload, Buffer, Device, DeviceKind, Elem, Module, Timing};
 use crate::backend::{check_batch, check_window, Backend, NewTokens};
 use crate::cache::{CacheConfig, PagedCache, RawRows, SeqId};
 use crate::error::{Error, Result};
 use crate::quant;
 use crate::reference::{round_inputs, AttnParams};
+use crate::vq::VqBook;
 use kivi_spec::layout::{self, regions, BlockLayout};
 use kivi_spec::{Dtype, Scheme, Shape, Tensor};
 use kivi_templates::{default_variant, generate_calibrated, Codebooks, GenOptions, Generated, Kernel, Variant};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 
 mod block;
 
@@ -154,6 +155,63 @@ pub struct DeviceCache {
     codebooks: Codebooks,
     /// The hash of the calibration they came from, if any.
     calibration: Option<u64>,
+    /// The product codebooks of the scheme's vq tensors (host copies) and
+    /// their device buffers, f32 `[D / M][E][M]`, passed to the vq decode
+    /// kernel (a one-element buffer for a tensor that is not vq). A named
+    /// codebook is one buffer per device, whichever caches use it
+    /// ([`device_books`]).
+    vq: [Option<Arc<VqBook>>; 2],
+    books: [Arc<Buffer>; 2],
+    /// vq schemes: the host cache whose writes this cache mirrors (rows are
+    /// coded by the oracle's encoder, then uploaded; see [`Self::extend`]);
+    /// `None` for other schemes and for read-only uploads.
+    host: Option<HostMirror>,
+}
+
+/// The host side of a vq device cache: a [`PagedCache`] with the same
+/// scheme, calibration layer and block count, one sequence per batch slot.
+struct HostMirror {
+    cache: PagedCache,
+    seqs: Vec<SeqId>,
+}
+
+/// Named codebooks on a device: (device, name, FNV-1a of the f32 bits) ->
+/// the buffer, held weakly, so that every cache of a device that decodes
+/// with one named codebook (every layer, keys and values) shares one
+/// upload, and the last cache to drop it frees it.
+type SharedBooks = Vec<(usize, String, u64, Weak<Buffer>)>;
+static SHARED_BOOKS: Mutex<SharedBooks> = Mutex::new(Vec::new());
+
+/// The device buffers of `books` (see [`DeviceCache`]'s `books`): a named
+/// codebook already on `dev` is reused, any other is uploaded; a tensor
+/// without one gets a one-element buffer the kernel never reads.
+fn device_books(dev: &Arc<dyn Device>, books: &[Option<Arc<VqBook>>; 2]) -> Result<[Arc<Buffer>; 2]> {
+    let key = Arc::as_ptr(dev) as *const () as usize;
+    let one = |b: &Option<Arc<VqBook>>| -> Result<Arc<Buffer>> {
+        let Some(b) = b else {
+            return Ok(Arc::new(dev.alloc(Elem::F32, 1)?));
+        };
+        let Some(name) = &b.name else {
+            return Ok(Arc::new(upload(dev.as_ref(), &b.data)?));
+        };
+        let bits: Vec<u8> = b.data.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect();
+        let hash = kivi_spec::fnv1a64(&bits);
+        // A poisoned lock only means another thread panicked mid-update of
+        // a list of weak pointers; the list itself is still usable.
+        let mut shared = SHARED_BOOKS.lock().unwrap_or_else(|e| e.into_inner());
+        shared.retain(|e| e.3.strong_count() > 0);
+        if let Some(buf) = shared
+            .iter()
+            .find(|e| e.0 == key && &e.1 == name && e.2 == hash)
+            .and_then(|e| e.3.upgrade())
+        {
+            return Ok(buf);
+        }
+        let buf = Arc::new(upload(dev.as_ref(), &b.data)?);
+        shared.push((key, name.clone(), hash, Arc::downgrade(&buf)));
+        Ok(buf)
+    };
+    Ok([one(&books[0])?, one(&books[1])?])
 }
 
 /// The `nuq` tables of `levels` ([`crate::calib::levels_for`]'s answer):
@@ -188,7 +246,9 @@ impl DeviceCache {
     ) -> Result<DeviceCache> {
         kivi_spec::validate(scheme)?;
         crate::calib::levels_for(scheme, None, 0)?;
-        Self::build(dev, scheme, batch, max_tokens, config, Codebooks::default(), None)
+        // vq codecs without their codebooks: CalibError::VqNeeded.
+        crate::vq::books_for(scheme, None, 0)?;
+        Self::build(dev, scheme, batch, max_tokens, config, Codebooks::default(), None, [None, None])
     }
 
     /// [`Self::new`] for layer `layer` of a model: the scheme's `nuq`
@@ -211,10 +271,20 @@ impl DeviceCache {
         kivi_spec::validate(scheme)?;
         calibration.check_shape(scheme)?;
         let levels = crate::calib::levels_for(scheme, Some(calibration), layer)?;
+        let books = crate::vq::books_for(scheme, Some(calibration), layer)?;
         let cb = nuq_codebooks(scheme, levels);
-        Self::build(dev, scheme, batch, max_tokens, config, cb, Some(calibration.hash()))
+        let mut dc = Self::build(dev, scheme, batch, max_tokens, config, cb, Some(calibration.hash()), books)?;
+        if scheme.has_vq() {
+            // vq rows are coded by the oracle's encoder on the host (see
+            // Self::extend); the mirror allocates blocks as this cache does.
+            let mut cache = PagedCache::with_calibration(scheme.clone(), config, calibration, layer)?;
+            let seqs = (0..batch).map(|_| cache.add_sequence()).collect();
+            dc.host = Some(HostMirror { cache, seqs });
+        }
+        Ok(dc)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn build(
         dev: Arc<dyn Device>,
         scheme: &Scheme,
@@ -223,6 +293,7 @@ impl DeviceCache {
         config: CacheConfig,
         codebooks: Codebooks,
         calibration: Option<u64>,
+        vq: [Option<Arc<VqBook>>; 2],
     ) -> Result<DeviceCache> {
         // A codec the templates cannot generate (or a table that does not
         // fit) is refused here, not at the first launch.
@@ -254,8 +325,12 @@ impl DeviceCache {
         };
         let work =
             kivi_templates::extend_work_floats(scheme, GenOptions { block_tokens: Some(bt) }).map_err(gen_err)?;
+        let books = device_books(&dev, &vq)?;
         let d_ = dev.as_ref();
         Ok(DeviceCache {
+            books,
+            vq,
+            host: None,
             means: [d_.alloc(act, means(Tensor::Key))?, d_.alloc(act, means(Tensor::Value))?],
             work: d_.alloc(Elem::F32, (batch * 2 * h * work).max(1))?,
             pool: d_.alloc(Elem::U32, words)?,
@@ -292,6 +367,9 @@ impl DeviceCache {
         let levels = [Tensor::Key, Tensor::Value].map(|t| cache.codec(t).map(|c| c.levels.clone()));
         let codebooks = nuq_codebooks(&scheme, levels);
         kivi_templates::check_calibrated(&scheme, &codebooks).map_err(gen_err)?;
+        // The host cache's vq codebooks (a vq cache always has them).
+        let vq = [Tensor::Key, Tensor::Value].map(|t| cache.vq_book(t).cloned());
+        let books = device_books(&dev, &vq)?;
         let shape = cache.shape();
         let layout = *cache.layout();
         let views: Vec<_> = seqs.iter().map(|&s| cache.view(s)).collect::<Result<_>>()?;
@@ -339,6 +417,9 @@ impl DeviceCache {
             upload_act(d_, scheme.dtype, &m)
         };
         Ok(DeviceCache {
+            books,
+            vq,
+            host: None,
             means: [stack_means(Tensor::Key)?, stack_means(Tensor::Value)?],
             // an upload is read-only: no extend scratch
             work: d_.alloc(Elem::F32, 1)?,
@@ -577,7 +658,137 @@ impl DeviceCache {
             })?;
             at += n;
         }
+        if self.scheme.has_vq() {
+            // No append kernel codes vq rows: the host mirror does, then
+            // the changed words go up (and there is nothing to undo).
+            return self.extend_vq(counts, k, v).map(|()| None);
+        }
         self.extend_undoable(counts, &kr, &vr, variant)
+    }
+
+    /// The writes of a vq scheme: each sequence's tokens are appended to the
+    /// host mirror ([`PagedCache::extend`], whose rows [`VqBook::encode`]
+    /// codes exactly as the oracle does), then the blocks that changed, the
+    /// sink and window rows, the block tables and the lengths are uploaded.
+    ///
+    /// Why the host codes rather than a generated encode kernel: a code is
+    /// the arg-min of E squared distances, and a tie or near-tie is decided
+    /// by the last bit of an f32 sum, so the device would have to reproduce
+    /// the oracle's summation order with contraction off to store the same
+    /// codes — while the host encoder *is* the oracle's. Coding one token is
+    /// D x E multiply-adds (32 K at D = 128, E = 256): per decode step that is
+    /// microseconds on a CPU core, far less than the step's attention.
+    /// Capacity is checked for every sequence before any is appended.
+    fn extend_vq(&mut self, counts: &[usize], k: &[f32], v: &[f32]) -> Result<()> {
+        let name = self.scheme.name.clone();
+        let Some(host) = self.host.as_mut() else {
+            return Err(Error::Config(format!(
+                "this device cache of `{name}` was uploaded read-only from a host cache; vq rows are coded on \
+                 the host, so extend the host cache and upload it again, or build the device cache with \
+                 DeviceCache::with_calibration"
+            )));
+        };
+        let bt = self.layout.block_tokens;
+        let quantized = |len: usize| {
+            [Tensor::Key, Tensor::Value]
+                .map(|t| regions(&self.scheme, t, len).quantized)
+                .into_iter()
+                .max()
+                .unwrap_or(0)
+        };
+        let mut need = 0;
+        for (b, &n) in counts.iter().enumerate() {
+            let new_len = self.lens[b] + n;
+            let blocks = quantized(new_len).div_ceil(bt);
+            if blocks > self.table_stride || new_len > self.max_tokens {
+                return Err(Error::Config(format!(
+                    "sequence {b} would hold {new_len} tokens, more than this device cache was sized for ({})",
+                    self.max_tokens
+                )));
+            }
+            need += blocks.saturating_sub(self.host_tables[b].len());
+        }
+        if need > host.cache.free_blocks() {
+            return Err(Error::OutOfBlocks {
+                need,
+                free: host.cache.free_blocks(),
+                total: self.total_blocks,
+            });
+        }
+        let row = self.shape.kv_heads * self.shape.head_dim;
+        // The first block each sequence's append may write.
+        let first: Vec<usize> = self.lens.iter().map(|&l| quantized(l) / bt).collect();
+        let mut at = 0;
+        for (b, &n) in counts.iter().enumerate() {
+            if n > 0 {
+                let r = at * row..(at + n) * row;
+                if let Err(e) = host.cache.extend(host.seqs[b], &k[r.clone()], &v[r]) {
+                    // Checked above, so unexpected; earlier sequences may
+                    // already be appended on the host.
+                    self.poisoned = true;
+                    return Err(e);
+                }
+            }
+            at += n;
+        }
+        let synced = self.sync_from_host(counts, &first);
+        if synced.is_err() {
+            self.poisoned = true;
+        }
+        synced
+    }
+
+    /// Uploads what [`Self::extend_vq`] changed on the host mirror.
+    fn sync_from_host(&mut self, counts: &[usize], first: &[usize]) -> Result<()> {
+        let dev = self.dev.clone();
+        let d_ = dev.as_ref();
+        let Some(host) = self.host.as_ref() else {
+            return Ok(());
+        };
+        let views: Vec<_> = host.seqs.iter().map(|&s| host.cache.view(s)).collect::<Result<_>>()?;
+        let bw = self.layout.block_words;
+        let pool = host.cache.pool();
+        for (b, v) in views.iter().enumerate() {
+            self.host_tables[b] = v.logical_table();
+            self.lens[b] = v.tokens();
+            if counts[b] > 0 {
+                for &blk in self.host_tables[b].iter().skip(first[b]) {
+                    let at = blk as usize * bw;
+                    d_.write(&mut self.pool, at, super::as_bytes(&pool[at..at + bw]))?;
+                }
+            }
+        }
+        let used: std::collections::HashSet<u32> = self.host_tables.iter().flatten().copied().collect();
+        self.free.retain(|b| !used.contains(b));
+        let mut flat = vec![0u32; self.batch * self.table_stride];
+        for (b, t) in self.host_tables.iter().enumerate() {
+            flat[b * self.table_stride..][..t.len()].copy_from_slice(t);
+        }
+        super::write(d_, &mut self.tables, &flat)?;
+        let lens: Vec<i32> = self.lens.iter().map(|&l| l as i32).collect();
+        super::write(d_, &mut self.seq_lens, &lens)?;
+        let (h, d) = (self.shape.kv_heads, self.shape.head_dim);
+        for t in [Tensor::Key, Tensor::Value] {
+            let sinks: Vec<RawRows> = views.iter().map(|v| v.sinks_raw(t)).collect();
+            let ring: Vec<RawRows> = views.iter().map(|v| v.ring_raw(t)).collect();
+            let per_ring = layout::window_capacity(&self.scheme, t).max(1) * h * d;
+            self.sinks[ti(t)] = stack_rows(d_, self.scheme.dtype, &sinks, self.scheme.sinks as usize * h * d)?;
+            self.rings[ti(t)] = stack_rows(d_, self.scheme.dtype, &ring, per_ring)?;
+        }
+        Ok(())
+    }
+
+    /// The product codebooks of tensor `t`, if it is `vq(...)` (what the
+    /// decode kernel reads from [`Self::book_buffer`]).
+    pub fn vq_book(&self, t: Tensor) -> Option<&Arc<VqBook>> {
+        self.vq[ti(t)].as_ref()
+    }
+
+    /// The device buffer the decode kernel reads tensor `t`'s codebooks
+    /// from (one element when `t` is not vq). Caches of one device that
+    /// name the same codebook hold the same buffer (`Arc::ptr_eq`).
+    pub fn book_buffer(&self, t: Tensor) -> &Arc<Buffer> {
+        &self.books[ti(t)]
     }
 
     /// The device part of an extend, on inputs already rounded to the
@@ -865,6 +1076,36 @@ impl DecodeRun<'_> {
     pub fn launch(&mut self) -> Result<()> {
         let c = self.cache;
         let dev = c.dev.as_ref();
+        if c.scheme.has_vq() {
+            let d = c.shape.head_dim;
+            let len = |t: Tensor| c.scheme.codec(t).vq().map_or(0, |v| v.codebook_len(d));
+            VqDecodeArgs {
+                batch: c.batch,
+                pool: &c.pool,
+                tables: &c.tables,
+                table_stride: c.table_stride,
+                seq_lens: &c.seq_lens,
+                q: &self.q,
+                sinks_k: &c.sinks[0],
+                sinks_v: &c.sinks[1],
+                ring_k: &c.rings[0],
+                ring_v: &c.rings[1],
+                book_k: &c.books[0],
+                book_v: &c.books[1],
+                sm_scale: self.sm_scale,
+                window: self.window,
+                part_ml: &mut self.part_ml,
+                part_acc: &mut self.part_acc,
+            }
+            .launch(dev, self.module, [len(Tensor::Key), len(Tensor::Value)])?;
+            return CombineArgs {
+                batch: c.batch,
+                part_ml: &self.part_ml,
+                part_acc: &self.part_acc,
+                out: &mut self.out,
+            }
+            .launch(dev, self.module);
+        }
         DecodeArgs {
             batch: c.batch,
             pool: &c.pool,
