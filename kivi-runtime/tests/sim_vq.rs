@@ -1,0 +1,394 @@
+//! Product vector quantization (`vq(...)`) in the generated kernels: the
+//! lookup-table decode (`templates/cuda/kivi_vq_decode.cuh`) with the
+//! codebooks as a device buffer, and the device cache's vq writes (coded on
+//! the host by the oracle's encoder, then uploaded).
+//!
+//! - decode over an uploaded host cache matches the oracle
+//!   (`cache_view_calibrated` + `decode_attention`) at lengths 1, 31, 33,
+//!   127, 1000 on GQA 8:2 and 4:2, MQA and MHA, for vq keys only, vq values
+//!   only, both, and one codebook shared by name between them; f16, bf16
+//!   and f32 activations (so f16, bf16 and f32 queries); with and without a
+//!   sliding window;
+//! - every tuner variant of a vq scheme matches the oracle;
+//! - a device cache built with the calibration writes exactly the words a
+//!   host cache built with it writes (prefill and appends), and decodes as
+//!   the oracle does; a named codebook is one device buffer for every layer
+//!   and both tensors;
+//! - missing, mismatched or corrupt calibrations are typed errors;
+//! - the vq decode sources compile with NVRTC (skipped, with the reason
+//!   printed, where NVRTC is absent).
+//!
+//! Runs on the simulated device (CI) and on GPU 0 where one is usable.
+
+mod device_util;
+#[path = "sim_util/mod.rs"]
+mod sim_util;
+
+use device_util::{assert_same, devices};
+use kivi_runtime::calib::{Calibration, LayerSamples, ModelId};
+use kivi_runtime::device::{Device, DeviceCache};
+use kivi_runtime::reference::{cache_view_calibrated, decode_attention};
+use kivi_runtime::vq::VqFitOptions;
+use kivi_runtime::{AttnParams, CacheConfig, PagedCache};
+use kivi_spec::{Heads, Scheme, Tensor};
+use kivi_templates::{default_variant, generate, variants, Generated, Kernel};
+use sim_util::{rel_error, Rng};
+use std::sync::Arc;
+
+const LENS: [usize; 5] = [1, 31, 33, 127, 1000];
+const TOL: f32 = 1e-4;
+
+/// vq keys and values (per layer, sinks), vq values only with a named
+/// codebook behind KIVI-2 keys, vq keys only (chunked flush, f32
+/// activations), and one codebook shared by name by both tensors (bf16).
+fn schemes() -> Vec<Scheme> {
+    [
+        "vqkv { key: vq(dim = 4, entries = 16), value: vq(dim = 4, entries = 64), residual: 4, sinks: 2 }",
+        "vqv { key: quant(bits = 2, axis = channel, group = 32), \
+         value: vq(dim = 8, entries = 256, codebook = shared), residual: 32 }",
+        "vqk { key: vq(dim = 2, entries = 4), value: full, residual: 16, flush: chunked, dtype: f32 }",
+        "vqs { key: vq(dim = 4, entries = 32, codebook = c), value: vq(dim = 4, entries = 32, codebook = c), \
+         residual: 8, dtype: bf16 }",
+    ]
+    .iter()
+    .map(|t| kivi_spec::parse_scheme(t).unwrap())
+    .collect()
+}
+
+/// GQA with two ratios, MQA and MHA, head_dim 32.
+fn layouts() -> [Heads; 4] {
+    [
+        Heads::Gqa { q: 8, kv: 2 },
+        Heads::Gqa { q: 4, kv: 2 },
+        Heads::Mqa(4),
+        Heads::Mha(2),
+    ]
+}
+
+const D: u32 = 32;
+
+fn cases() -> Vec<Scheme> {
+    schemes()
+        .iter()
+        .flat_map(|s| layouts().into_iter().map(move |h| s.with_shape(h, D).unwrap()))
+        .collect()
+}
+
+/// Keys with per-channel offsets, standard normal values.
+fn kv(rng: &mut Rng, tokens: usize, h: usize, key: bool) -> Vec<f32> {
+    let d = D as usize;
+    (0..tokens * h * d)
+        .map(|i| {
+            let c = i % d;
+            if key {
+                ((c * 7) % 5) as f32 - 2.0 + (0.5 + (c % 3) as f32) * rng.f32()
+            } else {
+                rng.normal()
+            }
+        })
+        .collect()
+}
+
+/// A two-layer calibration for `s`'s shape, fitted on other draws.
+fn calibration(s: &Scheme) -> Calibration {
+    let shape = s.shape().unwrap();
+    let (hq, h) = (shape.q_heads, shape.kv_heads);
+    let mut rng = Rng::new(11 + h as u64);
+    let samples: Vec<LayerSamples> = (0..2)
+        .map(|l| LayerSamples::new(l, 128, hq, h, D as usize, kv(&mut rng, 128, h, true), kv(&mut rng, 128, h, false)))
+        .collect();
+    let model = ModelId {
+        name: "sim-vq".into(),
+        layers: 2,
+        kv_heads: h as u32,
+        head_dim: D,
+    };
+    let mut cal = Calibration::new(model, "random");
+    let opts = VqFitOptions {
+        iterations: 6,
+        ..Default::default()
+    };
+    cal.fit_vq(s, &samples, opts).unwrap();
+    cal
+}
+
+/// The default decode kernel of every case (one simulator library).
+fn kernels() -> Vec<Generated> {
+    cases()
+        .iter()
+        .map(|s| generate(s, Kernel::Decode, &default_variant(s, Kernel::Decode)).unwrap())
+        .collect()
+}
+
+fn load_all(dev: &Arc<dyn Device>) {
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let all = kernels();
+    dev.load_many(&all.iter().collect::<Vec<_>>()).unwrap();
+}
+
+/// A host cache of layer 1 holding one sequence per `LENS` entry
+/// (prefilled or streamed, alternately), with its inputs.
+struct Filled {
+    cache: PagedCache,
+    ids: Vec<u64>,
+    ks: Vec<Vec<f32>>,
+    vs: Vec<Vec<f32>>,
+}
+
+fn filled(s: &Scheme, cal: &Calibration, seed: u64) -> Filled {
+    let h = s.shape().unwrap().kv_heads;
+    let row = h * D as usize;
+    let mut rng = Rng::new(seed);
+    let mut cache = PagedCache::with_calibration(s.clone(), CacheConfig::for_tokens(4096), cal, 1).unwrap();
+    let (mut ks, mut vs, mut ids) = (Vec::new(), Vec::new(), Vec::new());
+    for (b, &t) in LENS.iter().enumerate() {
+        let (k, v) = (kv(&mut rng, t, h, true), kv(&mut rng, t, h, false));
+        let id = cache.add_sequence();
+        if b % 2 == 1 {
+            for p in 0..t {
+                cache.append(id, &k[p * row..][..row], &v[p * row..][..row]).unwrap();
+            }
+        } else {
+            cache.extend(id, &k, &v).unwrap();
+        }
+        ks.push(k);
+        vs.push(v);
+        ids.push(id);
+    }
+    Filled { cache, ids, ks, vs }
+}
+
+/// The oracle: attention over the calibrated views of each sequence.
+fn oracle(s: &Scheme, cal: &Calibration, ks: &[Vec<f32>], vs: &[Vec<f32>], q: &[f32], attn: AttnParams) -> Vec<f32> {
+    let per = q.len() / ks.len();
+    ks.iter()
+        .zip(vs)
+        .enumerate()
+        .flat_map(|(b, (k, v))| {
+            let kw = cache_view_calibrated(s, Tensor::Key, k, cal, 1).unwrap();
+            let vw = cache_view_calibrated(s, Tensor::Value, v, cal, 1).unwrap();
+            decode_attention(s, &q[b * per..][..per], &kw, &vw, attn).unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn vq_decode_matches_the_oracle() {
+    for dev in devices("vq_decode", kernels) {
+        load_all(&dev);
+        let (mut worst, mut n) = (0f32, 0);
+        for (i, s) in cases().iter().enumerate() {
+            let shape = s.shape().unwrap();
+            let cal = calibration(s);
+            let f = filled(s, &cal, 100 + i as u64);
+            let dc = DeviceCache::upload(dev.clone(), &f.cache, &f.ids).unwrap();
+            let q = Rng::new(200 + i as u64).vec(LENS.len() * shape.q_heads * shape.head_dim);
+            for window in [None, Some(40)] {
+                let attn = AttnParams {
+                    window,
+                    ..AttnParams::of(s, shape)
+                };
+                let want = oracle(s, &cal, &f.ks, &f.vs, &q, attn);
+                let got = dc.decode(&q, attn, None).unwrap();
+                let e = rel_error(&got, &want);
+                assert!(e <= TOL, "{} {:?} window {window:?}: relative error {e}", s.name, s.heads.unwrap());
+                worst = worst.max(e);
+                n += 1;
+            }
+        }
+        sim_util::report(&format!(
+            "{}: vq decode of {n} scheme/layout/window cases agrees with the oracle (worst relative error {worst:.2e})",
+            dev.kind().name()
+        ));
+    }
+}
+
+/// Every tuner variant of two vq schemes (both tensors vq on GQA 8:2; vq
+/// values behind KIVI-2 keys on MQA), against the oracle.
+#[test]
+fn every_vq_variant_matches_the_oracle() {
+    let picks: Vec<Scheme> = vec![
+        schemes()[0].with_shape(Heads::Gqa { q: 8, kv: 2 }, D).unwrap(),
+        schemes()[1].with_shape(Heads::Mqa(4), D).unwrap(),
+    ];
+    for dev in devices("vq_variants", || {
+        picks
+            .iter()
+            .flat_map(|s| variants(s, Kernel::Decode).into_iter().map(move |v| generate(s, Kernel::Decode, &v).unwrap()))
+            .collect()
+    }) {
+        for (i, s) in picks.iter().enumerate() {
+            let vs = variants(s, Kernel::Decode);
+            assert!(vs.len() >= 8, "{}: only {} variants", s.name, vs.len());
+            assert!(
+                variants(s, Kernel::Prefill).is_empty() && variants(s, Kernel::Append).is_empty(),
+                "vq rows are coded on the host: no prefill/append variants"
+            );
+            let cal = calibration(s);
+            let f = filled(s, &cal, 300 + i as u64);
+            let shape = s.shape().unwrap();
+            let dc = DeviceCache::upload(dev.clone(), &f.cache, &f.ids).unwrap();
+            let q = Rng::new(400 + i as u64).vec(LENS.len() * shape.q_heads * shape.head_dim);
+            let attn = AttnParams::of(s, shape);
+            let want = oracle(s, &cal, &f.ks, &f.vs, &q, attn);
+            let modules = dc.decode_modules(&vs).unwrap();
+            for (v, m) in vs.iter().zip(&modules) {
+                let got = dc.decode_on(m, &q, attn).unwrap();
+                let e = rel_error(&got, &want);
+                assert!(e <= TOL, "{} {}: relative error {e}", s.name, v.name());
+            }
+            sim_util::report(&format!(
+                "{}: {} decode variants of {} agree with the oracle",
+                dev.kind().name(),
+                vs.len(),
+                s.name
+            ));
+        }
+    }
+}
+
+/// The device cache's own writes (prefill, then appends of one token and
+/// of several) equal a host cache's word for word, and decode as the
+/// oracle does; a named codebook is one buffer for both tensors and every
+/// layer of a device.
+#[test]
+fn vq_writes_match_paged_cache_bit_for_bit() {
+    for dev in devices("vq_writes", kernels) {
+        load_all(&dev);
+        for (i, s) in cases().iter().enumerate().filter(|(i, _)| i % 3 == 0) {
+            let shape = s.shape().unwrap();
+            let (h, hq) = (shape.kv_heads, shape.q_heads);
+            let row = h * D as usize;
+            let cal = calibration(s);
+            let cfg = CacheConfig::for_tokens(4096);
+            let mut dc = DeviceCache::with_calibration(dev.clone(), s, 2, 2048, cfg, &cal, 1).unwrap();
+            let mut host = PagedCache::with_calibration(s.clone(), cfg, &cal, 1).unwrap();
+            let ids = [host.add_sequence(), host.add_sequence()];
+            let mut rng = Rng::new(500 + i as u64);
+            let (mut ks, mut vs) = (vec![Vec::new(), Vec::new()], vec![Vec::new(), Vec::new()]);
+            // prefill 33 and 127 tokens, then 40 appends of one token each
+            // (sequence 1 skips every third), then a step of 5 and 0.
+            let mut steps: Vec<[usize; 2]> = vec![[33, 127]];
+            steps.extend((0..40).map(|j| [1, usize::from(j % 3 != 0)]));
+            steps.push([5, 0]);
+            for (j, counts) in steps.iter().enumerate() {
+                let mut k = Vec::new();
+                let mut v = Vec::new();
+                for b in 0..2 {
+                    let (kb, vb) = (kv(&mut rng, counts[b], h, true), kv(&mut rng, counts[b], h, false));
+                    if counts[b] > 0 {
+                        host.extend(ids[b], &kb, &vb).unwrap();
+                    }
+                    k.extend_from_slice(&kb);
+                    v.extend_from_slice(&vb);
+                    ks[b].extend(kb);
+                    vs[b].extend(vb);
+                }
+                dc.extend(counts, &k, &v).unwrap();
+                if j == 0 || j + 1 == steps.len() || j % 13 == 0 {
+                    assert_same(s, &host, &ids, &dc, &format!("after step {j}"));
+                }
+            }
+            assert_eq!(dc.lens(), &[ks[0].len() / row, ks[1].len() / row]);
+            let q = Rng::new(600 + i as u64).vec(2 * hq * D as usize);
+            let attn = AttnParams::of(s, shape);
+            let want = oracle(s, &cal, &ks, &vs, &q, attn);
+            let e = rel_error(&dc.decode(&q, attn, None).unwrap(), &want);
+            assert!(e <= TOL, "{} {:?}: relative error {e}", s.name, s.heads.unwrap());
+            // A write the host refuses (a non-finite key) changes nothing.
+            let mut bad = kv(&mut rng, 1, h, true);
+            bad[3] = f32::NAN;
+            let both: Vec<f32> = bad.iter().chain(&bad).copied().collect();
+            let before = dc.download_pool().unwrap();
+            assert!(dc.extend(&[1, 1], &both, &both).is_err());
+            assert_eq!(dc.download_pool().unwrap(), before);
+            assert_eq!(dc.lens(), &[ks[0].len() / row, ks[1].len() / row]);
+        }
+        // One named codebook, one buffer: both tensors of one cache and the
+        // caches of two layers.
+        let s = &cases()[12]; // vqs on GQA 8:2
+        assert_eq!(s.name, "vqs");
+        let cal = calibration(s);
+        let cfg = CacheConfig::for_tokens(256);
+        let a = DeviceCache::with_calibration(dev.clone(), s, 1, 64, cfg, &cal, 0).unwrap();
+        let b = DeviceCache::with_calibration(dev.clone(), s, 1, 64, cfg, &cal, 1).unwrap();
+        assert!(Arc::ptr_eq(a.book_buffer(Tensor::Key), a.book_buffer(Tensor::Value)));
+        assert!(Arc::ptr_eq(a.book_buffer(Tensor::Key), b.book_buffer(Tensor::Value)));
+        // Per-layer codebooks are per cache.
+        let s = &cases()[0];
+        let cal = calibration(s);
+        let a = DeviceCache::with_calibration(dev.clone(), s, 1, 64, cfg, &cal, 0).unwrap();
+        let b = DeviceCache::with_calibration(dev.clone(), s, 1, 64, cfg, &cal, 1).unwrap();
+        assert!(!Arc::ptr_eq(a.book_buffer(Tensor::Key), b.book_buffer(Tensor::Key)));
+        assert_ne!(a.vq_book(Tensor::Key), b.vq_book(Tensor::Key));
+    }
+}
+
+#[test]
+fn vq_device_cache_needs_a_matching_calibration() {
+    let dev: Arc<dyn Device> = kivi_runtime::device::SimDevice::shared();
+    let s = &cases()[0];
+    let cfg = CacheConfig::for_tokens(256);
+    // No calibration: a typed error naming the vq codec.
+    let e = DeviceCache::new(dev.clone(), s, 1, 64, cfg).err().unwrap();
+    assert!(matches!(e, kivi_runtime::Error::Calibration(_)), "{e:?}");
+    assert!(e.to_string().contains("vq(...)"), "{e}");
+    let cal = calibration(s);
+    // A layer the calibration does not have.
+    let e = DeviceCache::with_calibration(dev.clone(), s, 1, 64, cfg, &cal, 2).err().unwrap();
+    assert!(e.to_string().contains("layer 2"), "{e}");
+    // Another model shape (head_dim 64).
+    let other = schemes()[0].with_shape(s.heads.unwrap(), 64).unwrap();
+    let e = DeviceCache::with_calibration(dev.clone(), &other, 1, 64, cfg, &cal, 0).err().unwrap();
+    assert!(matches!(e, kivi_runtime::Error::Calibration(_)), "{e:?}");
+    // Codebooks fitted for other entries: the missing fit is named.
+    let s2 = kivi_spec::parse_scheme(
+        "vqkv { key: vq(dim = 4, entries = 32), value: vq(dim = 4, entries = 64), residual: 4, sinks: 2 }",
+    )
+    .unwrap()
+    .with_shape(s.heads.unwrap(), D)
+    .unwrap();
+    let e = DeviceCache::with_calibration(dev.clone(), &s2, 1, 64, cfg, &cal, 0).err().unwrap();
+    assert!(e.to_string().contains("vq dim=4 entries=32"), "{e}");
+    // A corrupt calibration file is refused on load, before any cache.
+    let mut bytes = cal.to_bytes();
+    let n = bytes.len();
+    bytes[n / 2] ^= 0x40;
+    assert!(Calibration::from_bytes(&bytes).is_err());
+    // An uploaded (read-only) vq cache refuses writes with a clear error.
+    let f = filled(s, &cal, 9);
+    let mut dc = DeviceCache::upload(dev.clone(), &f.cache, &f.ids[..1]).unwrap();
+    let row = s.shape().unwrap().kv_heads * D as usize;
+    let e = dc.extend(&[1], &vec![0.5; row], &vec![0.5; row]).unwrap_err();
+    assert!(e.to_string().contains("read-only"), "{e}");
+    // The many-query block kernel and prefill/append kernels are refused by name.
+    assert!(kivi_templates::generate_block(s, Default::default()).is_err());
+    let e = generate(s, Kernel::Append, &default_variant(s, Kernel::Decode)).unwrap_err();
+    assert!(e.to_string().contains("vq"), "{e}");
+}
+
+/// The vq decode sources compile for sm_90 with NVRTC.
+#[test]
+fn vq_decode_compiles_with_nvrtc() {
+    let Some(c) = device_util::nvrtc_or_skip("vq_decode_compiles_with_nvrtc") else {
+        return;
+    };
+    let opts = kivi_runtime::cuda::NvrtcOptions::for_arch(kivi_runtime::cuda::Arch::parse("sm_90").unwrap());
+    let mut gens = kernels();
+    // and the largest codebooks a head_dim 128 scheme uses (8 x 256 entries)
+    let big = kivi_spec::parse_scheme(
+        "vq1 { key: vq(dim = 8, entries = 256), value: vq(dim = 8, entries = 256), residual: 32 }",
+    )
+    .unwrap()
+    .with_shape(Heads::Gqa { q: 32, kv: 8 }, 128)
+    .unwrap();
+    for v in variants(&big, Kernel::Decode) {
+        gens.push(generate(&big, Kernel::Decode, &v).unwrap());
+    }
+    for g in &gens {
+        let a = c.compile(&g.name, &g.source, &opts).unwrap_or_else(|e| panic!("{}: {e}", g.name));
+        assert!(a.artifact.ptx.contains(".entry kivi_decode("), "{}", g.name);
+    }
+    println!("vq_decode_compiles_with_nvrtc: {} sources compiled for sm_90", gens.len());
+}
