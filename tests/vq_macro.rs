@@ -1,6 +1,7 @@
 //! `kivi::scheme!` accepts `vq(...)` codecs and rebuilds them exactly
-//! (shared codebook names included); the CUDA kernels of such a scheme are
-//! not generated (no template yet), so it declares none.
+//! (shared codebook names included); of the CUDA kernels it embeds the
+//! lookup-table decode only (vq rows are coded on the host by the oracle's
+//! encoder, so no prefill or append kernel is generated).
 
 kivi::scheme! {
     /// 1-bit product VQ on both tensors, one codebook per tensor shared by all layers.
@@ -22,4 +23,6 @@ fn the_macro_and_the_parser_agree_on_vq() {
     assert_eq!(s.key.vq().unwrap().codebook.unwrap().as_str(), "loop");
     assert_eq!(kivi::spec::layout::bits_per_element(&s), 1.0);
     assert_eq!(LoopVq::HASH, kivi::scheme_hash(&s));
+    assert_eq!(LoopVq::KERNELS.len(), 1);
+    assert!(LoopVq::KERNELS[0].0.contains("/decode/"), "{}", LoopVq::KERNELS[0].0);
 }

@@ -95,7 +95,17 @@ fn calibration(s: &Scheme) -> Calibration {
     let (hq, h) = (shape.q_heads, shape.kv_heads);
     let mut rng = Rng::new(11 + h as u64);
     let samples: Vec<LayerSamples> = (0..2)
-        .map(|l| LayerSamples::new(l, 128, hq, h, D as usize, kv(&mut rng, 128, h, true), kv(&mut rng, 128, h, false)))
+        .map(|l| {
+            LayerSamples::new(
+                l,
+                128,
+                hq,
+                h,
+                D as usize,
+                kv(&mut rng, 128, h, true),
+                kv(&mut rng, 128, h, false),
+            )
+        })
         .collect();
     let model = ModelId {
         name: "sim-vq".into(),
@@ -192,7 +202,12 @@ fn vq_decode_matches_the_oracle() {
                 let want = oracle(s, &cal, &f.ks, &f.vs, &q, attn);
                 let got = dc.decode(&q, attn, None).unwrap();
                 let e = rel_error(&got, &want);
-                assert!(e <= TOL, "{} {:?} window {window:?}: relative error {e}", s.name, s.heads.unwrap());
+                assert!(
+                    e <= TOL,
+                    "{} {:?} window {window:?}: relative error {e}",
+                    s.name,
+                    s.heads.unwrap()
+                );
                 worst = worst.max(e);
                 n += 1;
             }
@@ -215,7 +230,11 @@ fn every_vq_variant_matches_the_oracle() {
     for dev in devices("vq_variants", || {
         picks
             .iter()
-            .flat_map(|s| variants(s, Kernel::Decode).into_iter().map(move |v| generate(s, Kernel::Decode, &v).unwrap()))
+            .flat_map(|s| {
+                variants(s, Kernel::Decode)
+                    .into_iter()
+                    .map(move |v| generate(s, Kernel::Decode, &v).unwrap())
+            })
             .collect()
     }) {
         for (i, s) in picks.iter().enumerate() {
@@ -336,11 +355,15 @@ fn vq_device_cache_needs_a_matching_calibration() {
     assert!(e.to_string().contains("vq(...)"), "{e}");
     let cal = calibration(s);
     // A layer the calibration does not have.
-    let e = DeviceCache::with_calibration(dev.clone(), s, 1, 64, cfg, &cal, 2).err().unwrap();
+    let e = DeviceCache::with_calibration(dev.clone(), s, 1, 64, cfg, &cal, 2)
+        .err()
+        .unwrap();
     assert!(e.to_string().contains("layer 2"), "{e}");
     // Another model shape (head_dim 64).
     let other = schemes()[0].with_shape(s.heads.unwrap(), 64).unwrap();
-    let e = DeviceCache::with_calibration(dev.clone(), &other, 1, 64, cfg, &cal, 0).err().unwrap();
+    let e = DeviceCache::with_calibration(dev.clone(), &other, 1, 64, cfg, &cal, 0)
+        .err()
+        .unwrap();
     assert!(matches!(e, kivi_runtime::Error::Calibration(_)), "{e:?}");
     // Codebooks fitted for other entries: the missing fit is named.
     let s2 = kivi_spec::parse_scheme(
@@ -349,7 +372,9 @@ fn vq_device_cache_needs_a_matching_calibration() {
     .unwrap()
     .with_shape(s.heads.unwrap(), D)
     .unwrap();
-    let e = DeviceCache::with_calibration(dev.clone(), &s2, 1, 64, cfg, &cal, 0).err().unwrap();
+    let e = DeviceCache::with_calibration(dev.clone(), &s2, 1, 64, cfg, &cal, 0)
+        .err()
+        .unwrap();
     assert!(e.to_string().contains("vq dim=4 entries=32"), "{e}");
     // A corrupt calibration file is refused on load, before any cache.
     let mut bytes = cal.to_bytes();
@@ -387,8 +412,13 @@ fn vq_decode_compiles_with_nvrtc() {
         gens.push(generate(&big, Kernel::Decode, &v).unwrap());
     }
     for g in &gens {
-        let a = c.compile(&g.name, &g.source, &opts).unwrap_or_else(|e| panic!("{}: {e}", g.name));
+        let a = c
+            .compile(&g.name, &g.source, &opts)
+            .unwrap_or_else(|e| panic!("{}: {e}", g.name));
         assert!(a.artifact.ptx.contains(".entry kivi_decode("), "{}", g.name);
     }
-    println!("vq_decode_compiles_with_nvrtc: {} sources compiled for sm_90", gens.len());
+    println!(
+        "vq_decode_compiles_with_nvrtc: {} sources compiled for sm_90",
+        gens.len()
+    );
 }

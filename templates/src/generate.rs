@@ -369,7 +369,12 @@ pub(crate) fn tensor_cfg(
         };
         let d = l.shape.head_dim;
         let rows: [(&str, &str, String, &str); 4] = [
-            ("bool", "VQ", on.to_string(), "product vector quantized (kivi_vq_decode.cuh)"),
+            (
+                "bool",
+                "VQ",
+                on.to_string(),
+                "product vector quantized (kivi_vq_decode.cuh)",
+            ),
             ("int", "VDIM", dim.to_string(), "channels per sub-vector, M"),
             ("int", "VSUB", (d / dim).to_string(), "sub-vectors per row, D / M"),
             ("int", "VENT", entries.to_string(), "centroids per codebook, E"),

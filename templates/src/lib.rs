@@ -555,7 +555,8 @@ pub type KernelError = (String, Option<kivi_spec::Field>);
 
 /// `(name, source)` of the default variant of the prefill, append and
 /// decode kernels of a scheme with a shape (none without one, or with mla
-/// heads or vq codecs, which have no template yet): what
+/// heads or low-rank keys, which have no template yet; the decode kernel
+/// alone for vq codecs, whose rows the host codes): what
 /// `kivi::scheme!` embeds. On failure, the message the macro reports and
 /// the part of the scheme it is about, where the generator names one.
 pub fn default_kernels(s: &Scheme) -> Result<Vec<(String, String)>, KernelError> {
@@ -563,8 +564,14 @@ pub fn default_kernels(s: &Scheme) -> Result<Vec<(String, String)>, KernelError>
     if s.shape().is_none() || s.mla().is_some() || s.low_rank.is_some() {
         return Ok(Vec::new());
     }
-    // vq schemes: the decode kernel only (rows are coded on the host).
+    // vq schemes: the decode kernel only (rows are coded on the host), and
+    // none (CPU only, as before the template existed) when the template
+    // cannot serve the scheme: a step it leaves out, or lookup tables too
+    // large for any variant's shared memory (E = 4096 at D = 128).
     let kernels: &[Kernel] = if s.has_vq() {
+        if check_vq(s).is_err() || variants(s, Kernel::Decode).is_empty() {
+            return Ok(Vec::new());
+        }
         &[Kernel::Decode]
     } else {
         &[Kernel::Prefill, Kernel::Append, Kernel::Decode]

@@ -249,7 +249,10 @@ fn head_width_pairs(scheme: &Scheme, layout: &BlockLayout) -> Vec<(u32, u32)> {
             };
             v.check(Kernel::Decode, scheme, layout).is_ok()
         };
-        let best = (1..=g.min(16)).rev().find(|&h| g.is_multiple_of(h) && fit(h)).unwrap_or(1);
+        let best = (1..=g.min(16))
+            .rev()
+            .find(|&h| g.is_multiple_of(h) && fit(h))
+            .unwrap_or(1);
         heads = if best > 1 { vec![best, 1] } else { vec![1] };
     }
     for h in heads {

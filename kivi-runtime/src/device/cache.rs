@@ -248,7 +248,16 @@ impl DeviceCache {
         crate::calib::levels_for(scheme, None, 0)?;
         // vq codecs without their codebooks: CalibError::VqNeeded.
         crate::vq::books_for(scheme, None, 0)?;
-        Self::build(dev, scheme, batch, max_tokens, config, Codebooks::default(), None, [None, None])
+        Self::build(
+            dev,
+            scheme,
+            batch,
+            max_tokens,
+            config,
+            Codebooks::default(),
+            None,
+            [None, None],
+        )
     }
 
     /// [`Self::new`] for layer `layer` of a model: the scheme's `nuq`
@@ -273,7 +282,16 @@ impl DeviceCache {
         let levels = crate::calib::levels_for(scheme, Some(calibration), layer)?;
         let books = crate::vq::books_for(scheme, Some(calibration), layer)?;
         let cb = nuq_codebooks(scheme, levels);
-        let mut dc = Self::build(dev, scheme, batch, max_tokens, config, cb, Some(calibration.hash()), books)?;
+        let mut dc = Self::build(
+            dev,
+            scheme,
+            batch,
+            max_tokens,
+            config,
+            cb,
+            Some(calibration.hash()),
+            books,
+        )?;
         if scheme.has_vq() {
             // vq rows are coded by the oracle's encoder on the host (see
             // Self::extend); the mirror allocates blocks as this cache does.
