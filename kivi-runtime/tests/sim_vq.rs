@@ -219,14 +219,19 @@ fn vq_decode_matches_the_oracle() {
     }
 }
 
-/// Every tuner variant of two vq schemes (both tensors vq on GQA 8:2; vq
-/// values behind KIVI-2 keys on MQA), against the oracle.
+/// Every tuner variant of vq schemes against the oracle: in CI two cases
+/// (both tensors vq on GQA 8:2; vq values behind KIVI-2 keys on MQA);
+/// under `KIVI_FULL_SWEEP=1` (scripts/full-sweep.sh) every case.
 #[test]
 fn every_vq_variant_matches_the_oracle() {
-    let picks: Vec<Scheme> = vec![
-        schemes()[0].with_shape(Heads::Gqa { q: 8, kv: 2 }, D).unwrap(),
-        schemes()[1].with_shape(Heads::Mqa(4), D).unwrap(),
-    ];
+    let picks: Vec<Scheme> = if std::env::var_os("KIVI_FULL_SWEEP").is_some() {
+        cases()
+    } else {
+        vec![
+            schemes()[0].with_shape(Heads::Gqa { q: 8, kv: 2 }, D).unwrap(),
+            schemes()[1].with_shape(Heads::Mqa(4), D).unwrap(),
+        ]
+    };
     for dev in devices("vq_variants", || {
         picks
             .iter()

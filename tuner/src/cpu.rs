@@ -43,7 +43,7 @@ pub struct CpuTarget {
 }
 
 /// A calibration and the layer whose codebooks a tuning cache uses.
-type Calib = (std::sync::Arc<kivi_runtime::calib::Calibration>, usize);
+pub type Calib = (std::sync::Arc<kivi_runtime::calib::Calibration>, usize);
 
 /// A host cache for `scheme`, with `calib`'s codebooks when given.
 fn new_cache(scheme: &Scheme, config: CacheConfig, calib: Option<&Calib>) -> Result<PagedCache, String> {
@@ -369,7 +369,13 @@ pub type Inputs = (PagedCache, Vec<SeqId>, Vec<f32>, AttnParams, Vec<f32>);
 /// the attention parameters and the reference output (for backends that
 /// keep their own copy, such as CUDA).
 pub fn build_inputs(scheme: &Scheme, bucket: &Bucket) -> Result<Inputs, String> {
-    inputs_of(scheme, bucket_data(scheme, bucket)?, None)
+    build_inputs_with(scheme, bucket, None)
+}
+
+/// [`build_inputs`] in a cache built with `calib`'s codebooks (`nuq`
+/// levels, `vq` codebooks).
+pub fn build_inputs_with(scheme: &Scheme, bucket: &Bucket, calib: Option<&Calib>) -> Result<Inputs, String> {
+    inputs_of(scheme, bucket_data(scheme, bucket)?, calib)
 }
 
 /// A second, small input set for the correctness gate: the bucket's batch
@@ -382,7 +388,7 @@ pub fn check_inputs(scheme: &Scheme, bucket: &Bucket) -> Result<Inputs, String> 
 }
 
 /// [`check_inputs`] in a cache built with `calib`'s codebooks.
-fn check_inputs_in(scheme: &Scheme, bucket: &Bucket, calib: Option<&Calib>) -> Result<Inputs, String> {
+pub fn check_inputs_in(scheme: &Scheme, bucket: &Bucket, calib: Option<&Calib>) -> Result<Inputs, String> {
     const EDGES: [usize; 6] = [1, 31, 33, 127, 65, 255];
     let top = (bucket.context as usize).max(1);
     let lengths: Vec<usize> = (0..bucket.batch as usize)

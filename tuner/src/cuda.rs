@@ -12,7 +12,7 @@
 //!   simulated device, which runs the same host code on the CPU.
 
 use crate::bucket::Bucket;
-use crate::cpu::{build_inputs, check_inputs, compare};
+use crate::cpu::{build_inputs_with, check_inputs_in, compare};
 use crate::fingerprint::{Fingerprint, Toolchain};
 use crate::tune::{Candidate, Method, Target, Workload};
 use kivi_runtime::cuda::ptxas::Resources;
@@ -268,6 +268,10 @@ pub struct CudaTarget {
     /// Generated sources by variant name, canonical order.
     gens: Vec<(Variant, Generated)>,
     pub method: Method,
+    /// The calibration (and layer) the tuning caches are built with:
+    /// `vq(...)` schemes decode with its codebooks (a kernel argument, so
+    /// the sources are the same for every calibration).
+    calibration: Option<crate::cpu::Calib>,
 }
 
 impl CudaTarget {
@@ -334,7 +338,26 @@ impl CudaTarget {
             limits,
             gens,
             method,
+            calibration: None,
         })
+    }
+
+    /// This target with tuning caches built with the codebooks of `layer`
+    /// in `calibration` (what a `vq(...)` scheme needs), its decisions
+    /// keyed by the scheme hash joined with the calibration's
+    /// ([`crate::tune::decision_hash`]). Checked now (model shape, every vq
+    /// codebook the scheme needs at `layer`), so a wrong calibration fails
+    /// here, not mid-tuning. (`levels = nuq` schemes bake their tables into
+    /// the source and are not tuned on this target.)
+    pub fn with_calibration(
+        mut self,
+        calibration: &kivi_runtime::calib::Calibration,
+        layer: usize,
+    ) -> Result<CudaTarget, String> {
+        calibration.check_shape(&self.scheme).map_err(|e| e.to_string())?;
+        kivi_runtime::vq::books_for(&self.scheme, Some(calibration), layer).map_err(|e| e.to_string())?;
+        self.calibration = Some((Arc::new(calibration.clone()), layer));
+        Ok(self)
     }
 
     /// The device tuned on.
@@ -402,9 +425,10 @@ impl Target for CudaTarget {
         Ok(())
     }
     fn workload<'a>(&'a self, bucket: &Bucket, _prep: f64) -> Result<Box<dyn Workload + 'a>, String> {
-        let (cache, seqs, q, attn, want) = build_inputs(&self.scheme, bucket)?;
+        let calib = self.calibration.as_ref();
+        let (cache, seqs, q, attn, want) = build_inputs_with(&self.scheme, bucket, calib)?;
         let dc = DeviceCache::upload(self.dev.clone(), &cache, &seqs).map_err(|e| e.to_string())?;
-        let (ccache, cseqs, cq, cattn, cwant) = check_inputs(&self.scheme, bucket)?;
+        let (ccache, cseqs, cq, cattn, cwant) = check_inputs_in(&self.scheme, bucket, calib)?;
         let check = DeviceCache::upload(self.dev.clone(), &ccache, &cseqs).map_err(|e| e.to_string())?;
         let bytes = dc.decode_bytes() as u64;
         // Load every candidate at once (the simulator builds one library).
@@ -425,6 +449,9 @@ impl Target for CudaTarget {
     }
     fn peak_gbps(&self) -> Option<f64> {
         self.dev.info().peak_bandwidth_gbs()
+    }
+    fn calibration_hash(&self) -> Option<u64> {
+        self.calibration.as_ref().map(|(c, _)| c.hash())
     }
 }
 

@@ -1,0 +1,96 @@
+//! `vq(...)` schemes on the CUDA tuning target (run on the simulated
+//! device): the variant space has the lookup-table kernel's variants, every
+//! candidate is checked against the reference on caches built with the
+//! calibration's codebooks, and the calibration hash keys the decision.
+
+use kivi_runtime::calib::{identity, Calibration, LayerSamples, ModelId};
+use kivi_runtime::device::SimDevice;
+use kivi_runtime::vq::VqFitOptions;
+use kivi_spec::{parse_scheme, Heads, Scheme};
+use kivi_templates::{variants, Kernel};
+use kivi_tuner::cuda::CudaTarget;
+use kivi_tuner::decisions::Store;
+use kivi_tuner::tune::{self, decision_hash, DecisionOrigin, Plan, Target};
+use kivi_tuner::Bucket;
+
+fn vq_scheme() -> Scheme {
+    parse_scheme("v { key: vq(dim = 4, entries = 16), value: vq(dim = 4, entries = 64), residual: 8 }")
+        .unwrap()
+        .with_shape(Heads::Gqa { q: 4, kv: 2 }, 32)
+        .unwrap()
+}
+
+fn calibration(s: &Scheme, seed: u64) -> Calibration {
+    let mut rng = kivi_runtime::rand::Rng::new(seed);
+    let x = LayerSamples::new(0, 96, 4, 2, 32, rng.vec(96 * 64), rng.vec(96 * 64));
+    let mut c = Calibration::new(
+        ModelId {
+            name: "toy".into(),
+            layers: 1,
+            kv_heads: 2,
+            head_dim: 32,
+        },
+        format!("draw {seed}"),
+    );
+    let opts = VqFitOptions {
+        iterations: 4,
+        ..Default::default()
+    };
+    c.fit_vq(s, &[x], opts).unwrap();
+    c
+}
+
+#[test]
+fn vq_tunes_on_the_simulated_device_under_its_calibration() {
+    if kivi_runtime::sim::find_compiler().is_err() {
+        println!("SKIP vq_tune: no C++ compiler for the simulator");
+        return;
+    }
+    let s = vq_scheme();
+    let n = variants(&s, Kernel::Decode).len();
+    assert!(n >= 8, "{n} vq decode variants");
+    let cal = calibration(&s, 1);
+    // Without the calibration the target exists (the sources do not
+    // depend on it) but its inputs cannot be built: a failed decision.
+    let bare = CudaTarget::sim(&s, SimDevice::shared()).unwrap();
+    assert_eq!(bare.calibration_hash(), None);
+    // A layer the calibration does not have is refused up front.
+    let e = CudaTarget::sim(&s, SimDevice::shared())
+        .unwrap()
+        .with_calibration(&cal, 3)
+        .err()
+        .unwrap();
+    assert!(e.contains("layer 3"), "{e}");
+    let target = CudaTarget::sim(&s, SimDevice::shared())
+        .unwrap()
+        .with_calibration(&cal, 0)
+        .unwrap();
+    assert_eq!(target.calibration_hash(), Some(cal.hash()));
+    assert_eq!(
+        decision_hash(&target, &s),
+        identity(kivi_spec::scheme_hash(&s), Some(cal.hash()))
+    );
+    let dir = std::env::temp_dir().join(format!("kivi-vq-tune-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let store = Store::new(dir.clone(), target.device(), target.toolchain());
+    let plan = Plan {
+        budget_s: 60.0,
+        ..Plan::default()
+    };
+    let mut w = Vec::new();
+    let out = tune::run(&target, &store, &s, &[Bucket::of(2, 77, 2)], &plan, &mut (), &mut w);
+    assert!(
+        matches!(out[0].origin, DecisionOrigin::Tuned { .. }),
+        "{:?} {w:?}",
+        out[0].origin
+    );
+    let chosen = out[0].entry.as_ref().unwrap().chosen.clone();
+    assert!(target.variant(&chosen).is_some(), "{chosen}");
+    // Another calibration: another key, so nothing is served from the first.
+    let other = CudaTarget::sim(&s, SimDevice::shared())
+        .unwrap()
+        .with_calibration(&calibration(&s, 2), 0)
+        .unwrap();
+    assert_ne!(decision_hash(&other, &s), decision_hash(&target, &s));
+    let _ = std::fs::remove_dir_all(dir);
+}
