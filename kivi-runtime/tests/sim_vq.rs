@@ -421,6 +421,18 @@ fn vq_decode_compiles_with_nvrtc() {
             .compile(&g.name, &g.source, &opts)
             .unwrap_or_else(|e| panic!("{}: {e}", g.name));
         assert!(a.artifact.ptx.contains(".entry kivi_decode("), "{}", g.name);
+        // ptxas's report (when its log has one): the lookup tables fit the
+        // static shared memory, and the lanes' accumulators fit registers.
+        for r in a.resources().iter().filter(|r| r.function.contains("kivi_decode")) {
+            assert!(r.shared <= 48 * 1024, "{}: {r:?}", g.name);
+            assert!(r.spill_stores <= 4, "{}: {r:?}", g.name);
+            if g.name.starts_with("vq1") {
+                println!(
+                    "  {}: {} registers, {} B shared, {} B spilled",
+                    g.name, r.registers, r.shared, r.spill_stores
+                );
+            }
+        }
     }
     println!(
         "vq_decode_compiles_with_nvrtc: {} sources compiled for sm_90",

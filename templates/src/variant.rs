@@ -255,7 +255,14 @@ fn head_width_pairs(scheme: &Scheme, layout: &BlockLayout) -> Vec<(u32, u32)> {
             .unwrap_or(1);
         heads = if best > 1 { vec![best, 1] } else { vec![1] };
     }
+    // Both tensors vq: no row is read with vector loads (lanes take code
+    // words one by one), so wider loads would only rename one kernel.
+    let both_vq = scheme.key.vq().is_some() && scheme.value.vq().is_some();
     for h in heads {
+        if both_vq {
+            out.push((h, 1));
+            continue;
+        }
         let fits = |w: u32| {
             let v = Variant {
                 threads: 128,
