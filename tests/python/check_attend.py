@@ -23,6 +23,12 @@ Then calibrated codebooks (levels = nuq) through `kivi attend --calibration`:
 a calibration file written by this script (tables drawn here), keys after
 and before RoPE (rope: pre, both pair conventions; numpy turns the keys),
 and a key codebook of the wrong RoPE stage refused.
+Then product vector quantization (vq(...)) through `kivi attend
+--calibration` on the reference, cpu and sim backends: codebooks drawn here
+and written into a calibration file (entry kind 3, a named codebook once
+at layer 0 under the key), each token coded here as its sub-vectors'
+nearest centroids (squared L2 summed in f32 in channel order, ties to the
+lowest index) — the dequantized cache must match exactly.
 
 Usage: check_attend.py [--kivi PATH] [--quick]
 The kivi binary defaults to $KIVI_BIN, else target/debug/kivi (honouring
@@ -366,6 +372,7 @@ def main():
 
         check_mla(run, checks, rng, tmp, lengths)
         check_nuq(run, checks, rng, tmp, lengths)
+        check_vq(run, checks, rng, tmp, lengths)
 
     print(f"check_attend: {checks.passed} passed, {checks.failed} failed")
     return 1 if checks.failed else 0
@@ -460,6 +467,112 @@ def check_nuq(run, checks, rng, tmp, lengths):
                                     "--calibration", bad], capture_output=True, text=True)
                 checks.ok(r.returncode != 0 and "pre-RoPE keys" in r.stderr and "post-RoPE" in r.stderr,
                           f"nuq {name} {layout}: a post-RoPE codebook is refused: {r.stderr.strip()}")
+
+
+def vq_calibration_bytes(kv_heads, head_dim, entries):
+    """A kivi calibration file with vq codebook entries (kind 3): `entries`
+    are (tensor 0/1, fit text, codebooks [S, E, M] f32) of layer 0."""
+    import struct
+
+    def s(x):
+        b = x.encode()
+        return struct.pack("<I", len(b)) + b
+
+    out = b"KIVICAL\0" + struct.pack("<I", 1) + s("numpy") + struct.pack("<III", 1, kv_heads, head_dim)
+    out += s("check_attend.py") + struct.pack("<I", len(entries))
+    for tensor, fit, book in sorted(entries, key=lambda e: (e[0], e[1].encode())):
+        out += struct.pack("<IBBBB", 0, tensor, 0, 3, 0) + s(fit) + struct.pack("<IIII", 3, *book.shape)
+        out += np.asarray(book, dtype="<f4").tobytes()
+    return out + struct.pack("<Q", fnv1a64(out))
+
+
+def vq_view(x, dtype, residual, sinks, flush, book):
+    """The cache view of x [T, H, D] for a vq tensor with codebooks `book`
+    ([S, E, M]; None: a `full` tensor): sinks and window rounded, every
+    other token its sub-vectors' nearest centroids (squared L2 summed in f32
+    in channel order, the first index among equals)."""
+    x = ref.round_to(x, dtype)
+    out = x.copy()
+    if book is None:
+        return out
+    T, H, D = x.shape
+    S, E, M = book.shape
+    first = min(T, sinks)
+    p = T - first
+    n = (p // residual) * residual if flush == "chunked" else max(p - residual, 0)
+    part = x[first:first + n].reshape(n, H, S, M).astype(np.float32)
+    d = np.zeros((n, H, S, E), dtype=np.float32)
+    for i in range(M):
+        e = part[..., i][..., None] - book[None, None, :, :, i]
+        d = d + e * e
+    codes = np.argmin(d, axis=-1)
+    deq = book[np.arange(S)[None, None, :], codes]
+    out[first:first + n] = deq.reshape(n, H, D)
+    return out
+
+
+def check_vq(run, checks, rng, tmp, lengths):
+    """Product vector quantization (vq(...)) through `kivi attend
+    --calibration` on the reference, cpu and sim backends against numpy's
+    own coding of the same rows with the same codebooks (drawn here): keys
+    and values with per-layer codebooks, one codebook shared by name by
+    both tensors (chunked flush), and vq values behind KIVI-2 keys."""
+    cases = [
+        ("vqkv { key: vq(dim = 4, entries = 16), value: vq(dim = 8, entries = 256), residual: 4, sinks: 2 }",
+         (4, 16, None), (8, 256, None), None, dict(residual=4, sinks=2, flush="eager")),
+        ("vqs { key: vq(dim = 4, entries = 32, codebook = c), value: vq(dim = 4, entries = 32, codebook = c), "
+         "residual: 8, flush: chunked }",
+         (4, 32, "c"), (4, 32, "c"), None, dict(residual=8, sinks=0, flush="chunked")),
+        ("vqv { key: quant(bits = 2, axis = channel, group = 32), value: vq(dim = 8, entries = 64), residual: 32 }",
+         None, (8, 64, None), ref.Quant(2, "channel", 32), dict(residual=32, sinks=0, flush="eager")),
+    ]
+    for text, kv_, vv_, kquant, w in cases:
+        name = text.split("{")[0].strip()
+        path = os.path.join(tmp, f"{name}.kivi")
+        with open(path, "w") as f:
+            f.write(text)
+        books = {}
+        entries = []
+        for t, c in ((0, kv_), (1, vv_)):
+            if c is None:
+                continue
+            m, e, shared = c
+            fit = f"vq dim={m} entries={e}" + (f" shared={shared}" if shared else "")
+            if shared and shared in books:
+                books[t] = books[shared]
+                continue
+            book = (rng.standard_normal((HEAD_DIM // m, e, m)) * (1.5 if t == 0 else 1.0)).astype(np.float32)
+            books[t] = book
+            if shared:
+                books[shared] = book
+            entries.append((0 if shared else t, fit, book))
+        scheme = ref.Scheme(key=kquant, value=None, residual=w["residual"], sinks=w["sinks"], flush=w["flush"])
+        for layout, (hq, hkv) in LAYOUTS.items():
+            cal = os.path.join(tmp, f"{name}-{hkv}.kivical")
+            with open(cal, "wb") as f:
+                f.write(vq_calibration_bytes(hkv, HEAD_DIM, entries))
+            for t in lengths:
+                what = f"vq {name} {layout} T={t}"
+                q, k, v = inputs(rng, t, hq, hkv, HEAD_DIM)
+                paths = run.write(q, k, v)
+                q, k, v = (np.load(paths[n]).astype(np.float32) for n in "qkv")
+                if kquant is not None:
+                    kview = ref.cache_view(scheme, kquant, k, "key")
+                else:
+                    kview = vq_view(k, "f16", w["residual"], w["sinks"], w["flush"], books.get(0))
+                vview = vq_view(v, "f16", w["residual"], w["sinks"], w["flush"], books.get(1))
+                want = ref.decode_attention(scheme, q, kview, vview)
+                for backend in ("reference", "cpu", "sim"):
+                    r = run.attend(what, path, paths, backend, ["--calibration", cal, "--layer", "0"],
+                                   dump=backend == "reference")
+                    if r is None:
+                        continue
+                    e = rel_err(r["out"], want)
+                    checks.ok(e <= REL_TOL, f"{what} {backend}: attention rel err {e:.3g} > {REL_TOL}")
+                    if "k" in r:
+                        for nm, got, exp in (("K", r["k"], kview), ("V", r["v"], vview)):
+                            u = ulps(got, exp)
+                            checks.ok(u == 0.0, f"{what}: dequantized {nm} differs by {u:.3g} ulp")
 
 
 if __name__ == "__main__":
