@@ -40,7 +40,8 @@ const TOL: f32 = 1e-4;
 
 /// vq keys and values (per layer, sinks), vq values only with a named
 /// codebook behind KIVI-2 keys, vq keys only (chunked flush, f32
-/// activations), and one codebook shared by name by both tensors (bf16).
+/// activations), one codebook shared by name by both tensors (bf16), and
+/// vq values behind Lloyd–Max keys (a level table in the same source).
 fn schemes() -> Vec<Scheme> {
     [
         "vqkv { key: vq(dim = 4, entries = 16), value: vq(dim = 4, entries = 64), residual: 4, sinks: 2 }",
@@ -49,6 +50,8 @@ fn schemes() -> Vec<Scheme> {
         "vqk { key: vq(dim = 2, entries = 4), value: full, residual: 16, flush: chunked, dtype: f32 }",
         "vqs { key: vq(dim = 4, entries = 32, codebook = c), value: vq(dim = 4, entries = 32, codebook = c), \
          residual: 8, dtype: bf16 }",
+        "vql { key: quant(bits = 3, axis = token, group = 32, levels = lloyd_max), \
+         value: vq(dim = 8, entries = 64), residual: 8 }",
     ]
     .iter()
     .map(|t| kivi_spec::parse_scheme(t).unwrap())

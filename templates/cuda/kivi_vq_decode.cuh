@@ -155,7 +155,11 @@ __device__ __forceinline__ void vq_decode_kernel(
   constexpr bool KVQ = K::VQ, VVQ = V::VQ;
   static_assert(KVQ || VVQ, "the vq decode kernel is for schemes with a vq tensor");
   static_assert(C::GROUP_Q % H == 0, "heads per block divide the GQA group");
-  static_assert(!K::PIPE && !V::PIPE && !C::ROPE && K::QGROUP == 0, "no codec pipeline with vq (refused upstream)");
+  // Level tables (Lloyd–Max, nuq) of the other tensor are key_dot's and
+  // value_acc's own; the rest of the pipeline is refused upstream.
+  static_assert(!K::ROT && !V::ROT && K::OUTL == 0 && V::OUTL == 0 && !K::CENTER && !V::CENTER && !C::ROPE &&
+                    K::QGROUP == 0,
+                "no rotation, outliers, centering, pre-RoPE keys or int8 query with vq (refused upstream)");
   constexpr int KTEAMS = C::THREADS / K::TEAM;
   constexpr int VTEAMS = C::THREADS / V::TEAM;
 
