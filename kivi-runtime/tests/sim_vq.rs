@@ -442,3 +442,144 @@ fn vq_decode_compiles_with_nvrtc() {
         gens.len()
     );
 }
+
+/// The barriers of `kivi_vq_decode.cuh` in `src`: byte ranges of each
+/// `__syncthreads()` / `__syncwarp()` call in that file's part of the
+/// generated source (comments skipped), in source order.
+fn vq_barriers(src: &str) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let (mut inside, mut offset) = (false, 0);
+    for line in src.split_inclusive('\n') {
+        if let Some(f) = line.trim().strip_prefix("// ===== ") {
+            inside = f.starts_with("kivi_vq_decode.cuh");
+        } else if inside {
+            let code = line.split("//").next().unwrap_or("");
+            for call in ["__syncthreads()", "__syncwarp()"] {
+                if let Some(i) = code.find(call) {
+                    out.push(offset + i..offset + i + call.len());
+                }
+            }
+        }
+        offset += line.len();
+    }
+    out.sort_by_key(|r| r.start);
+    out
+}
+
+/// Proof that the simulator would catch a missing barrier in the vq
+/// kernel: each `__syncthreads()` / `__syncwarp()` of
+/// `kivi_vq_decode.cuh` is deleted in turn (replaced by `(void)0`), and
+/// every mutant must give a wrong answer or a sim error under at least one
+/// strict schedule (sim_barriers.rs does the same for the other
+/// templates), while the intact kernel passes under all of them. Cases:
+/// both tensors vq, vq keys with `full` values, vq values behind KIVI-2
+/// keys; one split and several tiles (so the end-of-tile barrier orders
+/// something), 64 threads.
+#[test]
+fn deleting_any_vq_decode_barrier_is_caught() {
+    use kivi_runtime::sim::{compile, Schedule, SimBackend, SimOptions};
+    use kivi_runtime::Backend;
+    if kivi_runtime::sim::find_compiler().is_err() {
+        println!("SKIP deleting_any_vq_decode_barrier_is_caught: no C++ compiler for the simulator");
+        return;
+    }
+    let picks: Vec<Scheme> = [0, 1, 2]
+        .iter()
+        .map(|&i| schemes()[i].with_shape(Heads::Gqa { q: 8, kv: 2 }, D).unwrap())
+        .collect();
+    let v = kivi_templates::Variant::parse("t64.tile32.s1.h2.w1.u1").unwrap();
+    let mut jobs = Vec::new();
+    for s in &picks {
+        let g = generate(s, Kernel::Decode, &v).unwrap();
+        let muts: Vec<Generated> = vq_barriers(&g.source)
+            .into_iter()
+            .enumerate()
+            .map(|(n, at)| {
+                let mut m = g.clone();
+                m.source.replace_range(at, "(void)0");
+                m.name = format!("{} without vq barrier #{}", g.name, n + 1);
+                m.hash = kivi_spec::fnv1a64(m.source.as_bytes());
+                m
+            })
+            .collect();
+        assert!(muts.len() >= 6, "{}: {} barriers", s.name, muts.len());
+        jobs.push((s.clone(), g, muts));
+    }
+    let all: Vec<&Generated> = jobs
+        .iter()
+        .flat_map(|(_, g, ms)| std::iter::once(g).chain(ms.iter()))
+        .collect();
+    let lib = compile(&all).unwrap();
+    let lens = [1usize, 31, 33, 127, 301];
+    let mut caught = 0;
+    for (i, (s, g, muts)) in jobs.iter().enumerate() {
+        let cal = calibration(s);
+        let h = s.shape().unwrap().kv_heads;
+        let row = h * D as usize;
+        let mut rng = Rng::new(700 + i as u64);
+        let mut cache = PagedCache::with_calibration(s.clone(), CacheConfig::for_tokens(2048), &cal, 1).unwrap();
+        let (mut ks, mut vs, mut ids) = (Vec::new(), Vec::new(), Vec::new());
+        for &t in &lens {
+            let (k, v) = (kv(&mut rng, t, h, true), kv(&mut rng, t, h, false));
+            let id = cache.add_sequence();
+            cache.extend(id, &k[..t * row], &v[..t * row]).unwrap();
+            ks.push(k);
+            vs.push(v);
+            ids.push(id);
+        }
+        let q = rng.vec(lens.len() * s.shape().unwrap().q_heads * D as usize);
+        let attn = AttnParams::of(s, s.shape().unwrap());
+        let want = oracle(s, &cal, &ks, &vs, &q, attn);
+        let run = |g: &Generated| -> Vec<String> {
+            Schedule::STRICT
+                .iter()
+                .filter_map(|&sch| {
+                    SimOptions::with_schedule(sch)
+                        .scope(|| -> Result<(), String> {
+                            let sim = SimBackend::with_library(s, g.clone(), lib.clone()).map_err(|e| e.to_string())?;
+                            let got = sim.decode(&cache, &ids, &q, attn).map_err(|e| e.to_string())?;
+                            let e = rel_error(&got, &want);
+                            if e <= TOL {
+                                Ok(())
+                            } else {
+                                Err(format!("relative error {e:.2e}"))
+                            }
+                        })
+                        .err()
+                        .map(|e| format!("{sch}: {}", e.lines().next().unwrap_or("")))
+                })
+                .collect()
+        };
+        let intact = run(g);
+        assert!(intact.is_empty(), "{} fails with every barrier: {intact:?}", g.name);
+        for (n, m) in muts.iter().enumerate() {
+            // #1 (the __syncwarp of vq_teams_to_warp) exists only for vq
+            // values, #2 (after the shared query) only for vq keys: in the
+            // other schemes they sit in code that is never instantiated,
+            // and deleting them must change nothing.
+            let dead = (n == 0 && s.value.vq().is_none()) || (n == 1 && s.key.vq().is_none());
+            // #3 (after s_m/s_l are set) orders the lookup table's writes
+            // before the scores read it; without vq keys it orders nothing,
+            // for kivi_decode.cuh's reason (sim_barriers.rs, REDUNDANT #2):
+            // s_m/s_l are first read in the softmax, after the scores'
+            // barrier (or, with no tile, by the thread that set them after
+            // the barrier before the cross-warp sum).
+            let redundant = n == 2 && s.key.vq().is_none();
+            let fails = run(m);
+            if dead || redundant {
+                assert!(fails.is_empty(), "{}: orders nothing here, yet: {fails:?}", m.name);
+                continue;
+            }
+            assert!(
+                !fails.is_empty(),
+                "{}: no strict schedule notices the deletion (a race the simulator misses, or a redundant barrier)",
+                m.name
+            );
+            caught += 1;
+        }
+    }
+    sim_util::report(&format!(
+        "sim: vq decode barrier deletions: {} sources, {caught} mutants, each caught",
+        jobs.len()
+    ));
+}
