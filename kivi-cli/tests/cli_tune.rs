@@ -381,3 +381,56 @@ fn nuq_schemes_tune_with_their_calibration() {
     assert!(ok, "{err}");
     assert!(out.contains("cached (nothing measured)"), "{out}");
 }
+
+/// `--calibration` with a `vq(...)` scheme: needed (a clear error
+/// without it), and taken by the simulated CUDA target as well as the CPU
+/// one (its codebooks are kernel arguments); a layer the file lacks is
+/// refused before tuning.
+#[test]
+fn vq_schemes_tune_on_the_simulated_device_with_their_calibration() {
+    use kivi_runtime::calib::{Calibration, LayerSamples, ModelId};
+    use kivi_runtime::rand::Rng;
+    use kivi_runtime::vq::VqFitOptions;
+    if kivi_runtime::sim::find_compiler().is_err() {
+        println!("SKIP vq tune on sim: no C++ compiler for the simulator");
+        return;
+    }
+    let text = "vq_cli { key: vq(dim = 4, entries = 16), value: vq(dim = 4, entries = 16), residual: 8, \
+                heads: gqa(q = 4, kv = 2), head_dim: 32 }";
+    let scheme = kivi_spec::parse_scheme(text).unwrap();
+    let d = dir("vqcalib");
+    std::fs::create_dir_all(&d).unwrap();
+    let mut rng = Rng::new(5);
+    let n = 96;
+    let draw = |rng: &mut Rng| (0..n * 2 * 32).map(|_| rng.normal()).collect::<Vec<f32>>();
+    let (k, v) = (draw(&mut rng), draw(&mut rng));
+    let model = ModelId {
+        name: "toy".into(),
+        layers: 1,
+        kv_heads: 2,
+        head_dim: 32,
+    };
+    let mut c = Calibration::new(model, "cli vq draws");
+    let opts = VqFitOptions {
+        iterations: 4,
+        ..Default::default()
+    };
+    c.fit_vq(&scheme, &[LayerSamples::new(0, n, 4, 2, 32, k, v)], opts)
+        .unwrap();
+    let file = format!("{d}/vq.kivical");
+    c.save(std::path::Path::new(&file)).unwrap();
+    let run = |extra: &[&str]| {
+        let mut a = vec!["tune", "--scheme", text, "--backend", "sim", "--cache-dir", &d];
+        a.extend_from_slice(&["--contexts", "100", "--batches", "1", "--budget", "20", "--quiet"]);
+        a.extend_from_slice(extra);
+        kivi(&a)
+    };
+    let (ok, _, err) = run(&[]);
+    assert!(!ok && err.contains("vq(...)") && err.contains("--calibration"), "{err}");
+    let (ok, _, err) = run(&["--calibration", &file, "--layer", "2"]);
+    assert!(!ok && err.contains("layer 2"), "{err}");
+    let (ok, out, err) = run(&["--calibration", &file]);
+    assert!(ok, "{err}");
+    assert!(out.contains("tuned in"), "{out}");
+    let _ = std::fs::remove_dir_all(&d);
+}

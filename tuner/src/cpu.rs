@@ -92,6 +92,7 @@ impl CpuTarget {
         let mut t = CpuTarget::new(scheme)?;
         calibration.check_shape(scheme).map_err(|e| e.to_string())?;
         kivi_runtime::calib::levels_for(scheme, Some(calibration), layer).map_err(|e| e.to_string())?;
+        kivi_runtime::vq::books_for(scheme, Some(calibration), layer).map_err(|e| e.to_string())?;
         t.calibration = Some((std::sync::Arc::new(calibration.clone()), layer));
         Ok(t)
     }

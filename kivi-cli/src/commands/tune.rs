@@ -68,7 +68,7 @@ pub struct Args {
     /// No progress bar
     #[arg(long)]
     quiet: bool,
-    /// A calibration file (`kivi calibrate`) for a scheme with levels = nuq; decisions are keyed by the scheme and this calibration together (cpu backend)
+    /// A calibration file (`kivi calibrate`) for a scheme with levels = nuq (cpu backend) or vq(...) codecs (any backend); decisions are keyed by the scheme and this calibration together
     #[arg(long)]
     calibration: Option<PathBuf>,
     /// The model layer whose codebooks `--calibration` supplies
@@ -76,33 +76,67 @@ pub struct Args {
     layer: usize,
 }
 
-/// The CPU target for `scheme`, with `--calibration`'s codebooks where given.
-fn cpu_target(scheme: &Scheme, args: &Args) -> super::Result<CpuTarget> {
-    let needs = [kivi_spec::Tensor::Key, kivi_spec::Tensor::Value].iter().any(|t| {
-        scheme
-            .codec(*t)
-            .quant()
-            .is_some_and(|q| matches!(q.levels, kivi_spec::Levels::Nuq(_)))
-    });
+/// `--calibration`'s file, checked against what `scheme` needs: `None`
+/// for a scheme without calibrated codebooks (`levels = nuq`, `vq(...)`),
+/// an error when such a scheme has no file or another scheme has one.
+fn calibration(scheme: &Scheme, args: &Args) -> super::Result<Option<kivi_runtime::calib::Calibration>> {
+    let needs = scheme.has_vq()
+        || [kivi_spec::Tensor::Key, kivi_spec::Tensor::Value].iter().any(|t| {
+            scheme
+                .codec(*t)
+                .quant()
+                .is_some_and(|q| matches!(q.levels, kivi_spec::Levels::Nuq(_)))
+        });
     let Some(path) = &args.calibration else {
         if needs {
             return Err(format!(
-                "scheme `{}` has levels = nuq tensors, whose codebooks come from a calibration: pass --calibration FILE (made by `kivi calibrate`) and --layer N",
+                "scheme `{}` has levels = nuq tensors or vq(...) codecs, whose codebooks come from a calibration: pass --calibration FILE (made by `kivi calibrate`) and --layer N",
                 scheme.name
             )
             .into());
         }
-        return Ok(CpuTarget::new(scheme)?);
+        return Ok(None);
     };
     if !needs {
         return Err(format!(
-            "--calibration: scheme `{}` has no levels = nuq tensor, so a calibration would change nothing but its tuning key; drop the flag",
+            "--calibration: scheme `{}` has no levels = nuq tensor and no vq(...) codec, so a calibration would change nothing but its tuning key; drop the flag",
             scheme.name
         )
         .into());
     }
     let cal =
         kivi_runtime::calib::Calibration::load(path).map_err(|e| format!("--calibration {}: {e}", path.display()))?;
+    Ok(Some(cal))
+}
+
+/// The CUDA target `t` (GPU or simulated), with `--calibration`'s vq
+/// codebooks where the scheme needs them.
+fn with_vq_calibration(
+    t: kivi_tuner::cuda::CudaTarget,
+    scheme: &Scheme,
+    args: &Args,
+) -> super::Result<kivi_tuner::cuda::CudaTarget> {
+    match calibration(scheme, args)? {
+        None => Ok(t),
+        Some(cal) => Ok(t.with_calibration(&cal, args.layer).map_err(|e| {
+            format!(
+                "--calibration {} (layer {}): {e}",
+                args.calibration
+                    .as_deref()
+                    .unwrap_or(std::path::Path::new(""))
+                    .display(),
+                args.layer
+            )
+        })?),
+    }
+}
+
+/// The CPU target for `scheme`, with `--calibration`'s codebooks where given.
+fn cpu_target(scheme: &Scheme, args: &Args) -> super::Result<CpuTarget> {
+    let Some(cal) = calibration(scheme, args)? else {
+        return Ok(CpuTarget::new(scheme)?);
+    };
+    let path = args.calibration.as_deref().unwrap_or(std::path::Path::new(""));
     Ok(CpuTarget::with_calibration(scheme, &cal, args.layer)
         .map_err(|e| format!("--calibration {} (layer {}): {e}", path.display(), args.layer))?)
 }
@@ -328,10 +362,15 @@ pub fn run(args: Args) -> super::Result {
     let mut notes: Vec<String> = Vec::new();
     // (arch, SMs, what they describe) for a ranking of the CUDA variants on paper
     let mut static_report: Option<(kivi_runtime::cuda::Arch, u32, String)> = None;
-    if args.calibration.is_some() && matches!(args.backend, BackendChoice::Sim | BackendChoice::Cuda) {
+    // The CUDA target takes vq codebooks (kernel arguments) but not nuq
+    // tables (baked into the source).
+    if args.calibration.is_some()
+        && matches!(args.backend, BackendChoice::Sim | BackendChoice::Cuda)
+        && !scheme.has_vq()
+    {
         return Err(
-            "--calibration is supported with --backend cpu (or auto without a GPU) only, yet: \
-                    the CUDA tuning target does not take calibrated codebooks"
+            "--calibration is supported with --backend cpu (or auto without a GPU) only, yet, except for vq(...) \
+                    schemes: the CUDA tuning target does not take levels = nuq tables"
                 .into(),
         );
     }
@@ -347,14 +386,22 @@ pub fn run(args: Args) -> super::Result {
                  about a GPU; the run checks every candidate against the reference"
                     .into(),
             );
-            Box::new(kivi_tuner::cuda::CudaTarget::sim(&scheme, dev)?)
+            Box::new(with_vq_calibration(
+                kivi_tuner::cuda::CudaTarget::sim(&scheme, dev)?,
+                &scheme,
+                &args,
+            )?)
         }
         // Asked for a GPU by name: no GPU is an error, never another backend.
-        BackendChoice::Cuda => Box::new(kivi_tuner::cuda::CudaTarget::new(&scheme).map_err(|why| {
-            format!("--backend cuda: {why} (use --backend sim to tune on the simulated device, or cpu)")
-        })?),
+        BackendChoice::Cuda => Box::new(with_vq_calibration(
+            kivi_tuner::cuda::CudaTarget::new(&scheme).map_err(|why| {
+                format!("--backend cuda: {why} (use --backend sim to tune on the simulated device, or cpu)")
+            })?,
+            &scheme,
+            &args,
+        )?),
         BackendChoice::Auto => match kivi_tuner::cuda::CudaTarget::new(&scheme) {
-            Ok(t) => Box::new(t),
+            Ok(t) => Box::new(with_vq_calibration(t, &scheme, &args)?),
             Err(why) => {
                 // No GPU here: tune what can run, and still say how the
                 // CUDA variants compare on paper.
