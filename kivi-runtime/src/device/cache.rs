@@ -693,9 +693,10 @@ impl DeviceCache {
     /// the arg-min of E squared distances, and a tie or near-tie is decided
     /// by the last bit of an f32 sum, so the device would have to reproduce
     /// the oracle's summation order with contraction off to store the same
-    /// codes — while the host encoder *is* the oracle's. Coding one token is
-    /// D x E multiply-adds (32 K at D = 128, E = 256): per decode step that is
-    /// microseconds on a CPU core, far less than the step's attention.
+    /// codes — while the host encoder *is* the oracle's. The cost is D x E
+    /// multiply-adds per row (32 K at D = 128, E = 256; tens of µs on one
+    /// CPU core, docs/cuda.md) plus an upload per step: a throughput limit
+    /// for GPU serving, to be lifted by an exact device encoder.
     /// Capacity is checked for every sequence before any is appended.
     fn extend_vq(&mut self, counts: &[usize], k: &[f32], v: &[f32]) -> Result<()> {
         let name = self.scheme.name.clone();
