@@ -1,7 +1,7 @@
 //! Product vector quantization (`vq(...)`) in the generated kernels: the
-//! lookup-table decode (`templates/cuda/kivi_vq_decode.cuh`) with the
-//! codebooks as a device buffer, and the device cache's vq writes (coded on
-//! the host by the oracle's encoder, then uploaded).
+//! lookup-table decode (`templates/cuda/kivi_vq_decode.cuh`) and the exact
+//! nearest-centroid prefill/append (`kivi_vq_extend.cuh`), with the
+//! codebooks as a device buffer.
 //!
 //! - decode over an uploaded host cache matches the oracle
 //!   (`cache_view_calibrated` + `decode_attention`) at lengths 1, 31, 33,
@@ -10,13 +10,13 @@
 //!   and f32 activations (so f16, bf16 and f32 queries); with and without a
 //!   sliding window;
 //! - every tuner variant of a vq scheme matches the oracle;
-//! - a device cache built with the calibration writes exactly the words a
-//!   host cache built with it writes (prefill and appends), and decodes as
-//!   the oracle does; a named codebook is one device buffer for every layer
-//!   and both tensors;
+//! - a device cache built with the calibration writes, with its own
+//!   prefill and append kernels, exactly the words a host cache built with
+//!   it writes, and decodes as the oracle does; a named codebook is one
+//!   device buffer for every layer and both tensors;
 //! - missing, mismatched or corrupt calibrations are typed errors;
-//! - the vq decode sources compile with NVRTC (skipped, with the reason
-//!   printed, where NVRTC is absent).
+//! - the vq decode, prefill and append sources compile with NVRTC
+//!   (skipped, with the reason printed, where NVRTC is absent).
 //!
 //! Runs on the simulated device (CI) and on GPU 0 where one is usable.
 
@@ -125,11 +125,12 @@ fn calibration(s: &Scheme) -> Calibration {
     cal
 }
 
-/// The default decode kernel of every case (one simulator library).
+/// The default decode, prefill and append kernels of every case (one
+/// simulator library).
 fn kernels() -> Vec<Generated> {
     cases()
         .iter()
-        .map(|s| generate(s, Kernel::Decode, &default_variant(s, Kernel::Decode)).unwrap())
+        .flat_map(|s| Kernel::ALL.map(|k| generate(s, k, &default_variant(s, k)).unwrap()))
         .collect()
 }
 
@@ -248,10 +249,7 @@ fn every_vq_variant_matches_the_oracle() {
         for (i, s) in picks.iter().enumerate() {
             let vs = variants(s, Kernel::Decode);
             assert!(vs.len() >= 8, "{}: only {} variants", s.name, vs.len());
-            assert!(
-                variants(s, Kernel::Prefill).is_empty() && variants(s, Kernel::Append).is_empty(),
-                "vq rows are coded on the host: no prefill/append variants"
-            );
+            assert!(!variants(s, Kernel::Prefill).is_empty() && !variants(s, Kernel::Append).is_empty());
             let cal = calibration(s);
             let f = filled(s, &cal, 300 + i as u64);
             let shape = s.shape().unwrap();
@@ -275,10 +273,12 @@ fn every_vq_variant_matches_the_oracle() {
     }
 }
 
-/// The device cache's own writes (prefill, then appends of one token and
-/// of several) equal a host cache's word for word, and decode as the
-/// oracle does; a named codebook is one buffer for both tensors and every
-/// layer of a device.
+/// The device cache's own writes (the prefill and append kernels of
+/// `kivi_vq_extend.cuh`: a prefill, then appends of one token and of
+/// several, on the default and on a 64-thread variant) equal a host
+/// cache's word for word — every code the oracle's nearest centroid — and
+/// decode as the oracle does; a named codebook is one buffer for both
+/// tensors and every layer of a device.
 #[test]
 fn vq_writes_match_paged_cache_bit_for_bit() {
     for dev in devices("vq_writes", kernels) {
@@ -312,7 +312,12 @@ fn vq_writes_match_paged_cache_bit_for_bit() {
                     ks[b].extend(kb);
                     vs[b].extend(vb);
                 }
-                dc.extend(counts, &k, &v).unwrap();
+                let variant = if i % 2 == 1 {
+                    Some(kivi_templates::Variant::parse("t64.tile32.s8.h1.w1.u1").unwrap())
+                } else {
+                    None
+                };
+                dc.extend_with(counts, &k, &v, variant).unwrap();
                 if j == 0 || j + 1 == steps.len() || j % 13 == 0 {
                     assert_same(s, &host, &ids, &dc, &format!("after step {j}"));
                 }
@@ -389,22 +394,15 @@ fn vq_device_cache_needs_a_matching_calibration() {
     let n = bytes.len();
     bytes[n / 2] ^= 0x40;
     assert!(Calibration::from_bytes(&bytes).is_err());
-    // An uploaded (read-only) vq cache refuses writes with a clear error.
-    let f = filled(s, &cal, 9);
-    let mut dc = DeviceCache::upload(dev.clone(), &f.cache, &f.ids[..1]).unwrap();
-    let row = s.shape().unwrap().kv_heads * D as usize;
-    let e = dc.extend(&[1], &vec![0.5; row], &vec![0.5; row]).unwrap_err();
-    assert!(e.to_string().contains("read-only"), "{e}");
-    // The many-query block kernel and prefill/append kernels are refused by name.
-    assert!(kivi_templates::generate_block(s, Default::default()).is_err());
-    let e = generate(s, Kernel::Append, &default_variant(s, Kernel::Decode)).unwrap_err();
+    // The many-query block kernel is refused by name.
+    let e = kivi_templates::generate_block(s, Default::default()).unwrap_err();
     assert!(e.to_string().contains("vq"), "{e}");
 }
 
-/// The vq decode sources compile for sm_90 with NVRTC.
+/// The vq decode, prefill and append sources compile for sm_90 with NVRTC.
 #[test]
-fn vq_decode_compiles_with_nvrtc() {
-    let Some(c) = device_util::nvrtc_or_skip("vq_decode_compiles_with_nvrtc") else {
+fn vq_kernels_compile_with_nvrtc() {
+    let Some(c) = device_util::nvrtc_or_skip("vq_kernels_compile_with_nvrtc") else {
         return;
     };
     let opts = kivi_runtime::cuda::NvrtcOptions::for_arch(kivi_runtime::cuda::Arch::parse("sm_90").unwrap());
@@ -419,11 +417,16 @@ fn vq_decode_compiles_with_nvrtc() {
     for v in variants(&big, Kernel::Decode) {
         gens.push(generate(&big, Kernel::Decode, &v).unwrap());
     }
+    for k in [Kernel::Prefill, Kernel::Append] {
+        gens.push(generate(&big, k, &default_variant(&big, k)).unwrap());
+    }
     for g in &gens {
         let a = c
             .compile(&g.name, &g.source, &opts)
             .unwrap_or_else(|e| panic!("{}: {e}", g.name));
-        assert!(a.artifact.ptx.contains(".entry kivi_decode("), "{}", g.name);
+        for e in &g.entry_points {
+            assert!(a.artifact.ptx.contains(&format!(".entry {e}(")), "{}: {e}", g.name);
+        }
         // ptxas's report (when its log has one): the lookup tables fit the
         // static shared memory, and the lanes' accumulators fit registers.
         for r in a.resources().iter().filter(|r| r.function.contains("kivi_decode")) {
@@ -438,7 +441,7 @@ fn vq_decode_compiles_with_nvrtc() {
         }
     }
     println!(
-        "vq_decode_compiles_with_nvrtc: {} sources compiled for sm_90",
+        "vq_kernels_compile_with_nvrtc: {} sources compiled for sm_90",
         gens.len()
     );
 }
@@ -582,4 +585,70 @@ fn deleting_any_vq_decode_barrier_is_caught() {
         "sim: vq decode barrier deletions: {} sources, {caught} mutants, each caught",
         jobs.len()
     ));
+}
+
+/// Ties: codebooks in which every centroid has a twin at a higher index
+/// (the twin always at the same distance) make every code a tie; the
+/// device's prefill and appends must pick the lower index, as the oracle
+/// does, word for word with a host cache.
+#[test]
+fn device_coding_breaks_ties_to_the_lowest_index() {
+    use kivi_runtime::calib::{Entry, Kind, Stage};
+    for dev in devices("vq_ties", kernels) {
+        load_all(&dev);
+        let s = &cases()[0]; // vqkv on GQA 8:2: both tensors vq
+        let mut cal = calibration(s);
+        for (t, book) in [Tensor::Key, Tensor::Value].map(|t| (t, kivi_runtime::vq::book(&cal, s, t, 1).unwrap())) {
+            // centroid 2c + 1 := centroid 2c, for every sub-vector
+            let mut data = book.data.clone();
+            for j in 0..book.subvectors {
+                for c in (0..book.entries).step_by(2) {
+                    let src = book.centroid(j, c).to_vec();
+                    data[(j * book.entries + c + 1) * book.dim..][..book.dim].copy_from_slice(&src);
+                }
+            }
+            cal.insert(Entry {
+                layer: 1,
+                tensor: t,
+                stage: Stage::PostRope,
+                kind: Kind::VqCodebook,
+                fit: kivi_runtime::vq::fit_key(s, t).unwrap(),
+                shape: vec![book.subvectors as u32, book.entries as u32, book.dim as u32],
+                data,
+            })
+            .unwrap();
+        }
+        let h = s.shape().unwrap().kv_heads;
+        let cfg = CacheConfig::for_tokens(1024);
+        let mut dc = DeviceCache::with_calibration(dev.clone(), s, 1, 512, cfg, &cal, 1).unwrap();
+        let mut host = PagedCache::with_calibration(s.clone(), cfg, &cal, 1).unwrap();
+        let id = [host.add_sequence()];
+        let mut rng = Rng::new(900);
+        for n in [40usize, 1, 1, 7] {
+            let (k, v) = (kv(&mut rng, n, h, true), kv(&mut rng, n, h, false));
+            host.extend(id[0], &k, &v).unwrap();
+            dc.extend(&[n], &k, &v).unwrap();
+            assert_same(s, &host, &id, &dc, &format!("after {n} more tokens"));
+        }
+        // Every stored code is even: the lower of each pair of twins.
+        let l = host.layout();
+        let pool = host.pool();
+        let view = host.view(id[0]).unwrap();
+        for t in [Tensor::Key, Tensor::Value] {
+            let bits = s.codec(t).vq().unwrap().code_bits();
+            let tl = l.tensor(t);
+            for p in 0..view.quantized(t) {
+                let blk = view.table()[p / l.block_tokens] as usize;
+                for hh in 0..h {
+                    let part = blk * l.block_words + l.tensor_offset(hh, t);
+                    let words = &pool[part + (p % l.block_tokens) * tl.words_per_token..][..tl.words_per_token];
+                    for w in words {
+                        for i in 0..32 / bits {
+                            assert_eq!((w >> (i * bits)) & 1, 0, "an odd code at token {p}");
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

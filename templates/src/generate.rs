@@ -531,6 +531,30 @@ fn vq_decode_params() -> Vec<Param> {
     ]
 }
 
+/// The vq prefill/append kernel's arguments: [`extend_params`] without the
+/// centering means and with the codebooks (as [`vq_decode_params`]).
+fn vq_extend_params() -> Vec<Param> {
+    use ParamTy::*;
+    vec![
+        p("pool", PtrU32Mut),
+        p("tables", PtrU32),
+        p("table_stride", I32),
+        p("old_lens", PtrI32),
+        p("new_counts", PtrI32),
+        p("k_new", PtrAct),
+        p("v_new", PtrAct),
+        p("max_new", I32),
+        p("sinks_k", PtrActMut),
+        p("sinks_v", PtrActMut),
+        p("ring_k", PtrActMut),
+        p("ring_v", PtrActMut),
+        p("book_k", PtrF32),
+        p("book_v", PtrF32),
+        p("work", PtrF32Mut),
+        p("status", PtrI32Mut),
+    ]
+}
+
 fn combine_params() -> Vec<Param> {
     use ParamTy::*;
     vec![p("part_ml", PtrF32), p("part_acc", PtrF32), p("out", PtrF32Mut)]
@@ -753,6 +777,7 @@ pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant,
         let wanted = match file {
             "kivi_common.cuh" => true,
             "kivi_vq_decode.cuh" => vq && kernel == Kernel::Decode,
+            "kivi_vq_extend.cuh" => vq && kernel != Kernel::Decode,
             "kivi_decode.cuh" => kernel == Kernel::Decode,
             "kivi_codec_decode.cuh" => pipeline && kernel == Kernel::Decode,
             "kivi_codec_extend.cuh" => pipeline && kernel != Kernel::Decode,
@@ -848,14 +873,20 @@ pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant,
             } else {
                 "kivi_append"
             };
-            entry(&mut o, e, v.threads, &extend_params(), "kivi::extend_kernel<Cfg>", act);
+            // vq schemes: the vq tensors are coded by kivi_vq_extend.cuh.
+            let (params, body) = if vq {
+                (vq_extend_params(), "kivi::vq_extend_kernel<Cfg>")
+            } else {
+                (extend_params(), "kivi::extend_kernel<Cfg>")
+            };
+            entry(&mut o, e, v.threads, &params, body, act);
             entry_points.push(e.to_string());
             entries.push(EntryLaunch {
                 entry: e.into(),
                 block: [v.threads, 1, 1],
                 grid_xy: [shape.kv_heads as u32, 2],
                 shared_bytes: f32s(4 * d), // s_s, s_z of the key and of the value instantiation
-                params: extend_params(),
+                params,
             });
         }
     }

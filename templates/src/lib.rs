@@ -476,26 +476,7 @@ fn check_vq(scheme: &Scheme) -> Result<(), GenError> {
     Ok(())
 }
 
-/// vq schemes have a decode kernel only: their rows are coded on the host
-/// by the oracle's encoder (`kivi_runtime::vq::VqBook::encode`) and
-/// uploaded (docs/cuda.md says why), so no prefill or append is generated.
-fn check_vq_kernel(scheme: &Scheme, kernel: Kernel) -> Result<(), GenError> {
-    if scheme.has_vq() && kernel != Kernel::Decode {
-        let t = if scheme.key.vq().is_some() {
-            kivi_spec::Tensor::Key
-        } else {
-            kivi_spec::Tensor::Value
-        };
-        return Err(GenError::Unsupported {
-            what: format!(
-                "a {kernel} kernel for vq(...) codecs (the device cache codes vq rows on the host with \
-                 the oracle's encoder and uploads them)"
-            ),
-            field: kivi_spec::Field::Codec(t),
-        });
-    }
-    Ok(())
-}
+
 
 fn layout_of(scheme: &Scheme, opts: GenOptions) -> Result<BlockLayout, GenError> {
     kivi_spec::validate(scheme).map_err(|e| GenError::Scheme(e.message))?;
@@ -527,9 +508,6 @@ pub fn variants_with(scheme: &Scheme, kernel: Kernel, opts: GenOptions) -> Vec<V
     let Ok(layout) = layout_unchecked(scheme, opts) else {
         return Vec::new();
     };
-    if check_vq_kernel(scheme, kernel).is_err() {
-        return Vec::new();
-    }
     let mut out: Vec<Variant> = Vec::new();
     for v in variant::space(scheme, &layout, kernel) {
         if v.check(kernel, scheme, &layout).is_ok() && !out.contains(&v) {
@@ -555,8 +533,7 @@ pub type KernelError = (String, Option<kivi_spec::Field>);
 
 /// `(name, source)` of the default variant of the prefill, append and
 /// decode kernels of a scheme with a shape (none without one, or with mla
-/// heads or low-rank keys, which have no template yet; the decode kernel
-/// alone for vq codecs, whose rows the host codes): what
+/// heads or low-rank keys, which have no template yet): what
 /// `kivi::scheme!` embeds. On failure, the message the macro reports and
 /// the part of the scheme it is about, where the generator names one.
 pub fn default_kernels(s: &Scheme) -> Result<Vec<(String, String)>, KernelError> {
@@ -564,21 +541,15 @@ pub fn default_kernels(s: &Scheme) -> Result<Vec<(String, String)>, KernelError>
     if s.shape().is_none() || s.mla().is_some() || s.low_rank.is_some() {
         return Ok(Vec::new());
     }
-    // vq schemes: the decode kernel only (rows are coded on the host), and
-    // none (CPU only, as before the template existed) when the template
-    // cannot serve the scheme: a step it leaves out, or lookup tables too
-    // large for any variant's shared memory (E = 4096 at D = 128).
-    let kernels: &[Kernel] = if s.has_vq() {
-        if check_vq(s).is_err() || variants(s, Kernel::Decode).is_empty() {
-            return Ok(Vec::new());
-        }
-        &[Kernel::Decode]
-    } else {
-        &[Kernel::Prefill, Kernel::Append, Kernel::Decode]
-    };
-    kernels
-        .iter()
-        .copied()
+    // vq schemes: none (CPU only, as before the templates had vq) when the
+    // templates cannot serve the scheme: a step they leave out, or lookup
+    // tables too large for any decode variant's shared memory (E = 4096
+    // at D = 128).
+    if s.has_vq() && (check_vq(s).is_err() || variants(s, Kernel::Decode).is_empty()) {
+        return Ok(Vec::new());
+    }
+    [Kernel::Prefill, Kernel::Append, Kernel::Decode]
+        .into_iter()
         .map(|k| {
             generate(s, k, &default_variant(s, k))
                 .map(|g| (g.name, g.source))
@@ -632,7 +603,6 @@ pub fn generate_with(
     opts: GenOptions,
 ) -> Result<Generated, GenError> {
     let layout = layout_of(scheme, opts)?;
-    check_vq_kernel(scheme, kernel)?;
     variant.check(kernel, scheme, &layout)?;
     Ok(generate::generate(
         scheme,
@@ -669,7 +639,6 @@ pub fn generate_calibrated(
 ) -> Result<Generated, GenError> {
     check_calibrated(scheme, cb)?;
     let layout = layout_unchecked(scheme, opts)?;
-    check_vq_kernel(scheme, kernel)?;
     variant.check(kernel, scheme, &layout)?;
     Ok(generate::generate(scheme, &layout, kernel, variant, cb))
 }
@@ -698,15 +667,18 @@ pub const SIM_SHIM: &str = include_str!("../cuda/sim_shim.h");
 /// pastes them.
 /// The two `kivi_codec_*` files hold the codec pipeline and are pasted
 /// only into the sources of schemes that have one.
-/// `kivi_vq_decode.cuh` (the lookup-table decode of vq schemes) is pasted
-/// only into those schemes' decode sources, after `kivi_decode.cuh`.
-pub const TEMPLATES: [(&str, &str); 6] = [
+/// `kivi_vq_decode.cuh` (the lookup-table decode of vq schemes) and
+/// `kivi_vq_extend.cuh` (their exact nearest-centroid coding) are pasted
+/// only into those schemes' decode and prefill/append sources, after
+/// `kivi_decode.cuh` / `kivi_extend.cuh`.
+pub const TEMPLATES: [(&str, &str); 7] = [
     ("kivi_common.cuh", include_str!("../cuda/kivi_common.cuh")),
     ("kivi_decode.cuh", include_str!("../cuda/kivi_decode.cuh")),
     ("kivi_extend.cuh", include_str!("../cuda/kivi_extend.cuh")),
     ("kivi_codec_decode.cuh", include_str!("../cuda/kivi_codec_decode.cuh")),
     ("kivi_codec_extend.cuh", include_str!("../cuda/kivi_codec_extend.cuh")),
     ("kivi_vq_decode.cuh", include_str!("../cuda/kivi_vq_decode.cuh")),
+    ("kivi_vq_extend.cuh", include_str!("../cuda/kivi_vq_extend.cuh")),
 ];
 
 /// The many-query (block) kernel's template (`cuda/kivi_block.cuh`), pasted

@@ -530,3 +530,103 @@ mod tests {
         }
     }
 }
+
+/// `kivi_prefill` / `kivi_append` of a scheme with `vq(...)` codecs
+/// (`templates/cuda/kivi_vq_extend.cuh`): [`ExtendArgs`] without the
+/// centering means (vq schemes have none) and with the codebooks the vq
+/// tensors are coded with (`[D / M][E][M]` f32; one element otherwise).
+pub struct VqExtendArgs<'a> {
+    pub batch: usize,
+    pub pool: &'a mut Buffer,
+    pub tables: &'a Buffer,
+    pub table_stride: usize,
+    pub old_lens: &'a Buffer,
+    pub new_counts: &'a Buffer,
+    /// `[batch][max_new][Hkv][D]`, already rounded to the activation dtype.
+    pub k_new: &'a Buffer,
+    pub v_new: &'a Buffer,
+    pub max_new: usize,
+    pub sinks_k: &'a mut Buffer,
+    pub sinks_v: &'a mut Buffer,
+    pub ring_k: &'a mut Buffer,
+    pub ring_v: &'a mut Buffer,
+    pub book_k: &'a Buffer,
+    pub book_v: &'a Buffer,
+    pub work: &'a mut Buffer,
+    /// Per sequence: 0 = stored; see [`super::cache::status_message`].
+    pub status: &'a mut Buffer,
+}
+
+impl VqExtendArgs<'_> {
+    pub const PARAMS: [&'static str; 16] = [
+        "pool",
+        "tables",
+        "table_stride",
+        "old_lens",
+        "new_counts",
+        "k_new",
+        "v_new",
+        "max_new",
+        "sinks_k",
+        "sinks_v",
+        "ring_k",
+        "ring_v",
+        "book_k",
+        "book_v",
+        "work",
+        "status",
+    ];
+
+    /// Launches the module's entry point (`kivi_prefill` or `kivi_append`);
+    /// `book_len` as for [`VqDecodeArgs::launch`].
+    pub fn launch(self, dev: &dyn Device, m: &Module, book_len: [usize; 2]) -> Result<()> {
+        let entry = m
+            .generated
+            .entry_points
+            .first()
+            .filter(|e| matches!(e.as_str(), "kivi_prefill" | "kivi_append"))
+            .cloned()
+            .ok_or_else(|| Error::Config(format!("`{}` is not a prefill or append kernel", m.generated.name)))?;
+        if entry == "kivi_append" && self.max_new > 1 {
+            return Err(Error::Config(format!(
+                "the append kernel adds one token per sequence, not {}",
+                self.max_new
+            )));
+        }
+        check_names(m, &entry, &Self::PARAMS)?;
+        let row = m.generated.launch.head_dim as usize;
+        let stride = table_stride(self.tables, self.batch, self.table_stride)?;
+        at_least(self.old_lens, self.batch, "old_lens")?;
+        at_least(self.new_counts, self.batch, "new_counts")?;
+        at_least(self.k_new, self.batch * self.max_new * row, "k_new")?;
+        at_least(self.v_new, self.batch * self.max_new * row, "v_new")?;
+        at_least(self.book_k, book_len[0], "book_k")?;
+        at_least(self.book_v, book_len[1], "book_v")?;
+        at_least(self.status, self.batch, "status")?;
+        let max_new = i32::try_from(self.max_new).map_err(|_| Error::Config(format!("{} new tokens", self.max_new)))?;
+        let g = grid(m, &entry, self.batch)?;
+        dev.launch(
+            m,
+            &entry,
+            g,
+            &mut [
+                KernelArg::Out(self.pool),
+                KernelArg::In(self.tables),
+                KernelArg::I32(stride),
+                KernelArg::In(self.old_lens),
+                KernelArg::In(self.new_counts),
+                KernelArg::In(self.k_new),
+                KernelArg::In(self.v_new),
+                KernelArg::I32(max_new),
+                KernelArg::Out(self.sinks_k),
+                KernelArg::Out(self.sinks_v),
+                KernelArg::Out(self.ring_k),
+                KernelArg::Out(self.ring_v),
+                KernelArg::In(self.book_k),
+                KernelArg::In(self.book_v),
+                KernelArg::Out(self.work),
+                KernelArg::Out(self.status),
+            ],
+        )
+    }
+}

@@ -7,7 +7,7 @@
 //! the device by the generated prefill/append kernels, and compared word for
 //! word. [`DeviceBackend`] implements [`Backend`] on top of it.
 
-use super::args::{CombineArgs, DecodeArgs, ExtendArgs, VqDecodeArgs, Window};
+use super::args::{CombineArgs, DecodeArgs, ExtendArgs, VqDecodeArgs, VqExtendArgs, Window};
 use super::{download, upload, Buffer, Device, DeviceKind, Elem, Module, Timing};
 use crate::backend::{check_batch, check_window, Backend, NewTokens};
 use crate::cache::{CacheConfig, PagedCache, RawRows, SeqId};
@@ -162,17 +162,6 @@ pub struct DeviceCache {
     /// ([`device_books`]).
     vq: [Option<Arc<VqBook>>; 2],
     books: [Arc<Buffer>; 2],
-    /// vq schemes: the host cache whose writes this cache mirrors (rows are
-    /// coded by the oracle's encoder, then uploaded; see [`Self::extend`]);
-    /// `None` for other schemes and for read-only uploads.
-    host: Option<HostMirror>,
-}
-
-/// The host side of a vq device cache: a [`PagedCache`] with the same
-/// scheme, calibration layer and block count, one sequence per batch slot.
-struct HostMirror {
-    cache: PagedCache,
-    seqs: Vec<SeqId>,
 }
 
 /// Named codebooks on a device: (device, name, FNV-1a of the f32 bits) ->
@@ -282,7 +271,7 @@ impl DeviceCache {
         let levels = crate::calib::levels_for(scheme, Some(calibration), layer)?;
         let books = crate::vq::books_for(scheme, Some(calibration), layer)?;
         let cb = nuq_codebooks(scheme, levels);
-        let mut dc = Self::build(
+        Self::build(
             dev,
             scheme,
             batch,
@@ -291,15 +280,7 @@ impl DeviceCache {
             cb,
             Some(calibration.hash()),
             books,
-        )?;
-        if scheme.has_vq() {
-            // vq rows are coded by the oracle's encoder on the host (see
-            // Self::extend); the mirror allocates blocks as this cache does.
-            let mut cache = PagedCache::with_calibration(scheme.clone(), config, calibration, layer)?;
-            let seqs = (0..batch).map(|_| cache.add_sequence()).collect();
-            dc.host = Some(HostMirror { cache, seqs });
-        }
-        Ok(dc)
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -348,7 +329,6 @@ impl DeviceCache {
         Ok(DeviceCache {
             books,
             vq,
-            host: None,
             means: [d_.alloc(act, means(Tensor::Key))?, d_.alloc(act, means(Tensor::Value))?],
             work: d_.alloc(Elem::F32, (batch * 2 * h * work).max(1))?,
             pool: d_.alloc(Elem::U32, words)?,
@@ -437,7 +417,6 @@ impl DeviceCache {
         Ok(DeviceCache {
             books,
             vq,
-            host: None,
             means: [stack_means(Tensor::Key)?, stack_means(Tensor::Value)?],
             // an upload is read-only: no extend scratch
             work: d_.alloc(Elem::F32, 1)?,
@@ -676,125 +655,7 @@ impl DeviceCache {
             })?;
             at += n;
         }
-        if self.scheme.has_vq() {
-            // No append kernel codes vq rows: the host mirror does, then
-            // the changed words go up (and there is nothing to undo).
-            return self.extend_vq(counts, k, v).map(|()| None);
-        }
         self.extend_undoable(counts, &kr, &vr, variant)
-    }
-
-    /// The writes of a vq scheme: each sequence's tokens are appended to the
-    /// host mirror ([`PagedCache::extend`], whose rows [`VqBook::encode`]
-    /// codes exactly as the oracle does), then the blocks that changed, the
-    /// sink and window rows, the block tables and the lengths are uploaded.
-    ///
-    /// Why the host codes rather than a generated encode kernel: a code is
-    /// the arg-min of E squared distances, and a tie or near-tie is decided
-    /// by the last bit of an f32 sum, so the device would have to reproduce
-    /// the oracle's summation order with contraction off to store the same
-    /// codes — while the host encoder *is* the oracle's. The cost is D x E
-    /// multiply-adds per row (32 K at D = 128, E = 256; tens of µs on one
-    /// CPU core, docs/cuda.md) plus an upload per step: a throughput limit
-    /// for GPU serving, to be lifted by an exact device encoder.
-    /// Capacity is checked for every sequence before any is appended.
-    fn extend_vq(&mut self, counts: &[usize], k: &[f32], v: &[f32]) -> Result<()> {
-        let name = self.scheme.name.clone();
-        let Some(host) = self.host.as_mut() else {
-            return Err(Error::Config(format!(
-                "this device cache of `{name}` was uploaded read-only from a host cache; vq rows are coded on \
-                 the host, so extend the host cache and upload it again, or build the device cache with \
-                 DeviceCache::with_calibration"
-            )));
-        };
-        let bt = self.layout.block_tokens;
-        let quantized = |len: usize| {
-            [Tensor::Key, Tensor::Value]
-                .map(|t| regions(&self.scheme, t, len).quantized)
-                .into_iter()
-                .max()
-                .unwrap_or(0)
-        };
-        let mut need = 0;
-        for (b, &n) in counts.iter().enumerate() {
-            let new_len = self.lens[b] + n;
-            let blocks = quantized(new_len).div_ceil(bt);
-            if blocks > self.table_stride || new_len > self.max_tokens {
-                return Err(Error::Config(format!(
-                    "sequence {b} would hold {new_len} tokens, more than this device cache was sized for ({})",
-                    self.max_tokens
-                )));
-            }
-            need += blocks.saturating_sub(self.host_tables[b].len());
-        }
-        if need > host.cache.free_blocks() {
-            return Err(Error::OutOfBlocks {
-                need,
-                free: host.cache.free_blocks(),
-                total: self.total_blocks,
-            });
-        }
-        let row = self.shape.kv_heads * self.shape.head_dim;
-        // The first block each sequence's append may write.
-        let first: Vec<usize> = self.lens.iter().map(|&l| quantized(l) / bt).collect();
-        let mut at = 0;
-        for (b, &n) in counts.iter().enumerate() {
-            if n > 0 {
-                let r = at * row..(at + n) * row;
-                if let Err(e) = host.cache.extend(host.seqs[b], &k[r.clone()], &v[r]) {
-                    // Checked above, so unexpected; earlier sequences may
-                    // already be appended on the host.
-                    self.poisoned = true;
-                    return Err(e);
-                }
-            }
-            at += n;
-        }
-        let synced = self.sync_from_host(counts, &first);
-        if synced.is_err() {
-            self.poisoned = true;
-        }
-        synced
-    }
-
-    /// Uploads what [`Self::extend_vq`] changed on the host mirror.
-    fn sync_from_host(&mut self, counts: &[usize], first: &[usize]) -> Result<()> {
-        let dev = self.dev.clone();
-        let d_ = dev.as_ref();
-        let Some(host) = self.host.as_ref() else {
-            return Ok(());
-        };
-        let views: Vec<_> = host.seqs.iter().map(|&s| host.cache.view(s)).collect::<Result<_>>()?;
-        let bw = self.layout.block_words;
-        let pool = host.cache.pool();
-        for (b, v) in views.iter().enumerate() {
-            self.host_tables[b] = v.logical_table();
-            self.lens[b] = v.tokens();
-            if counts[b] > 0 {
-                for &blk in self.host_tables[b].iter().skip(first[b]) {
-                    let at = blk as usize * bw;
-                    d_.write(&mut self.pool, at, super::as_bytes(&pool[at..at + bw]))?;
-                }
-            }
-        }
-        let used: std::collections::HashSet<u32> = self.host_tables.iter().flatten().copied().collect();
-        self.free.retain(|b| !used.contains(b));
-        let mut flat = vec![0u32; self.batch * self.table_stride];
-        for (b, t) in self.host_tables.iter().enumerate() {
-            flat[b * self.table_stride..][..t.len()].copy_from_slice(t);
-        }
-        super::write(d_, &mut self.tables, &flat)?;
-        let lens: Vec<i32> = self.lens.iter().map(|&l| l as i32).collect();
-        super::write(d_, &mut self.seq_lens, &lens)?;
-        let (h, d) = (self.shape.kv_heads, self.shape.head_dim);
-        for t in [Tensor::Key, Tensor::Value] {
-            let sinks: Vec<RawRows> = views.iter().map(|v| v.sinks_raw(t)).collect();
-            let ring: Vec<RawRows> = views.iter().map(|v| v.ring_raw(t)).collect();
-            let per_ring = layout::window_capacity(&self.scheme, t).max(1) * h * d;
-            self.sinks[ti(t)] = stack_rows(d_, self.scheme.dtype, &sinks, self.scheme.sinks as usize * h * d)?;
-            self.rings[ti(t)] = stack_rows(d_, self.scheme.dtype, &ring, per_ring)?;
-        }
-        Ok(())
     }
 
     /// The product codebooks of tensor `t`, if it is `vq(...)` (what the
@@ -897,6 +758,34 @@ impl DeviceCache {
             let mut status_d = dev.alloc(Elem::I32, self.batch)?;
             let [sk, sv] = &mut self.sinks;
             let [rk, rv] = &mut self.rings;
+            if self.scheme.has_vq() {
+                // kivi_vq_extend.cuh codes the vq tensors with the codebooks.
+                let d = self.shape.head_dim;
+                let len = |t: Tensor| self.scheme.codec(t).vq().map_or(0, |v| v.codebook_len(d));
+                VqExtendArgs {
+                    batch: self.batch,
+                    pool: &mut self.pool,
+                    tables: &self.tables,
+                    table_stride: self.table_stride,
+                    old_lens: &old_d,
+                    new_counts: &cnt_d,
+                    k_new: &k_d,
+                    v_new: &v_d,
+                    max_new,
+                    sinks_k: sk,
+                    sinks_v: sv,
+                    ring_k: rk,
+                    ring_v: rv,
+                    book_k: &self.books[0],
+                    book_v: &self.books[1],
+                    work: &mut self.work,
+                    status: &mut status_d,
+                }
+                .launch(dev.as_ref(), &module, [len(Tensor::Key), len(Tensor::Value)])?;
+                let status = download::<i32>(dev.as_ref(), &status_d)?;
+                dev.sync()?;
+                return Ok(status);
+            }
             let [mk, mv] = &mut self.means;
             ExtendArgs {
                 batch: self.batch,
