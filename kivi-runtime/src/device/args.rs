@@ -486,51 +486,6 @@ impl BlockArgs<'_> {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use kivi_spec::{presets, Heads};
-    use kivi_templates::{default_variant, generate, Kernel};
-
-    /// A window of "none" is -1 (the kernel reads `window >= 0` as "only
-    /// the last `window` tokens"); the old CUDA host code passed 0 here and
-    /// every decode without a window attended to nothing.
-    #[test]
-    fn no_window_is_minus_one() {
-        assert_eq!(Window::of(None).unwrap().raw(), -1);
-        assert_eq!(Window::of(Some(5)).unwrap().raw(), 5);
-        assert!(Window::of(Some(0)).is_err());
-        assert_eq!(Window::of(Some(usize::MAX)).unwrap().raw(), i32::MAX);
-    }
-
-    /// The parameter lists here are the generator's, for every preset and kernel.
-    #[test]
-    fn params_match_the_generator() {
-        for p in presets::listed() {
-            let s = p.with_shape(Heads::Gqa { q: 8, kv: 2 }, 256).unwrap();
-            for k in Kernel::ALL {
-                let g = generate(&s, k, &default_variant(&s, k)).unwrap();
-                for e in &g.launch.entries {
-                    let names: Vec<&str> = e.params.iter().map(|p| p.name).collect();
-                    let want: &[&str] = match e.entry.as_str() {
-                        "kivi_decode" => &DecodeArgs::PARAMS,
-                        "kivi_combine" => &CombineArgs::PARAMS,
-                        _ => &ExtendArgs::PARAMS,
-                    };
-                    assert_eq!(names, want, "{} {}", g.name, e.entry);
-                    assert_eq!(e.grid(3, 0)[2], 3, "grid z is the batch");
-                }
-            }
-            // The block kernel, where it is generated (not for rotated or
-            // centered tensors).
-            if let Ok(g) = kivi_templates::generate_block(&s, Default::default()) {
-                let names: Vec<&str> = g.launch.entries[0].params.iter().map(|p| p.name).collect();
-                assert_eq!(names, BlockArgs::PARAMS, "{}", g.name);
-            }
-        }
-    }
-}
-
 /// `kivi_prefill` / `kivi_append` of a scheme with `vq(...)` codecs
 /// (`templates/cuda/kivi_vq_extend.cuh`): [`ExtendArgs`] without the
 /// centering means (vq schemes have none) and with the codebooks the vq
@@ -628,5 +583,50 @@ impl VqExtendArgs<'_> {
                 KernelArg::Out(self.status),
             ],
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kivi_spec::{presets, Heads};
+    use kivi_templates::{default_variant, generate, Kernel};
+
+    /// A window of "none" is -1 (the kernel reads `window >= 0` as "only
+    /// the last `window` tokens"); the old CUDA host code passed 0 here and
+    /// every decode without a window attended to nothing.
+    #[test]
+    fn no_window_is_minus_one() {
+        assert_eq!(Window::of(None).unwrap().raw(), -1);
+        assert_eq!(Window::of(Some(5)).unwrap().raw(), 5);
+        assert!(Window::of(Some(0)).is_err());
+        assert_eq!(Window::of(Some(usize::MAX)).unwrap().raw(), i32::MAX);
+    }
+
+    /// The parameter lists here are the generator's, for every preset and kernel.
+    #[test]
+    fn params_match_the_generator() {
+        for p in presets::listed() {
+            let s = p.with_shape(Heads::Gqa { q: 8, kv: 2 }, 256).unwrap();
+            for k in Kernel::ALL {
+                let g = generate(&s, k, &default_variant(&s, k)).unwrap();
+                for e in &g.launch.entries {
+                    let names: Vec<&str> = e.params.iter().map(|p| p.name).collect();
+                    let want: &[&str] = match e.entry.as_str() {
+                        "kivi_decode" => &DecodeArgs::PARAMS,
+                        "kivi_combine" => &CombineArgs::PARAMS,
+                        _ => &ExtendArgs::PARAMS,
+                    };
+                    assert_eq!(names, want, "{} {}", g.name, e.entry);
+                    assert_eq!(e.grid(3, 0)[2], 3, "grid z is the batch");
+                }
+            }
+            // The block kernel, where it is generated (not for rotated or
+            // centered tensors).
+            if let Ok(g) = kivi_templates::generate_block(&s, Default::default()) {
+                let names: Vec<&str> = g.launch.entries[0].params.iter().map(|p| p.name).collect();
+                assert_eq!(names, BlockArgs::PARAMS, "{}", g.name);
+            }
+        }
     }
 }
