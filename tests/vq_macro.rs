@@ -1,7 +1,8 @@
 //! `kivi::scheme!` accepts `vq(...)` codecs and rebuilds them exactly
-//! (shared codebook names included); of the CUDA kernels it embeds the
-//! lookup-table decode only (vq rows are coded on the host by the oracle's
-//! encoder, so no prefill or append kernel is generated).
+//! (shared codebook names included), and embeds their CUDA kernels: the
+//! exact nearest-centroid prefill and append, and the lookup-table decode
+//! (the codebooks are kernel arguments, so no calibration is needed to
+//! generate them).
 
 kivi::scheme! {
     /// 1-bit product VQ on both tensors, one codebook per tensor shared by all layers.
@@ -23,6 +24,9 @@ fn the_macro_and_the_parser_agree_on_vq() {
     assert_eq!(s.key.vq().unwrap().codebook.unwrap().as_str(), "loop");
     assert_eq!(kivi::spec::layout::bits_per_element(&s), 1.0);
     assert_eq!(LoopVq::HASH, kivi::scheme_hash(&s));
-    assert_eq!(LoopVq::KERNELS.len(), 1);
-    assert!(LoopVq::KERNELS[0].0.contains("/decode/"), "{}", LoopVq::KERNELS[0].0);
+    let names: Vec<&str> = LoopVq::KERNELS.iter().map(|k| k.0).collect();
+    assert_eq!(names.len(), 3, "{names:?}");
+    for (n, k) in names.iter().zip(["/prefill/", "/append/", "/decode/"]) {
+        assert!(n.contains(k), "{n}");
+    }
 }
