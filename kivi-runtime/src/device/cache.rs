@@ -223,9 +223,10 @@ impl DeviceCache {
     /// An empty batch of `batch` sequences, each able to hold `max_tokens`
     /// tokens, with `config.max_blocks` blocks in the pool.
     ///
-    /// A scheme with `levels = nuq` is refused
-    /// ([`crate::calib::CalibError::Needed`], as [`PagedCache::new`] does):
-    /// its codebooks come from a calibration, [`Self::with_calibration`].
+    /// A scheme with `levels = nuq` or `vq(...)` is refused
+    /// ([`crate::calib::CalibError::Needed`] / `VqNeeded`, as
+    /// [`PagedCache::new`] does): its codebooks come from a calibration,
+    /// [`Self::with_calibration`].
     pub fn new(
         dev: Arc<dyn Device>,
         scheme: &Scheme,
@@ -250,7 +251,8 @@ impl DeviceCache {
     }
 
     /// [`Self::new`] for layer `layer` of a model: the scheme's `nuq`
-    /// tensors decode with that layer's codebooks from `calibration`,
+    /// and `vq(...)` tensors decode with that layer's codebooks from
+    /// `calibration` (vq codebooks uploaded once, see [`Self::book_buffer`]),
     /// checked as [`PagedCache::with_calibration`] checks them (model shape,
     /// layer count, the quantizer each was fitted for; a missing one is an
     /// error naming the layer and tensor). The tables are baked into the
