@@ -476,8 +476,6 @@ fn check_vq(scheme: &Scheme) -> Result<(), GenError> {
     Ok(())
 }
 
-
-
 fn layout_of(scheme: &Scheme, opts: GenOptions) -> Result<BlockLayout, GenError> {
     kivi_spec::validate(scheme).map_err(|e| GenError::Scheme(e.message))?;
     check_supported(scheme)?;
