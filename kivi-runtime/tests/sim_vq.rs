@@ -446,15 +446,15 @@ fn vq_kernels_compile_with_nvrtc() {
     );
 }
 
-/// The barriers of `kivi_vq_decode.cuh` in `src`: byte ranges of each
+/// The barriers of template `file` in `src`: byte ranges of each
 /// `__syncthreads()` / `__syncwarp()` call in that file's part of the
 /// generated source (comments skipped), in source order.
-fn vq_barriers(src: &str) -> Vec<std::ops::Range<usize>> {
+fn barriers_in(src: &str, file: &str) -> Vec<std::ops::Range<usize>> {
     let mut out = Vec::new();
     let (mut inside, mut offset) = (false, 0);
     for line in src.split_inclusive('\n') {
         if let Some(f) = line.trim().strip_prefix("// ===== ") {
-            inside = f.starts_with("kivi_vq_decode.cuh");
+            inside = f.starts_with(file);
         } else if inside {
             let code = line.split("//").next().unwrap_or("");
             for call in ["__syncthreads()", "__syncwarp()"] {
@@ -494,7 +494,7 @@ fn deleting_any_vq_decode_barrier_is_caught() {
     let mut jobs = Vec::new();
     for s in &picks {
         let g = generate(s, Kernel::Decode, &v).unwrap();
-        let muts: Vec<Generated> = vq_barriers(&g.source)
+        let muts: Vec<Generated> = barriers_in(&g.source, "kivi_vq_decode.cuh")
             .into_iter()
             .enumerate()
             .map(|(n, at)| {
@@ -651,4 +651,72 @@ fn device_coding_breaks_ties_to_the_lowest_index() {
             }
         }
     }
+}
+
+/// The same proof for `kivi_vq_extend.cuh`'s one barrier (every ring row
+/// is read before any is overwritten): without it, an append that codes
+/// the oldest window token while the new token takes its ring slot reads
+/// the new row under some strict schedule, and the stored codes differ
+/// from a host cache's.
+#[test]
+fn deleting_the_vq_extend_barrier_is_caught() {
+    use kivi_runtime::sim::{Schedule, SimOptions};
+    if kivi_runtime::sim::find_compiler().is_err() {
+        println!("SKIP deleting_the_vq_extend_barrier_is_caught: no C++ compiler for the simulator");
+        return;
+    }
+    let dev: Arc<dyn Device> = kivi_runtime::device::SimDevice::shared();
+    let s = &cases()[0]; // vqkv on GQA 8:2, residual 4, sinks 2
+    let cal = calibration(s);
+    let gen = |k: Kernel| generate(s, k, &default_variant(s, k)).unwrap();
+    let (prefill, append) = (gen(Kernel::Prefill), gen(Kernel::Append));
+    let sites = barriers_in(&append.source, "kivi_vq_extend.cuh");
+    assert_eq!(sites.len(), 1, "{sites:?}");
+    let mut mutant = append.clone();
+    mutant.source.replace_range(sites[0].clone(), "(void)0");
+    mutant.name = format!("{} without the vq extend barrier", append.name);
+    mutant.hash = kivi_spec::fnv1a64(mutant.source.as_bytes());
+    let mods = dev.load_many(&[&prefill, &append, &mutant]).unwrap();
+    let h = s.shape().unwrap().kv_heads;
+    // A prefill of 40 tokens, then 12 appends through `append`: does every
+    // stored word match a host cache's?
+    let run = |append: &kivi_runtime::device::Module| -> Result<(), String> {
+        let cfg = CacheConfig::for_tokens(256);
+        let mut dc = DeviceCache::with_calibration(dev.clone(), s, 1, 128, cfg, &cal, 1).map_err(|e| e.to_string())?;
+        let mut host = PagedCache::with_calibration(s.clone(), cfg, &cal, 1).unwrap();
+        let id = host.add_sequence();
+        let mut rng = Rng::new(31);
+        for (step, n) in std::iter::once(40usize)
+            .chain(std::iter::repeat(1).take(12))
+            .enumerate()
+        {
+            let (k, v) = (kv(&mut rng, n, h, true), kv(&mut rng, n, h, false));
+            host.extend(id, &k, &v).unwrap();
+            let m = if n > 1 { &mods[0] } else { append };
+            dc.extend_on(m, &[n], &k, &v).map_err(|e| e.to_string())?;
+            if dc.download_pool().map_err(|e| e.to_string())? != host.pool() {
+                return Err(format!("pool words differ after step {step}"));
+            }
+        }
+        Ok(())
+    };
+    let outcome = |m: &kivi_runtime::device::Module| -> Vec<String> {
+        Schedule::STRICT
+            .iter()
+            .filter_map(|&sch| {
+                SimOptions::with_schedule(sch)
+                    .scope(|| run(m))
+                    .err()
+                    .map(|e| format!("{sch}: {}", e.lines().next().unwrap_or("")))
+            })
+            .collect()
+    };
+    let intact = outcome(&mods[1]);
+    assert!(intact.is_empty(), "the intact append kernel fails: {intact:?}");
+    let caught = outcome(&mods[2]);
+    assert!(
+        !caught.is_empty(),
+        "deleting the vq extend barrier changed nothing under any strict schedule"
+    );
+    sim_util::report(&format!("sim: vq extend barrier deletion caught ({})", caught[0]));
 }

@@ -108,6 +108,14 @@ enum Part {
     Means(usize),
 }
 
+/// The prefill/append kernel an extend runs: generated for a variant
+/// (`None`: the default), or a module the caller loaded.
+#[derive(Clone, Copy)]
+pub(crate) enum ExtendKernel<'m> {
+    Variant(Option<Variant>),
+    Module(&'m Module),
+}
+
 /// Ranges of the cache saved before an extend launch, restored if it fails.
 struct Saved {
     ranges: Vec<(Part, usize, usize, Buffer)>,
@@ -608,7 +616,18 @@ impl DeviceCache {
 
     /// [`DeviceCache::extend`] with a chosen prefill/append variant.
     pub fn extend_with(&mut self, counts: &[usize], k: &[f32], v: &[f32], variant: Option<Variant>) -> Result<()> {
-        self.extend_checked(counts, k, v, variant).map(drop)
+        self.extend_checked(counts, k, v, ExtendKernel::Variant(variant))
+            .map(drop)
+    }
+
+    /// [`DeviceCache::extend`] with an already loaded prefill or append
+    /// module of this cache's scheme, shape and block size (the append
+    /// kernel adds at most one token per sequence), as
+    /// [`DeviceCache::decode_on`] takes a decode module: for callers that
+    /// build the sources themselves, e.g. tests that run mutated kernels.
+    pub fn extend_on(&mut self, module: &Module, counts: &[usize], k: &[f32], v: &[f32]) -> Result<()> {
+        self.extend_checked(counts, k, v, ExtendKernel::Module(module))
+            .map(drop)
     }
 
     /// [`DeviceCache::extend_with`], returning what undoes it.
@@ -617,7 +636,7 @@ impl DeviceCache {
         counts: &[usize],
         k: &[f32],
         v: &[f32],
-        variant: Option<Variant>,
+        variant: ExtendKernel<'_>,
     ) -> Result<Option<Undo>> {
         self.check()?;
         let (h, d) = (self.shape.kv_heads, self.shape.head_dim);
@@ -677,7 +696,8 @@ impl DeviceCache {
     /// activation dtype (and not re-checked here: the kernel checks them).
     #[cfg(test)]
     fn extend_rounded(&mut self, counts: &[usize], kr: &[f32], vr: &[f32], variant: Option<Variant>) -> Result<()> {
-        self.extend_undoable(counts, kr, vr, variant).map(drop)
+        self.extend_undoable(counts, kr, vr, ExtendKernel::Variant(variant))
+            .map(drop)
     }
 
     /// [`DeviceCache::extend_rounded`] that also returns what undoes it
@@ -688,7 +708,7 @@ impl DeviceCache {
         counts: &[usize],
         kr: &[f32],
         vr: &[f32],
-        variant: Option<Variant>,
+        variant: ExtendKernel<'_>,
     ) -> Result<Option<Undo>> {
         let (h, d) = (self.shape.kv_heads, self.shape.head_dim);
         // Reserve blocks exactly as PagedCache::extend does, sequence by sequence.
@@ -736,10 +756,28 @@ impl DeviceCache {
             vp[b * max_new * row..][..n * row].copy_from_slice(&vr[at * row..(at + n) * row]);
             at += n;
         }
-        let kernel = if max_new > 1 { Kernel::Prefill } else { Kernel::Append };
-        let v = variant.unwrap_or_else(|| default_variant(&self.scheme, kernel));
-        let g = generate_calibrated(&self.scheme, kernel, &v, self.gen_opts(), &self.codebooks).map_err(gen_err)?;
-        let module = self.dev.load(&g)?;
+        let loaded;
+        let module: &Module = match variant {
+            ExtendKernel::Module(m) => {
+                if m.generated.block_tokens != self.layout.block_tokens
+                    || !m.generated.name.starts_with(&kivi_templates::scheme_tag(&self.scheme))
+                {
+                    return Err(Error::Config(format!(
+                        "`{}` was generated for another scheme, shape or block size than this cache's",
+                        m.generated.name
+                    )));
+                }
+                m
+            }
+            ExtendKernel::Variant(variant) => {
+                let kernel = if max_new > 1 { Kernel::Prefill } else { Kernel::Append };
+                let v = variant.unwrap_or_else(|| default_variant(&self.scheme, kernel));
+                let g =
+                    generate_calibrated(&self.scheme, kernel, &v, self.gen_opts(), &self.codebooks).map_err(gen_err)?;
+                loaded = self.dev.load(&g)?;
+                &loaded
+            }
+        };
         let mut flat = vec![0u32; self.batch * self.table_stride];
         for (b, t) in tables.iter().enumerate() {
             flat[b * self.table_stride..][..t.len()].copy_from_slice(t);
@@ -783,7 +821,7 @@ impl DeviceCache {
                     work: &mut self.work,
                     status: &mut status_d,
                 }
-                .launch(dev.as_ref(), &module, [len(Tensor::Key), len(Tensor::Value)])?;
+                .launch(dev.as_ref(), module, [len(Tensor::Key), len(Tensor::Value)])?;
                 let status = download::<i32>(dev.as_ref(), &status_d)?;
                 dev.sync()?;
                 return Ok(status);
@@ -808,7 +846,7 @@ impl DeviceCache {
                 work: &mut self.work,
                 status: &mut status_d,
             }
-            .launch(dev.as_ref(), &module)?;
+            .launch(dev.as_ref(), module)?;
             let status = download::<i32>(dev.as_ref(), &status_d)?;
             dev.sync()?;
             Ok(status)

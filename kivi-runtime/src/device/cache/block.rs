@@ -228,7 +228,7 @@ impl DeviceCache {
         let mut out_d = dev.alloc(Elem::F32, self.batch * max_n * qrow)?;
 
         // The append: every check of the host path, then the extend kernels.
-        let undo = self.extend_checked(counts, k, v, None)?;
+        let undo = self.extend_checked(counts, k, v, super::ExtendKernel::Variant(None))?;
         let ran = (|| -> Result<Vec<f32>> {
             BlockArgs {
                 batch: self.batch,
