@@ -686,10 +686,7 @@ fn deleting_the_vq_extend_barrier_is_caught() {
         let mut host = PagedCache::with_calibration(s.clone(), cfg, &cal, 1).unwrap();
         let id = host.add_sequence();
         let mut rng = Rng::new(31);
-        for (step, n) in std::iter::once(40usize)
-            .chain(std::iter::repeat(1).take(12))
-            .enumerate()
-        {
+        for (step, n) in std::iter::once(40usize).chain(std::iter::repeat_n(1, 12)).enumerate() {
             let (k, v) = (kv(&mut rng, n, h, true), kv(&mut rng, n, h, false));
             host.extend(id, &k, &v).unwrap();
             let m = if n > 1 { &mods[0] } else { append };
