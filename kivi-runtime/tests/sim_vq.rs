@@ -14,6 +14,9 @@
 //!   prefill and append kernels, exactly the words a host cache built with
 //!   it writes, and decodes as the oracle does; a named codebook is one
 //!   device buffer for every layer and both tensors;
+//! - ties (twin centroids) are coded to the lower index on the device;
+//! - deleting any barrier of the vq templates that orders something is
+//!   caught under a strict simulator schedule;
 //! - missing, mismatched or corrupt calibrations are typed errors;
 //! - the vq decode, prefill and append sources compile with NVRTC
 //!   (skipped, with the reason printed, where NVRTC is absent).
