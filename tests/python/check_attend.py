@@ -397,10 +397,11 @@ def calibration_bytes(kv_heads, head_dim, entries):
     return out + struct.pack("<Q", fnv1a64(out))
 
 
-def fit_text(q):
-    """kivi_runtime::calib::fit_key of a codec with no pipeline."""
+def fit_text(q, sinks=0):
+    """kivi_runtime::calib::fit_key of a codec with no pipeline (sinks
+    named only when there are some, as there)."""
     return (f"bits={q.bits} axis={q.axis} group={q.group} norm={q.norm} "
-            "center=none rotation=none outliers=0")
+            "center=none rotation=none outliers=0" + (f" sinks={sinks}" if sinks else ""))
 
 
 def check_nuq(run, checks, rng, tmp, lengths):
@@ -438,7 +439,7 @@ def check_nuq(run, checks, rng, tmp, lengths):
         scheme = ref.Scheme(key=kq, value=vq, **extra)
         key_stage = 1 if scheme.rope else 0
         for layout, (hq, hkv) in LAYOUTS.items():
-            entries = [(t, stage, fit_text(q), q.table)
+            entries = [(t, stage, fit_text(q, scheme.sinks), q.table)
                        for t, stage, q in ((0, key_stage, kq), (1, 0, vq)) if q.levels == "nuq"]
             cal = os.path.join(tmp, f"{name}-{hkv}.kivical")
             with open(cal, "wb") as f:
