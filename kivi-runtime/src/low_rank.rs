@@ -487,7 +487,7 @@ pub fn attend(s: &Scheme, q: &[f32], k: &[f32], v: &[f32], params: AttnParams, b
     reference::decode_attention(&plain, q, &kk, &vv, params)
 }
 
-fn check_bases(s: &Scheme, b: &Bases) -> Result<()> {
+pub(crate) fn check_bases(s: &Scheme, b: &Bases) -> Result<()> {
     let (shape, rank) = low_rank_shape(s)?;
     if (b.kv_heads, b.head_dim, b.rank) != (shape.kv_heads, shape.head_dim, rank) {
         return Err(Error::Config(format!(
@@ -496,6 +496,39 @@ fn check_bases(s: &Scheme, b: &Bases) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// Rows `[n, Hkv, D]` of tensor `t` rounded to the activation dtype
+/// (non-finite ones refused) and projected: the coordinates `[n, Hkv, R]`
+/// every low-rank cache stores, on the host ([`LowRankCache`]) and on a
+/// device ([`crate::device::DeviceLowRankCache`]) alike.
+pub(crate) fn project_rows(s: &Scheme, bases: &Bases, t: Tensor, x: &[f32]) -> Result<Vec<f32>> {
+    let (h, d) = (bases.kv_heads, bases.head_dim);
+    if !x.len().is_multiple_of(h * d) {
+        return Err(Error::Shape {
+            what: "key/value length",
+            expected: format!("a multiple of {} (kv_heads x head_dim)", h * d),
+            got: x.len().to_string(),
+        });
+    }
+    Ok(bases.project(t, &round_inputs(s, t.name(), x, h, d)?))
+}
+
+/// One query per sequence (`[batch, Hq, D]`) rounded and projected on its
+/// KV head's key basis: `[batch, Hq, R]`, what any backend then decodes
+/// against the coordinates (host and device caches alike).
+pub(crate) fn project_queries(s: &Scheme, bases: &Bases, batch: usize, q: &[f32]) -> Result<Vec<f32>> {
+    let shape = reference::shape_of(s)?;
+    let (hq, d) = (shape.q_heads, bases.head_dim);
+    if q.len() != batch * hq * d {
+        return Err(Error::Shape {
+            what: "query length",
+            expected: format!("{} (sequences x q_heads x head_dim)", batch * hq * d),
+            got: q.len().to_string(),
+        });
+    }
+    let q = round_inputs(s, "query", q, hq, d)?;
+    Ok(bases.project_queries(&q, hq))
 }
 
 /// A paged cache of a low-rank scheme (one layer): a [`PagedCache`] of the
@@ -561,16 +594,9 @@ impl LowRankCache {
         self.cache.free_sequence(id)
     }
 
-    fn coords(&self, t: Tensor, x: &[f32]) -> Result<Vec<f32>> {
-        let (h, d) = (self.bases.kv_heads, self.bases.head_dim);
-        if !x.len().is_multiple_of(h * d) {
-            return Err(Error::Shape {
-                what: "key/value length",
-                expected: format!("a multiple of {} (kv_heads x head_dim)", h * d),
-                got: x.len().to_string(),
-            });
-        }
-        Ok(self.bases.project(t, &round_inputs(&self.scheme, t.name(), x, h, d)?))
+    /// The hash of the calibration the bases came from, if any.
+    pub fn calibration_hash(&self) -> Option<u64> {
+        self.calibration
     }
 
     /// Appends tokens `[n, Hkv, D]` (projected, then stored as the
@@ -583,24 +609,19 @@ impl LowRankCache {
                 got: v.len().to_string(),
             });
         }
-        let (ck, cv) = (self.coords(Tensor::Key, k)?, self.coords(Tensor::Value, v)?);
+        let (ck, cv) = (
+            project_rows(&self.scheme, &self.bases, Tensor::Key, k)?,
+            project_rows(&self.scheme, &self.bases, Tensor::Value, v)?,
+        );
         self.cache.extend(id, &ck, &cv)
     }
 
     /// Decode attention of one query per sequence (`q` is `[B, Hq, D]`) on
     /// `backend`: project, decode the coordinates, reconstruct. `[B, Hq, D]`.
     pub fn decode(&self, backend: &dyn Backend, seqs: &[SeqId], q: &[f32], attn: AttnParams) -> Result<Vec<f32>> {
-        let shape = self.cache.shape();
-        let (hq, d) = (shape.q_heads, self.bases.head_dim);
-        if q.len() != seqs.len() * hq * d {
-            return Err(Error::Shape {
-                what: "query length",
-                expected: format!("{} (sequences x q_heads x head_dim)", seqs.len() * hq * d),
-                got: q.len().to_string(),
-            });
-        }
-        let q = round_inputs(&self.scheme, "query", q, hq, d)?;
-        let out = backend.decode(&self.cache, seqs, &self.bases.project_queries(&q, hq), attn)?;
+        let hq = self.cache.shape().q_heads;
+        let qp = project_queries(&self.scheme, &self.bases, seqs.len(), q)?;
+        let out = backend.decode(&self.cache, seqs, &qp, attn)?;
         Ok(self.bases.reconstruct_outputs(&out, hq))
     }
 
