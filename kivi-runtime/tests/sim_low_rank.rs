@@ -412,3 +412,39 @@ fn templates_generate_the_coordinate_kernels() {
         );
     }
 }
+
+/// Every decode variant of one case's coordinate kernels (lrq2 on GQA
+/// 8:2) against the oracle, with `KIVI_FULL_SWEEP=1`
+/// (scripts/full-sweep.sh); CI runs the default variants above.
+#[test]
+fn every_decode_variant_matches_the_oracle() {
+    if std::env::var_os("KIVI_FULL_SWEEP").is_none() {
+        println!("SKIP every_decode_variant_matches_the_oracle: KIVI_FULL_SWEEP=1 runs it");
+        return;
+    }
+    let s = &cases()[1];
+    let variants = kivi_templates::variants(s, Kernel::Decode);
+    let gens: Vec<Generated> = variants
+        .iter()
+        .map(|v| generate(s, Kernel::Decode, v).unwrap())
+        .collect();
+    for dev in devices("low_rank_variants", || gens.clone()) {
+        dev.load_many(&gens.iter().collect::<Vec<_>>()).unwrap();
+        let shape = s.shape().unwrap();
+        let cal = calibration(s);
+        let f = filled(s, &cal, 900);
+        let dc = DeviceLowRankCache::upload(dev.clone(), &f.cache, &f.ids).unwrap();
+        let q = Rng::new(901).vec(LENS.len() * shape.q_heads * D);
+        let attn = AttnParams::of(s, shape);
+        let want = oracle(s, f.cache.bases(), &f.ks, &f.vs, &q, attn);
+        for v in &variants {
+            let e = rel_error(&dc.decode(&q, attn, Some(*v)).unwrap(), &want);
+            assert!(e <= oracle_tol(s), "{}: relative error {e}", v.name());
+        }
+        sim_util::report(&format!(
+            "{}: {} low-rank decode variants agree with the oracle",
+            dev.kind().name(),
+            variants.len()
+        ));
+    }
+}
