@@ -171,8 +171,9 @@ fn load(args: &Args) -> super::Result<Problem> {
 /// `--layer` from `--calibration`), which projects each row as it is
 /// appended and the query once, and reconstructs the output once.
 enum Cache {
-    Paged(PagedCache),
-    LowRank(LowRankCache),
+    // Boxed: both are large (a cache is a kilobyte of bookkeeping).
+    Paged(Box<PagedCache>),
+    LowRank(Box<LowRankCache>),
 }
 
 impl Cache {
@@ -256,14 +257,19 @@ pub fn run(args: Args) -> super::Result {
             let cal = kivi_runtime::calib::Calibration::load(path)
                 .map_err(|e| format!("--calibration {}: {e}", path.display()))?;
             if p.scheme.low_rank.is_some() {
-                Cache::LowRank(LowRankCache::with_calibration(
+                Cache::LowRank(Box::new(LowRankCache::with_calibration(
                     p.scheme.clone(),
                     config,
                     &cal,
                     args.layer,
-                )?)
+                )?))
             } else {
-                Cache::Paged(PagedCache::with_calibration(p.scheme.clone(), config, &cal, args.layer)?)
+                Cache::Paged(Box::new(PagedCache::with_calibration(
+                    p.scheme.clone(),
+                    config,
+                    &cal,
+                    args.layer,
+                )?))
             }
         }
         None if p.scheme.low_rank.is_some() => {
@@ -273,7 +279,7 @@ pub fn run(args: Args) -> super::Result {
             )
             .into())
         }
-        None => Cache::Paged(PagedCache::new(p.scheme.clone(), config)?),
+        None => Cache::Paged(Box::new(PagedCache::new(p.scheme.clone(), config)?)),
     };
 
     // Append in order, one token at a time, as a decoder fills its cache.
