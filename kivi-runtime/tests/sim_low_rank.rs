@@ -17,7 +17,10 @@
 //!   layer, another model's calibration or bases of another rank is a typed
 //!   error; bad lengths and non-finite inputs are refused with nothing changed;
 //! - the templates generate the coordinate scheme's kernels for a low-rank
-//!   scheme and refuse the many-query block kernel by name.
+//!   scheme and refuse the many-query block kernel by name; NVRTC compiles
+//!   them for sm_90 (where provisioned);
+//! - with `KIVI_FULL_SWEEP=1` (scripts/full-sweep.sh), every decode variant
+//!   of one case against the oracle.
 //!
 //! Runs on the simulated device (CI) and on GPU 0 where one is usable.
 
@@ -446,5 +449,26 @@ fn every_decode_variant_matches_the_oracle() {
             dev.kind().name(),
             variants.len()
         ));
+    }
+}
+
+/// The coordinate kernels of both schemes (R = 32 and the odd width 24)
+/// compile with NVRTC for sm_90 where NVRTC is provisioned; skipped with a
+/// line otherwise.
+#[test]
+fn nvrtc_compiles_the_low_rank_kernels() {
+    use kivi_runtime::cuda::{Arch, NvrtcOptions};
+    let Some(compiler) = device_util::nvrtc_or_skip("nvrtc_compiles_the_low_rank_kernels") else {
+        return;
+    };
+    let opts = NvrtcOptions::for_arch(Arch::parse("sm_90").unwrap());
+    for s in [&cases()[1], &cases()[5]] {
+        for k in Kernel::ALL {
+            let g = generate(s, k, &default_variant(s, k)).unwrap();
+            let c = compiler
+                .compile(&g.name, &g.source, &opts)
+                .unwrap_or_else(|e| panic!("{}: {e}", g.name));
+            assert!(!c.artifact.ptx.is_empty(), "{}: no PTX", g.name);
+        }
     }
 }
