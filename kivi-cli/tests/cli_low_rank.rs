@@ -141,3 +141,70 @@ fn tune_keys_decisions_by_scheme_and_calibration() {
     assert!(!ok && err.contains("layer 3"), "{err}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// The CI sample of low-rank tuning on the simulated device: a small shape
+/// (MHA 1, D 32, R 16: few decode variants) keeps the simulator's compile
+/// short; the decision is keyed by scheme and calibration, as on the CPU.
+#[test]
+fn tune_on_the_simulated_device() {
+    if kivi_runtime::sim::find_compiler().is_err() {
+        eprintln!("skipped: no C++ compiler for the simulator");
+        return;
+    }
+    let d = std::env::temp_dir().join(format!("kivi-cli-low-rank-sim-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    let mut rng = kivi_runtime::rand::Rng::new(6);
+    let x = LayerSamples::new(0, 96, 1, 1, 32, rng.vec(96 * 32), rng.vec(96 * 32));
+    let model = ModelId {
+        name: "toy".into(),
+        layers: 1,
+        kv_heads: 1,
+        head_dim: 32,
+    };
+    let mut cal = Calibration::new(model, "cli test draws");
+    cal.fit_bases(&[x]).unwrap();
+    let path = d.join("cal.kivical");
+    cal.save(&path).unwrap();
+    let text =
+        "lrs { key: quant(bits = 2, axis = channel, group = 16), value: quant(bits = 4, axis = token, group = 8), \
+                residual: 16, low_rank: pca(rank = 16, apply = [key, value]) }";
+    let cache = d.join("decisions");
+    let (ok, out, err) = kivi(&[
+        "tune",
+        "--scheme",
+        text,
+        "--heads",
+        "mha:1",
+        "--head-dim",
+        "32",
+        "--backend",
+        "sim",
+        "--contexts",
+        "100",
+        "--batches",
+        "1",
+        "--budget",
+        "2",
+        "--quiet",
+        "--json",
+        "--cache-dir",
+        cache.to_str().unwrap(),
+        "--calibration",
+        path.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let j: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(j["backend"], "sim");
+    let bound = kivi_spec::parse_scheme(text)
+        .unwrap()
+        .with_shape(kivi_spec::Heads::Mha(1), 32)
+        .unwrap();
+    let key = format!("{:016x}", identity(kivi_spec::scheme_hash(&bound), Some(cal.hash())));
+    let entry = &j["buckets"][0]["entry"];
+    assert_eq!(entry["scheme_hash"], key.as_str(), "{out}");
+    // The candidates are the coordinate scheme's decode variants (head_dim 16).
+    let coords = bound.coordinate_scheme().unwrap();
+    let n = kivi_templates::variants(&coords, kivi_templates::Kernel::Decode).len();
+    assert_eq!(entry["candidates"].as_array().unwrap().len(), n, "{out}");
+    let _ = std::fs::remove_dir_all(&d);
+}
