@@ -95,6 +95,7 @@ impl DeviceLowRankCache {
         bases: Bases,
     ) -> Result<Self> {
         low_rank::check_bases(scheme, &bases)?;
+        refuse_residual(scheme)?;
         let coords = scheme
             .coordinate_scheme()
             .ok_or_else(|| Error::Config(format!("scheme `{}` has no low_rank field", scheme.name)))?;
@@ -109,6 +110,7 @@ impl DeviceLowRankCache {
     /// Copies sequences `seqs` of a host low-rank cache to the device (its
     /// coordinate words, as [`DeviceCache::upload`] copies a host cache).
     pub fn upload(dev: Arc<dyn Device>, host: &LowRankCache, seqs: &[SeqId]) -> Result<Self> {
+        refuse_residual(host.scheme())?;
         Ok(DeviceLowRankCache {
             inner: DeviceCache::upload(dev, host.coordinates(), seqs)?,
             scheme: host.scheme().clone(),
@@ -178,5 +180,18 @@ impl DeviceLowRankCache {
         Ok(self
             .bases
             .reconstruct_outputs(&out, self.inner.scheme().shape().map_or(1, |s| s.q_heads)))
+    }
+}
+
+/// `residual = N` (exact rows for the worst-reconstructed tokens) has no
+/// device path yet: the decode would have to replace those tokens' scores.
+fn refuse_residual(scheme: &Scheme) -> Result<()> {
+    match scheme.low_rank {
+        Some(l) if l.residual > 0 => Err(Error::Config(format!(
+            "scheme `{}`: low_rank residual = {} (exact tokens) is not supported on the device yet; \
+             LowRankCache decodes it on the host",
+            scheme.name, l.residual
+        ))),
+        _ => Ok(()),
     }
 }
