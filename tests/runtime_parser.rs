@@ -214,7 +214,9 @@ fn macro_and_runtime_parser_agree_on_the_codec_pipeline() {
 }
 
 /// `low_rank` parses identically through the macro and at run time; with a
-/// shape the macro embeds no kernels (no template projects yet).
+/// shape the macro embeds the coordinate scheme's prefill, append and
+/// decode kernels (head_dim = rank: the device low-rank cache projects on
+/// the host and runs these).
 #[test]
 fn macro_and_runtime_parser_agree_on_low_rank() {
     kivi::scheme! {
@@ -230,7 +232,14 @@ fn macro_and_runtime_parser_agree_on_low_rank() {
     let from_text = kivi::parse_scheme(LowRank::CANONICAL).unwrap();
     assert_eq!(LowRank::spec(), from_text);
     assert_eq!(LowRank::HASH, kivi::scheme_hash(&from_text));
-    assert!(LowRank::KERNELS.is_empty());
+    let coords = from_text.coordinate_scheme().unwrap();
+    let tag = kivi_templates::scheme_tag(&coords);
+    assert!(tag.ends_with("/mqa4.d96"), "{tag}");
+    assert_eq!(LowRank::KERNELS.len(), 3);
+    for (name, source) in LowRank::KERNELS {
+        assert!(name.starts_with(&tag), "{name}");
+        assert!(!source.is_empty());
+    }
 }
 
 /// Good schemes parse the same at run time as through the macro.

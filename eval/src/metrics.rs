@@ -93,7 +93,17 @@ pub struct SchemeResult {
     /// Key and value codec, short (`2c32`: 2-bit per-channel groups of 32).
     pub key: String,
     pub value: String,
+    /// Residual window (full-precision recent tokens): the largest over
+    /// the layers (a model declaration's layers may differ; see
+    /// `residual_min`).
     pub residual: u32,
+    /// The smallest residual window over the layers (= `residual` for a
+    /// plain scheme).
+    pub residual_min: u32,
+    /// Attention sinks: the largest over the layers.
+    pub sinks: u32,
+    /// The fewest attention sinks over the layers.
+    pub sinks_min: u32,
     /// Bytes per quantized token per KV head, K + V: codes, parameters and
     /// sparse outliers.
     pub bytes_per_token_per_head: f64,
@@ -431,6 +441,9 @@ pub fn run(cfg: &EvalConfig, log: &mut dyn FnMut(&str)) -> Result<Report> {
                 key: same(&|b| codec_short(b, Tensor::Key)),
                 value: same(&|b| codec_short(b, Tensor::Value)),
                 residual: bound.iter().map(|b| b.residual).max().unwrap_or(0),
+                residual_min: bound.iter().map(|b| b.residual).min().unwrap_or(0),
+                sinks: bound.iter().map(|b| b.sinks).max().unwrap_or(0),
+                sinks_min: bound.iter().map(|b| b.sinks).min().unwrap_or(0),
                 bytes_per_token_per_head: mean(&|b| {
                     let (x, per) = kivi_spec::layout::bytes_per_token_per_head(b);
                     x as f64 / per as f64
@@ -494,14 +507,21 @@ impl Report {
         s += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
         let base = self.schemes.first().map_or(f64::NAN, |r| r.perplexity);
         for r in &self.schemes {
-            let sinks = kivi_spec::parse_scheme(&r.canonical).map_or(0, |s| s.sinks);
+            // A model row's layers may differ: print the range.
+            let range = |lo: u32, hi: u32| {
+                if lo == hi {
+                    hi.to_string()
+                } else {
+                    format!("{lo}–{hi}")
+                }
+            };
             s += &format!(
                 "| {} | {} | {} | {} | {} | {:.1} | {:.3} | {:.2} MiB | {:.4} | {:+.4} ({:+.1}%) | {:.5} | {:.4} | {:.2}% | {:.2}% |\n",
                 r.name,
                 r.key,
                 r.value,
-                r.residual,
-                sinks,
+                range(r.residual_min, r.residual),
+                range(r.sinks_min, r.sinks),
                 r.bytes_per_token_per_head,
                 r.bits_per_element,
                 r.cache_bytes as f64 / (1 << 20) as f64,

@@ -192,7 +192,7 @@ fn model_declarations_run_as_rows() {
     let same = kivi_spec::parse_model("model same { default: kivi2_r0 }").unwrap();
     let mixed = kivi_spec::parse_model(
         "model mixed { layers: 18, window: 512, global_layers: [5, 11, 17], default: kivi2_r0,
-         global: k4 { key: quant(bits = 4, axis = channel, group = 32), value: quant(bits = 4, axis = token, group = 32), residual: 0 } }",
+         global: k4 { key: quant(bits = 4, axis = channel, group = 32), value: quant(bits = 4, axis = token, group = 32), residual: 32, sinks: 4 } }",
     )
     .unwrap();
     let cfg = EvalConfig {
@@ -219,6 +219,12 @@ fn model_declarations_run_as_rows() {
     );
     assert_eq!(s.layer_schemes, vec!["kivi2_r0".to_string(); 18]);
     assert_eq!(m.layer_schemes[5], "k4");
+    // Windows differ by layer: the row and its Markdown give the range.
+    assert_eq!((m.residual_min, m.residual, m.sinks_min, m.sinks), (0, 32, 0, 4));
+    assert_eq!((s.residual_min, s.residual, s.sinks_min, s.sinks), (0, 0, 0, 0));
+    let md = r.markdown();
+    assert!(md.contains("| mixed | per layer | per layer | 0–32 | 0–4 |"), "{md}");
+    assert!(md.contains("| same | 2c32 | 2t32 | 0 | 0 |"), "{md}");
     assert_eq!((m.key.as_str(), u.bits_per_element), ("per layer", 3.0));
     // 15 layers at 3 bits and 3 at 5: the mean over layers.
     assert!((m.bits_per_element - (15.0 * 3.0 + 3.0 * 5.0) / 18.0).abs() < 1e-12);

@@ -228,7 +228,7 @@ fn tensor_code(t: Tensor) -> u8 {
 
 /// The quantizer a `nuq` codebook of tensor `t` is fitted for, as text:
 /// everything that changes the values the quantizer sees (bits, axis,
-/// group, norm, centering, rotation, outliers). `None` unless `t` uses
+/// group, norm, centering, rotation, outliers, sinks). `None` unless `t` uses
 /// `levels = nuq`. A codebook is only used by a scheme with the same key.
 ///
 /// ```
@@ -266,6 +266,13 @@ pub fn fit_key(s: &Scheme, t: Tensor) -> Option<String> {
     }
     .expect("write to String");
     write!(o, " outliers={}", s.outliers_of(t)).expect("write to String");
+    // Sinks decide which tokens a table is fitted on (every full group past
+    // them), so two schemes that differ only in sinks need two tables. Left
+    // out at 0 so that sink-free keys (and the files holding them) stay as
+    // they were.
+    if s.sinks > 0 {
+        write!(o, " sinks={}", s.sinks).expect("write to String");
+    }
     Some(o)
 }
 

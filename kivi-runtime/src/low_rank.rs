@@ -32,6 +32,13 @@
 //!    kept, the rest quantized by the codecs): `c^`.
 //! 4. Reconstruction: `x^_d = sum_j B[j][d] c^_j` (f64, one rounding).
 //! 5. Decode attention per DESIGN.md §3 over `k^`, `v^`.
+//! 6. With `residual = N` (LowRAM's exact residual), applied before 5: per
+//!    sequence, tensor and KV head, the `N` tokens with the largest
+//!    projection error `||x - B c||²` (step 2's `c`, before the codec;
+//!    [`Bases::projection_errors`]; ties to the earlier token) read their
+//!    rounded row `x` instead of `x^`. A token's error is fixed when it
+//!    arrives, so the kept set is the same streamed or prefilled; a token
+//!    can only leave it (when a worse one arrives).
 //!
 //! # The fast path ([`LowRankCache::decode`])
 //!
@@ -417,6 +424,32 @@ impl Bases {
         out
     }
 
+    /// How badly each row `[T, Hkv, D]` of `x` is reconstructed from its
+    /// coordinates `c` (`[T, Hkv, R]`, [`Self::project`] of `x`): `||x -
+    /// B c||²` per (token, KV head), in f64 (`B c` summed in f64, not
+    /// rounded). What `residual = N` ranks tokens by.
+    pub fn projection_errors(&self, t: Tensor, x: &[f32], c: &[f32]) -> Vec<f64> {
+        let (h, r, d) = (self.kv_heads, self.rank, self.head_dim);
+        let rows = x.len() / d;
+        (0..rows)
+            .map(|i| {
+                let b = &self.of(t)[(i % h) * r * d..][..r * d];
+                let ci = &c[i * r..][..r];
+                (0..d)
+                    .map(|k| {
+                        let rec: f64 = ci
+                            .iter()
+                            .enumerate()
+                            .map(|(j, &cj)| b[j * d + k] as f64 * cj as f64)
+                            .sum();
+                        let e = x[i * d + k] as f64 - rec;
+                        e * e
+                    })
+                    .sum()
+            })
+            .collect()
+    }
+
     /// Coordinates `[T, Hkv, R]` of tensor rows `[T, Hkv, D]`.
     pub fn project(&self, t: Tensor, x: &[f32]) -> Vec<f32> {
         let h = self.kv_heads;
@@ -474,7 +507,28 @@ pub fn cache_view(s: &Scheme, t: Tensor, x: &[f32], bases: &Bases) -> Result<Vec
     let c = bases.project(t, &x);
     let coords = s.coordinate_scheme().expect("low_rank checked");
     let stored = reference::cache_view(&coords, t, &c)?;
-    Ok(bases.reconstruct(t, &stored))
+    let mut out = bases.reconstruct(t, &stored);
+    // Step 6: the `residual` worst-reconstructed tokens of each head, exact.
+    let n = s.low_rank.map_or(0, |l| l.residual as usize);
+    if n > 0 {
+        let err = bases.projection_errors(t, &x, &c);
+        for head in 0..h {
+            let mut all: Vec<(f64, usize)> = (0..x.len() / (h * d)).map(|p| (err[p * h + head], p)).collect();
+            all.sort_by(worse_first);
+            for &(_, p) in all.iter().take(n) {
+                let at = (p * h + head) * d;
+                out[at..at + d].copy_from_slice(&x[at..at + d]);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The order of `residual = N`: the larger reconstruction error first,
+/// ties to the earlier token (a total order, so the `N` kept are the same
+/// however the tokens arrived).
+fn worse_first(a: &(f64, usize), b: &(f64, usize)) -> std::cmp::Ordering {
+    b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
 }
 
 /// The whole oracle for one sequence of a low-rank scheme: [`cache_view`]
@@ -487,7 +541,7 @@ pub fn attend(s: &Scheme, q: &[f32], k: &[f32], v: &[f32], params: AttnParams, b
     reference::decode_attention(&plain, q, &kk, &vv, params)
 }
 
-fn check_bases(s: &Scheme, b: &Bases) -> Result<()> {
+pub(crate) fn check_bases(s: &Scheme, b: &Bases) -> Result<()> {
     let (shape, rank) = low_rank_shape(s)?;
     if (b.kv_heads, b.head_dim, b.rank) != (shape.kv_heads, shape.head_dim, rank) {
         return Err(Error::Config(format!(
@@ -496,6 +550,45 @@ fn check_bases(s: &Scheme, b: &Bases) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// Rows `[n, Hkv, D]` of tensor `t` rounded to the activation dtype
+/// (non-finite ones refused) and projected: the coordinates `[n, Hkv, R]`
+/// every low-rank cache stores, on the host ([`LowRankCache`]) and on a
+/// device ([`crate::device::DeviceLowRankCache`]) alike.
+pub(crate) fn project_rows(s: &Scheme, bases: &Bases, t: Tensor, x: &[f32]) -> Result<Vec<f32>> {
+    Ok(bases.project(t, &rounded_rows(s, bases, t, x)?))
+}
+
+/// Rows `[n, Hkv, D]` of tensor `t` rounded to the activation dtype, their
+/// length checked (non-finite values refused).
+fn rounded_rows(s: &Scheme, bases: &Bases, t: Tensor, x: &[f32]) -> Result<Vec<f32>> {
+    let (h, d) = (bases.kv_heads, bases.head_dim);
+    if !x.len().is_multiple_of(h * d) {
+        return Err(Error::Shape {
+            what: "key/value length",
+            expected: format!("a multiple of {} (kv_heads x head_dim)", h * d),
+            got: x.len().to_string(),
+        });
+    }
+    round_inputs(s, t.name(), x, h, d)
+}
+
+/// One query per sequence (`[batch, Hq, D]`) rounded and projected on its
+/// KV head's key basis: `[batch, Hq, R]`, what any backend then decodes
+/// against the coordinates (host and device caches alike).
+pub(crate) fn project_queries(s: &Scheme, bases: &Bases, batch: usize, q: &[f32]) -> Result<Vec<f32>> {
+    let shape = reference::shape_of(s)?;
+    let (hq, d) = (shape.q_heads, bases.head_dim);
+    if q.len() != batch * hq * d {
+        return Err(Error::Shape {
+            what: "query length",
+            expected: format!("{} (sequences x q_heads x head_dim)", batch * hq * d),
+            got: q.len().to_string(),
+        });
+    }
+    let q = round_inputs(s, "query", q, hq, d)?;
+    Ok(bases.project_queries(&q, hq))
 }
 
 /// A paged cache of a low-rank scheme (one layer): a [`PagedCache`] of the
@@ -507,6 +600,17 @@ pub struct LowRankCache {
     cache: PagedCache,
     bases: Bases,
     calibration: Option<u64>,
+    /// `residual = N`: per sequence, `[tensor * Hkv + head]` the kept
+    /// tokens, worst first ([`worse_first`]), at most `N` each.
+    exact: std::collections::HashMap<SeqId, Vec<Vec<Kept>>>,
+}
+
+/// One token kept exactly: its projection error, position and rounded row.
+#[derive(Clone)]
+struct Kept {
+    err: f64,
+    pos: usize,
+    row: Vec<f32>,
 }
 
 impl LowRankCache {
@@ -533,6 +637,7 @@ impl LowRankCache {
             scheme,
             bases,
             calibration: None,
+            exact: Default::default(),
         })
     }
 
@@ -558,19 +663,18 @@ impl LowRankCache {
         self.cache.len(id)
     }
     pub fn free_sequence(&mut self, id: SeqId) -> Result<()> {
-        self.cache.free_sequence(id)
+        self.cache.free_sequence(id)?;
+        self.exact.remove(&id);
+        Ok(())
     }
 
-    fn coords(&self, t: Tensor, x: &[f32]) -> Result<Vec<f32>> {
-        let (h, d) = (self.bases.kv_heads, self.bases.head_dim);
-        if !x.len().is_multiple_of(h * d) {
-            return Err(Error::Shape {
-                what: "key/value length",
-                expected: format!("a multiple of {} (kv_heads x head_dim)", h * d),
-                got: x.len().to_string(),
-            });
-        }
-        Ok(self.bases.project(t, &round_inputs(&self.scheme, t.name(), x, h, d)?))
+    fn residual(&self) -> usize {
+        self.scheme.low_rank.map_or(0, |l| l.residual as usize)
+    }
+
+    /// The hash of the calibration the bases came from, if any.
+    pub fn calibration_hash(&self) -> Option<u64> {
+        self.calibration
     }
 
     /// Appends tokens `[n, Hkv, D]` (projected, then stored as the
@@ -583,37 +687,105 @@ impl LowRankCache {
                 got: v.len().to_string(),
             });
         }
-        let (ck, cv) = (self.coords(Tensor::Key, k)?, self.coords(Tensor::Value, v)?);
-        self.cache.extend(id, &ck, &cv)
+        let n = self.residual();
+        if n == 0 {
+            let (ck, cv) = (
+                project_rows(&self.scheme, &self.bases, Tensor::Key, k)?,
+                project_rows(&self.scheme, &self.bases, Tensor::Value, v)?,
+            );
+            return self.cache.extend(id, &ck, &cv);
+        }
+        // `residual = N`: rank the new rows with the kept ones (module docs,
+        // step 6), committed only once the coordinate cache took them.
+        let start = self.cache.len(id)?;
+        let (h, d) = (self.bases.kv_heads, self.bases.head_dim);
+        let mut kept = self.exact.get(&id).cloned().unwrap_or_else(|| vec![Vec::new(); 2 * h]);
+        let mut coords = Vec::with_capacity(2);
+        for (ti, (t, x)) in [(Tensor::Key, k), (Tensor::Value, v)].into_iter().enumerate() {
+            let xr = rounded_rows(&self.scheme, &self.bases, t, x)?;
+            let c = self.bases.project(t, &xr);
+            let err = self.bases.projection_errors(t, &xr, &c);
+            for (i, e) in err.iter().enumerate() {
+                let (pos, head) = (start + i / h, i % h);
+                let list = &mut kept[ti * h + head];
+                list.push(Kept {
+                    err: *e,
+                    pos,
+                    row: xr[i * d..(i + 1) * d].to_vec(),
+                });
+            }
+            for list in &mut kept[ti * h..(ti + 1) * h] {
+                list.sort_by(|a, b| worse_first(&(a.err, a.pos), &(b.err, b.pos)));
+                list.truncate(n);
+            }
+            coords.push(c);
+        }
+        self.cache.extend(id, &coords[0], &coords[1])?;
+        self.exact.insert(id, kept);
+        Ok(())
     }
 
     /// Decode attention of one query per sequence (`q` is `[B, Hq, D]`) on
     /// `backend`: project, decode the coordinates, reconstruct. `[B, Hq, D]`.
+    ///
+    /// With `residual = N` there is no fast path yet: each sequence is
+    /// decoded by the oracle's attention ([`reference::decode_attention`])
+    /// over this cache's rows ([`Self::dequantize`]: reconstructions, and
+    /// the kept tokens exact), on the host, whatever `backend` is.
     pub fn decode(&self, backend: &dyn Backend, seqs: &[SeqId], q: &[f32], attn: AttnParams) -> Result<Vec<f32>> {
-        let shape = self.cache.shape();
-        let (hq, d) = (shape.q_heads, self.bases.head_dim);
-        if q.len() != seqs.len() * hq * d {
-            return Err(Error::Shape {
-                what: "query length",
-                expected: format!("{} (sequences x q_heads x head_dim)", seqs.len() * hq * d),
-                got: q.len().to_string(),
-            });
+        let hq = self.cache.shape().q_heads;
+        if self.residual() > 0 {
+            // Checks the query's length and values like the fast path.
+            project_queries(&self.scheme, &self.bases, seqs.len(), q)?;
+            let per = q.len() / seqs.len().max(1);
+            let mut plain = self.scheme.clone();
+            plain.low_rank = None;
+            let mut out = Vec::with_capacity(q.len());
+            for (b, &id) in seqs.iter().enumerate() {
+                let (kk, vv) = (self.dequantize(id, Tensor::Key)?, self.dequantize(id, Tensor::Value)?);
+                out.extend(reference::decode_attention(
+                    &plain,
+                    &q[b * per..][..per],
+                    &kk,
+                    &vv,
+                    attn,
+                )?);
+            }
+            return Ok(out);
         }
-        let q = round_inputs(&self.scheme, "query", q, hq, d)?;
-        let out = backend.decode(&self.cache, seqs, &self.bases.project_queries(&q, hq), attn)?;
+        let qp = project_queries(&self.scheme, &self.bases, seqs.len(), q)?;
+        let out = backend.decode(&self.cache, seqs, &qp, attn)?;
         Ok(self.bases.reconstruct_outputs(&out, hq))
     }
 
     /// The cache's view of tensor `t` of a sequence, reconstructed: `[T, Hkv, D]`.
+    /// With `residual = N`, the kept tokens read their exact rows.
     pub fn dequantize(&self, id: SeqId, t: Tensor) -> Result<Vec<f32>> {
-        Ok(self.bases.reconstruct(t, &self.cache.dequantize(id, t)?))
+        let mut out = self.bases.reconstruct(t, &self.cache.dequantize(id, t)?);
+        if let Some(kept) = self.exact.get(&id) {
+            let (h, d) = (self.bases.kv_heads, self.bases.head_dim);
+            let ti = if t == Tensor::Key { 0 } else { 1 };
+            for (head, list) in kept[ti * h..(ti + 1) * h].iter().enumerate() {
+                for k in list {
+                    out[(k.pos * h + head) * d..][..d].copy_from_slice(&k.row);
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Bytes in use: the coordinate cache's, plus the bases once.
+    ///
+    /// With `residual = N`, the kept tokens are counted under `outliers`
+    /// (tokens set aside exactly, as sparse outliers are): per kept row its
+    /// `D` values in the activation dtype and a 4-byte position.
     pub fn memory(&self) -> MemoryReport {
         let mut m = self.cache.memory();
         m.bases = self.bases.bytes();
-        m.total += m.bases;
+        let rows: usize = self.exact.values().flatten().map(Vec::len).sum();
+        let exact = rows * (self.bases.head_dim * self.bases.elem_bytes + 4);
+        m.outliers += exact;
+        m.total += m.bases + exact;
         m
     }
 }

@@ -520,3 +520,47 @@ fn missing_or_mismatched_calibrations_are_clear_errors() {
     let other_shape = LayerSamples::new(0, 4, 2, 2, 16, vec![0.0; 128], vec![0.0; 128]);
     assert!(c.fit_codebooks(&s, &[other_shape], FitOptions::default()).is_err());
 }
+
+/// Sinks decide which tokens a table is fitted on: two schemes that differ
+/// only in sinks get two tables, and fitting the second leaves the first's
+/// as it was (it used to overwrite it under one shared fit key).
+#[test]
+fn schemes_differing_only_in_sinks_keep_their_own_tables() {
+    let text = |sinks: u32| {
+        format!(
+            "pub S{sinks} {{ key: quant(bits = 2, axis = channel, group = 16, levels = nuq), \
+             value: quant(bits = 2, axis = token, group = 32, levels = nuq), residual: 0, sinks: {sinks} }}"
+        )
+    };
+    let (a, b) = (parse_scheme(&text(0)).unwrap(), parse_scheme(&text(24)).unwrap());
+    for t in [Tensor::Key, Tensor::Value] {
+        assert_ne!(fit_key(&a, t), fit_key(&b, t), "{t:?}");
+    }
+    let (hq, hkv, d) = (4usize, 2usize, 32usize);
+    let mut rng = Rng::new(11);
+    let samples = vec![LayerSamples::new(
+        0,
+        96,
+        hq,
+        hkv,
+        d,
+        kv(&mut rng, 96, hkv, d, true),
+        kv(&mut rng, 96, hkv, d, false),
+    )];
+    let mut c = Calibration::new(model(1, hkv as u32, d as u32), "test draws");
+    c.fit_codebooks(&a, &samples, FitOptions::default()).unwrap();
+    let before: Vec<Vec<f32>> = [Tensor::Key, Tensor::Value]
+        .iter()
+        .map(|&t| c.codebook(&a, t, 0).unwrap())
+        .collect();
+    c.fit_codebooks(&b, &samples, FitOptions::default()).unwrap();
+    for (i, &t) in [Tensor::Key, Tensor::Value].iter().enumerate() {
+        assert_eq!(
+            c.codebook(&a, t, 0).unwrap(),
+            before[i],
+            "{t:?}: fitting S24 changed S0's table"
+        );
+        // 24 of 96 tokens left out: another sample, another table.
+        assert_ne!(c.codebook(&b, t, 0).unwrap(), before[i], "{t:?}");
+    }
+}

@@ -346,3 +346,158 @@ fn bad_inputs_are_typed_errors() {
     assert!(c.decode(&ReferenceBackend, &[id], &[0.0; 63], attn).is_err());
     assert_eq!(c.decode(&ReferenceBackend, &[id], &[0.0; 64], attn).unwrap().len(), 64);
 }
+
+/// `residual = N` (LowRAM's exact residual): the N worst-reconstructed
+/// tokens of each head read their exact rows — in the oracle, in the
+/// cache (streamed and prefilled alike), in decode on every backend and
+/// in the memory report; planted off-subspace tokens are the ones kept,
+/// and keeping them brings attention back near the unprojected answer.
+#[test]
+fn exact_residual_keeps_the_worst_reconstructed_tokens() {
+    // The grammar: canonical text, the default, the range.
+    let s = parse_scheme(
+        "R { key: full, value: full, low_rank: pca(rank = 8, apply = [key, value], residual = 3), heads: mha(1), head_dim: 32 }",
+    )
+    .unwrap();
+    assert_eq!(s.low_rank.unwrap().residual, 3);
+    assert!(kivi_spec::canonical(&s).contains("pca(rank = 8, apply = [key, value], residual = 3)"));
+    assert_eq!(kivi_spec::parse_scheme(&kivi_spec::canonical(&s)).unwrap(), s);
+    let s0 = scheme("key: full, value: full", 8, Heads::Mha(1), 32);
+    assert_eq!(s0.low_rank.unwrap().residual, 0);
+    assert!(!kivi_spec::canonical(&s0).contains("residual ="));
+    let e =
+        parse_scheme("R { key: full, value: full, low_rank: pca(rank = 8, apply = [key, value], residual = 5000) }")
+            .unwrap_err()
+            .to_string();
+    assert!(e.contains("residual = 5000"), "{e}");
+
+    let mut rng = Rng::new(8);
+    let d = 32;
+    let n_keep = 3;
+    for (hq, h) in [(4, 4), (8, 2), (4, 1)] {
+        let heads = Heads::from_counts(hq as u32, h as u32);
+        let (cal, mk, mv) = calibrated(&mut rng, 1, hq, h, d, 4);
+        let lr = |codecs: &str, n: usize| {
+            parse_scheme(&format!(
+                "R {{ {codecs}, low_rank: pca(rank = 16, apply = [key, value], residual = {n}) }}"
+            ))
+            .unwrap()
+            .with_shape(heads, d as u32)
+            .unwrap()
+        };
+        let s = lr(Q4, n_keep);
+        let mut cache = LowRankCache::with_calibration(s.clone(), CacheConfig::for_tokens(2400), &cal, 0).unwrap();
+        let mut one = LowRankCache::with_calibration(s.clone(), CacheConfig::for_tokens(2400), &cal, 0).unwrap();
+        let b = cache.bases().clone();
+        let row = h * d;
+        let (mut seqs, mut data) = (Vec::new(), Vec::new());
+        for &n in &[1usize, 31, 33, 127, 1000] {
+            let mut k = low_rank_rows(&mut rng, &mk, n, h, d, 4);
+            let mut v = low_rank_rows(&mut rng, &mv, n, h, d, 4);
+            // Tokens far off the subspace in head 0: the ones to keep.
+            let planted: Vec<usize> = [5usize, 17, n.saturating_sub(2)]
+                .iter()
+                .map(|&p| p.min(n - 1))
+                .collect();
+            for &p in &planted {
+                for c in 0..d {
+                    k[p * row + c] += 4.0 * rng.normal();
+                    v[p * row + c] += 4.0 * rng.normal();
+                }
+            }
+            let id = cache.add_sequence();
+            cache.extend(id, &k, &v).unwrap();
+            for (t, x) in [(Tensor::Key, &k), (Tensor::Value, &v)] {
+                let view = low_rank::cache_view(&s, t, x, &b).unwrap();
+                assert_eq!(
+                    cache.dequantize(id, t).unwrap(),
+                    view,
+                    "{heads} {n} {t:?}: cache vs oracle"
+                );
+                let xr = reference::round_inputs(&s, t.name(), x, h, d).unwrap();
+                for &p in &planted {
+                    assert_eq!(
+                        &view[p * row..][..d],
+                        &xr[p * row..][..d],
+                        "{heads} {n}: planted token {p} kept"
+                    );
+                }
+                // At most N exact rows per head: the rest are reconstructions.
+                let exact = (0..n).filter(|&p| view[p * row..][..d] == xr[p * row..][..d]).count();
+                assert!(exact <= n_keep.min(n), "{heads} {n}: {exact} exact rows in head 0");
+            }
+            if n <= 127 {
+                // Streamed one token per call: the same kept set, bit for bit.
+                let id1 = one.add_sequence();
+                for t in 0..n {
+                    one.extend(id1, &k[t * row..(t + 1) * row], &v[t * row..(t + 1) * row])
+                        .unwrap();
+                }
+                for t in [Tensor::Key, Tensor::Value] {
+                    assert_eq!(one.dequantize(id1, t).unwrap(), cache.dequantize(id, t).unwrap());
+                }
+            }
+            seqs.push(id);
+            data.push((k, v));
+        }
+        let q: Vec<f32> = (0..seqs.len() * hq * d).map(|_| 0.3 * rng.normal()).collect();
+        let attn = AttnParams::of(&s, s.shape().unwrap());
+        let per = hq * d;
+        let want: Vec<f32> = data
+            .iter()
+            .enumerate()
+            .flat_map(|(i, (k, v))| low_rank::attend(&s, &q[i * per..(i + 1) * per], k, v, attn, &b).unwrap())
+            .collect();
+        for be in [
+            Box::new(ReferenceBackend) as Box<dyn Backend>,
+            Box::new(CpuBackend::new(CpuParams::default()).unwrap()),
+        ] {
+            assert_eq!(cache.decode(be.as_ref(), &seqs, &q, attn).unwrap(), want, "{heads}");
+        }
+        // Memory: N rows (D values f16 + a position) per head and tensor per sequence.
+        let rows: usize = [1usize, 31, 33, 127, 1000].iter().map(|&n| n.min(n_keep) * 2 * h).sum();
+        let m = cache.memory();
+        assert_eq!(m.outliers, rows * (d * 2 + 4));
+        assert_eq!(cache.coordinates().memory().outliers, 0);
+        assert_eq!(m.total, cache.coordinates().memory().total + m.bases + m.outliers);
+        // Keeping the planted tokens brings attention near the unprojected
+        // answer (full coordinates: only the projection loses anything).
+        let (k, v) = &data[3];
+        let full = |n: usize| lr("key: full, value: full", n);
+        let plain = parse_scheme("P { key: full, value: full }")
+            .unwrap()
+            .with_shape(heads, d as u32)
+            .unwrap();
+        let qq = &q[3 * per..4 * per];
+        let exact = reference::attend(&plain, qq, k, v, attn).unwrap();
+        let err = |n: usize| {
+            let got =
+                low_rank::attend(&full(n), qq, k, v, attn, &Bases::for_layer(&full(n), &cal, 0).unwrap()).unwrap();
+            exact.iter().zip(&got).fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+        };
+        let (without, with) = (err(0), err(n_keep));
+        assert!(
+            with < 0.5 * without,
+            "{heads}: residual error {with} vs {without} without"
+        );
+    }
+    // The device has no residual path yet: a typed refusal.
+    let mut s = scheme(Q4, 16, Heads::Mha(1), 32);
+    s.low_rank.as_mut().unwrap().residual = 2;
+    let unit: Vec<f32> = (0..16 * 32).map(|i| if i % 32 == i / 32 { 1.0 } else { 0.0 }).collect();
+    let b = Bases::new(&s, unit.clone(), unit).unwrap();
+    let e = kivi_runtime::device::DeviceLowRankCache::with_bases(
+        kivi_runtime::device::SimDevice::shared(),
+        &s,
+        1,
+        64,
+        CacheConfig::for_tokens(64),
+        b,
+    )
+    .err()
+    .unwrap();
+    assert!(
+        matches!(&e, kivi_runtime::Error::Config(m) if m.contains("residual = 2")),
+        "{e}"
+    );
+}

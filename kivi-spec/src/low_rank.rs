@@ -36,12 +36,25 @@ pub struct LowRank {
     pub rank: u32,
     /// Which tensors go through a basis (only `[key, value]` today).
     pub apply: Apply,
+    /// LowRAM's exact residual (`residual = N`, default 0): per sequence
+    /// and KV head, the `N` tokens the basis reconstructs worst (largest
+    /// `||x - B Bᵀ x||²` of the rounded row, ties to the earlier token) are
+    /// kept exactly, in the activation dtype, and read instead of their
+    /// reconstruction (`kivi_runtime::low_rank`).
+    pub residual: u32,
 }
 
 impl LowRank {
-    /// The canonical spelling, e.g. `pca(rank = 64, apply = [key, value])`.
+    /// The canonical spelling, e.g. `pca(rank = 64, apply = [key, value])`
+    /// (`, residual = N` only when `N > 0`, so schemes without one keep
+    /// their text and hash).
     pub fn text(&self) -> String {
-        format!("pca(rank = {}, apply = {})", self.rank, self.apply.text())
+        let residual = if self.residual > 0 {
+            format!(", residual = {}", self.residual)
+        } else {
+            String::new()
+        };
+        format!("pca(rank = {}, apply = {}{residual})", self.rank, self.apply.text())
     }
 }
 
@@ -75,6 +88,9 @@ impl Scheme {
     }
 }
 
+/// The most exact tokens `residual = N` may keep per sequence and KV head.
+pub const MAX_RESIDUAL: u32 = 4096;
+
 /// The rules of `low_rank` (called by [`crate::validate`]).
 pub(crate) fn validate_low_rank(s: &Scheme) -> Result<(), Invalid> {
     let Some(l) = s.low_rank else {
@@ -97,6 +113,15 @@ pub(crate) fn validate_low_rank(s: &Scheme) -> Result<(), Invalid> {
                 Some(d) => format!("low_rank rank = {} must be between 1 and head_dim {d}", l.rank),
                 None => format!("low_rank rank = {} must be between 1 and {limit}", l.rank),
             },
+        ));
+    }
+    if l.residual > MAX_RESIDUAL {
+        return Err(Invalid::new(
+            Field::LowRank,
+            format!(
+                "low_rank residual = {} is out of range; expected 0 to {MAX_RESIDUAL} exact tokens per sequence and KV head",
+                l.residual
+            ),
         ));
     }
     let refuse = |field: Field, what: &str| -> Result<(), Invalid> {

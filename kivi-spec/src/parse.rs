@@ -15,7 +15,7 @@
 //!           | rope: post | pre(theta = NUMBER, style = half|interleaved
 //!                              [, scaling = none|linear(NUMBER)])
 //!           | query: int8(group = INT)
-//!           | low_rank: pca(rank = INT, apply = tensors)
+//!           | low_rank: pca(rank = INT, apply = tensors [, residual = INT])
 //! codec    := full | quant(bits = INT, axis = channel|token, group = INT
 //!                          [, scale = f16|f32] [, levels = uniform|lloyd_max|nuq] [, norm = rms|l2])
 //!           | vq(dim = INT, entries = INT [, codebook = NAME])
@@ -544,14 +544,15 @@ fn parse_low_rank(input: ParseStream, spans: &mut HashMap<Field, Span>) -> syn::
             format!("unknown low-rank basis `{kind}`; expected pca(rank = R, apply = [key, value])"),
         );
     }
-    let (mut rank, mut apply) = (None, None);
-    let close = parse_args(input, "pca", "rank or apply", |name, c| {
+    let (mut rank, mut apply, mut residual) = (None, None, 0);
+    let close = parse_args(input, "pca", "rank, apply or residual", |name, c| {
         match name.to_string().as_str() {
             "rank" => {
                 let (v, sp) = parse_u32(c, "rank")?;
                 spans.insert(Field::LowRankRank, sp);
                 rank = Some(v);
             }
+            "residual" => residual = parse_u32(c, "residual")?.0,
             "apply" => apply = Some(parse_apply(c, Field::LowRankApply, spans)?),
             _ => return Ok(false),
         }
@@ -561,6 +562,7 @@ fn parse_low_rank(input: ParseStream, spans: &mut HashMap<Field, Span>) -> syn::
     Ok(LowRank {
         rank: rank.ok_or_else(|| missing("rank"))?,
         apply: apply.ok_or_else(|| missing("apply"))?,
+        residual,
     })
 }
 

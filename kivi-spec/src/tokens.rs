@@ -107,8 +107,8 @@ pub fn scheme_expr(s: &Scheme) -> TokenStream {
         quote!(::kivi::spec::Rope { theta: #theta, style: #style, scaling: #scaling })
     }));
     let low_rank = opt(s.low_rank.map(|l| {
-        let (r, a) = (l.rank, apply(&l.apply));
-        quote!(::kivi::spec::LowRank { rank: #r, apply: #a })
+        let (r, a, n) = (l.rank, apply(&l.apply), l.residual);
+        quote!(::kivi::spec::LowRank { rank: #r, apply: #a, residual: #n })
     }));
     let query = opt(s.query.map(|q| {
         let g = q.group;

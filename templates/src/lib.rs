@@ -345,6 +345,7 @@ impl Codebooks {
 /// assert!(kivi_templates::check_supported(&s).is_ok());
 /// ```
 pub fn check_supported(scheme: &Scheme) -> Result<(), GenError> {
+    let scheme = &*kernel_scheme(scheme);
     check_codecs(scheme)?;
     for t in [kivi_spec::Tensor::Key, kivi_spec::Tensor::Value] {
         if let Some(q) = scheme.codec(t).quant() {
@@ -379,6 +380,7 @@ pub fn check_supported(scheme: &Scheme) -> Result<(), GenError> {
 /// assert!(check_calibrated(&s, &bad).unwrap_err().to_string().contains("ascending"));
 /// ```
 pub fn check_calibrated(scheme: &Scheme, cb: &Codebooks) -> Result<(), GenError> {
+    let scheme = &*kernel_scheme(scheme);
     check_codecs(scheme)?;
     for t in [kivi_spec::Tensor::Key, kivi_spec::Tensor::Value] {
         let err = |why: String| GenError::Codebook { tensor: t.name(), why };
@@ -421,17 +423,36 @@ pub fn check_calibrated(scheme: &Scheme, cb: &Codebooks) -> Result<(), GenError>
     Ok(())
 }
 
+/// The scheme whose kernels serve `scheme`: itself, or for a low-rank
+/// scheme (`low_rank: pca(...)`) its coordinate scheme
+/// ([`Scheme::coordinate_scheme`]: the same codecs and windows over `R`
+/// coordinates, head_dim `R`, the full head's softmax scale). A low-rank
+/// cache *is* a cache of coordinates; the host wrapper
+/// (`kivi_runtime::device::DeviceLowRankCache`) projects rows and queries
+/// with the calibrated basis and reconstructs the output once per step, so
+/// the generated prefill, append and decode kernels are the coordinate
+/// scheme's, unchanged. Every generator entry point here resolves its
+/// scheme through this; the many-query block kernel refuses low-rank
+/// schemes ([`generate_block_calibrated`]).
+///
+/// ```
+/// let s = kivi_spec::parse_scheme("L { key: quant(bits = 2, axis = channel, group = 32), \
+///     value: quant(bits = 2, axis = token, group = 16), residual: 32, \
+///     low_rank: pca(rank = 32, apply = [key, value]), heads: mha(2), head_dim: 64 }").unwrap();
+/// assert_eq!(kivi_templates::kernel_scheme(&s).head_dim, Some(32));
+/// let v = kivi_templates::default_variant(&s, kivi_templates::Kernel::Decode);
+/// let g = kivi_templates::generate(&s, kivi_templates::Kernel::Decode, &v).unwrap();
+/// assert_eq!(g.launch.head_dim, 32); // scores R-wide coordinates
+/// ```
+pub fn kernel_scheme(scheme: &Scheme) -> std::borrow::Cow<'_, Scheme> {
+    match scheme.coordinate_scheme() {
+        Some(c) => std::borrow::Cow::Owned(c),
+        None => std::borrow::Cow::Borrowed(scheme),
+    }
+}
+
 /// What no table can fix: caches the paged-cache kernels have no layout for.
 fn check_codecs(scheme: &Scheme) -> Result<(), GenError> {
-    // Low-rank caches store coordinates in a calibrated basis
-    // (kivi_runtime::low_rank): no template projects or reconstructs yet,
-    // and a plain kernel would read the coordinates as rows.
-    if scheme.low_rank.is_some() {
-        return Err(GenError::Unsupported {
-            what: "low_rank (coordinates in a calibrated basis; CPU only for now)".into(),
-            field: kivi_spec::Field::LowRank,
-        });
-    }
     // Every codec of the grammar is generated (see above), and the
     // integer-domain query (`query: int8(...)`) by the decode template;
     // MLA caches have their own layout (kivi_spec::mla) and no template yet.
@@ -501,6 +522,7 @@ pub fn variants(scheme: &Scheme, kernel: Kernel) -> Vec<Variant> {
 
 /// [`variants`] for a non-default layout.
 pub fn variants_with(scheme: &Scheme, kernel: Kernel, opts: GenOptions) -> Vec<Variant> {
+    let scheme = &*kernel_scheme(scheme);
     // The same for every calibration (and without one): a `nuq` scheme
     // tunes over the variants its Lloyd–Max twin has.
     let Ok(layout) = layout_unchecked(scheme, opts) else {
@@ -535,8 +557,9 @@ pub type KernelError = (String, Option<kivi_spec::Field>);
 /// `kivi::scheme!` embeds. On failure, the message the macro reports and
 /// the part of the scheme it is about, where the generator names one.
 pub fn default_kernels(s: &Scheme) -> Result<Vec<(String, String)>, KernelError> {
-    // Low-rank schemes have no template yet (CPU only).
-    if s.shape().is_none() || s.mla().is_some() || s.low_rank.is_some() {
+    // A low-rank scheme embeds its coordinate scheme's kernels
+    // (`kernel_scheme`, via `generate`).
+    if s.shape().is_none() || s.mla().is_some() {
         return Ok(Vec::new());
     }
     // vq schemes: none (CPU only, as before the templates had vq) when the
@@ -600,6 +623,7 @@ pub fn generate_with(
     variant: &Variant,
     opts: GenOptions,
 ) -> Result<Generated, GenError> {
+    let scheme = &*kernel_scheme(scheme);
     let layout = layout_of(scheme, opts)?;
     variant.check(kernel, scheme, &layout)?;
     Ok(generate::generate(
@@ -635,6 +659,7 @@ pub fn generate_calibrated(
     opts: GenOptions,
     cb: &Codebooks,
 ) -> Result<Generated, GenError> {
+    let scheme = &*kernel_scheme(scheme);
     check_calibrated(scheme, cb)?;
     let layout = layout_unchecked(scheme, opts)?;
     variant.check(kernel, scheme, &layout)?;
@@ -647,6 +672,7 @@ pub fn generate_calibrated(
 /// `batch * 2 * kv_heads` such regions.
 pub fn extend_work_floats(scheme: &Scheme, opts: GenOptions) -> Result<usize, GenError> {
     // Independent of any `nuq` table: the same with every calibration.
+    let scheme = &*kernel_scheme(scheme);
     let layout = layout_unchecked(scheme, opts)?;
     Ok(generate::work_floats(scheme, &layout))
 }
@@ -654,7 +680,7 @@ pub fn extend_work_floats(scheme: &Scheme, opts: GenOptions) -> Result<usize, Ge
 /// The readable scheme + shape part of a kernel name, e.g.
 /// `kivi2-k.c.g32.b2-v.t.g32.b2-r128/gqa32x8.d128`.
 pub fn scheme_tag(scheme: &Scheme) -> String {
-    generate::scheme_tag(scheme, None)
+    generate::scheme_tag(&kernel_scheme(scheme), None)
 }
 
 /// The text of the simulator shim header (`cuda/sim_shim.h`), for the `sim`
@@ -722,6 +748,17 @@ pub fn generate_block(scheme: &Scheme, opts: GenOptions) -> Result<Generated, Ge
 /// the calibrated tables `cb`, baked in as [`generate_calibrated`] bakes
 /// them (the source, its hash and its name change with the tables).
 pub fn generate_block_calibrated(scheme: &Scheme, opts: GenOptions, cb: &Codebooks) -> Result<Generated, GenError> {
+    if scheme.low_rank.is_some() {
+        // The many-query path of a low-rank cache would project every new
+        // query and reconstruct every output row; no host wrapper does
+        // that for the device yet (kivi_runtime::device::DeviceLowRankCache
+        // decodes one query per sequence).
+        return Err(GenError::Unsupported {
+            what: "low_rank in the many-query block kernel (the device low-rank cache decodes one query per step)"
+                .into(),
+            field: kivi_spec::Field::LowRank,
+        });
+    }
     if scheme.rope.is_some() {
         // The block kernel decodes stored rows once per tile for many
         // queries at different positions; turning them is not written yet.

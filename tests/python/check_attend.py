@@ -23,6 +23,10 @@ Then calibrated codebooks (levels = nuq) through `kivi attend --calibration`:
 a calibration file written by this script (tables drawn here), keys after
 and before RoPE (rope: pre, both pair conventions; numpy turns the keys),
 and a key codebook of the wrong RoPE stage refused.
+Then low-rank keys and values (low_rank: pca(...)) through `kivi attend
+--calibration`: random orthonormal bases written into a calibration file
+here (entry kind 4), rows projected, stored by the coordinate codec and
+reconstructed by numpy, on the reference, cpu and sim backends.
 Then product vector quantization (vq(...)) through `kivi attend
 --calibration` on the reference, cpu and sim backends: codebooks drawn here
 and written into a calibration file (entry kind 3, a named codebook once
@@ -372,6 +376,7 @@ def main():
 
         check_mla(run, checks, rng, tmp, lengths)
         check_nuq(run, checks, rng, tmp, lengths)
+        check_low_rank(run, checks, rng, tmp, lengths)
         check_vq(run, checks, rng, tmp, lengths)
 
     print(f"check_attend: {checks.passed} passed, {checks.failed} failed")
@@ -404,10 +409,11 @@ def calibration_bytes(kv_heads, head_dim, entries):
     return out + struct.pack("<Q", fnv1a64(out))
 
 
-def fit_text(q):
-    """kivi_runtime::calib::fit_key of a codec with no pipeline."""
+def fit_text(q, sinks=0):
+    """kivi_runtime::calib::fit_key of a codec with no pipeline (sinks
+    named only when there are some, as there)."""
     return (f"bits={q.bits} axis={q.axis} group={q.group} norm={q.norm} "
-            "center=none rotation=none outliers=0")
+            "center=none rotation=none outliers=0" + (f" sinks={sinks}" if sinks else ""))
 
 
 def check_nuq(run, checks, rng, tmp, lengths):
@@ -445,7 +451,7 @@ def check_nuq(run, checks, rng, tmp, lengths):
         scheme = ref.Scheme(key=kq, value=vq, **extra)
         key_stage = 1 if scheme.rope else 0
         for layout, (hq, hkv) in LAYOUTS.items():
-            entries = [(t, stage, fit_text(q), q.table)
+            entries = [(t, stage, fit_text(q, scheme.sinks), q.table)
                        for t, stage, q in ((0, key_stage, kq), (1, 0, vq)) if q.levels == "nuq"]
             cal = os.path.join(tmp, f"{name}-{hkv}.kivical")
             with open(cal, "wb") as f:
@@ -467,6 +473,150 @@ def check_nuq(run, checks, rng, tmp, lengths):
                                     "--calibration", bad], capture_output=True, text=True)
                 checks.ok(r.returncode != 0 and "pre-RoPE keys" in r.stderr and "post-RoPE" in r.stderr,
                           f"nuq {name} {layout}: a post-RoPE codebook is refused: {r.stderr.strip()}")
+
+
+def basis_calibration_bytes(kv_heads, head_dim, bases):
+    """A calibration file (format version 1) holding layer 0's low-rank
+    bases: `bases` is (key, value), each [kv_heads, head_dim, head_dim]
+    with orthonormal rows (entry kind 4, fit "pca uncentered", shape
+    [kv_heads, head_dim, head_dim]; a scheme of rank R uses the first R rows)."""
+    import struct
+
+    def s(x):
+        b = x.encode()
+        return struct.pack("<I", len(b)) + b
+
+    out = b"KIVICAL\0" + struct.pack("<I", 1) + s("numpy") + struct.pack("<III", 1, kv_heads, head_dim)
+    out += s("check_attend.py") + struct.pack("<I", 2)
+    for tensor, b in enumerate(bases):
+        out += struct.pack("<IBBBB", 0, tensor, 0, 4, 0) + s("pca uncentered")
+        out += struct.pack("<IIII", 3, kv_heads, head_dim, head_dim) + np.asarray(b, dtype="<f4").tobytes()
+    return out + struct.pack("<Q", fnv1a64(out))
+
+
+def project(basis, x):
+    """Coordinates [..., H, R] of rows x [..., H, D] in basis [H, R, D]:
+    products exact in float64, summed over D in order, one rounding to f32
+    (kivi_runtime::low_rank::Bases::project)."""
+    x = x.astype(np.float64)
+    b = basis.astype(np.float64)
+    acc = np.zeros(x.shape[:-1] + (b.shape[1],), dtype=np.float64)
+    for d in range(b.shape[2]):
+        acc += x[..., :, d:d + 1] * b[:, :, d]
+    return acc.astype(np.float32)
+
+
+def reconstruct(basis, c):
+    """Rows [..., H, D] from coordinates c [..., H, R]: summed over R in
+    order in float64, one rounding (Bases::reconstruct)."""
+    c = c.astype(np.float64)
+    b = basis.astype(np.float64)
+    acc = np.zeros(c.shape[:-1] + (b.shape[2],), dtype=np.float64)
+    for j in range(b.shape[1]):
+        acc += c[..., :, j:j + 1] * b[:, j, :]
+    return acc.astype(np.float32)
+
+
+def keep_worst(basis, x, view, n):
+    """`residual = N`: per KV head the N tokens with the largest projection
+    error ||x - B c||² (c the f32 coordinates, B c in float64, ties to the
+    earlier token) read their rounded row x instead of the reconstruction."""
+    c = project(basis, x).astype(np.float64)
+    b = basis.astype(np.float64)
+    rec = np.zeros(x.shape, dtype=np.float64)
+    for j in range(b.shape[1]):
+        rec += c[..., :, j:j + 1] * b[:, j, :]
+    err = np.sum((x.astype(np.float64) - rec) ** 2, axis=-1)  # [T, H]
+    out = view.copy()
+    for h in range(x.shape[1]):
+        order = sorted(range(x.shape[0]), key=lambda t: (-err[t, h], t))
+        for t in order[:n]:
+            out[t, h] = x[t, h]
+    return out
+
+
+def check_low_rank(run, checks, rng, tmp, lengths):
+    """Low-rank keys and values through `kivi attend --calibration`: random
+    orthonormal bases (QR of Gaussian matrices) written into a calibration
+    file here, then numpy's own oracle: round the rows to the activation
+    dtype, project on the first R basis rows (rounded to the dtype, as the
+    cache holds them), store the coordinates as numpy_ref stores an R-wide
+    head, reconstruct. The dequantized K/V dump must match to one ulp. The
+    output is checked against the fast path every backend runs (query
+    rounded and projected, its projection rounded again as any query is,
+    decode over the coordinates, the output reconstructed) to 1e-4, and in
+    f32 also against attention over the reconstructed rows to 1e-4. A
+    scheme with `residual = 3` keeps its worst-reconstructed tokens exact
+    (numpy ranks them itself) and is checked against the oracle only."""
+    cases = [
+        ("lrf32 { key: quant(bits = 2, axis = channel, group = 16), value: quant(bits = 2, axis = token, group = 8), "
+         "residual: 16, dtype: f32, low_rank: pca(rank = 24, apply = [key, value]) }",
+         ref.Scheme(key=ref.Quant(2, "channel", 16), value=ref.Quant(2, "token", 8), residual=16, dtype="f32"), 24),
+        ("lrlm { key: quant(bits = 4, axis = token, group = 16, levels = lloyd_max), "
+         "value: quant(bits = 3, axis = channel, group = 32), residual: 8, sinks: 2, "
+         "low_rank: pca(rank = 32, apply = [key, value]) }",
+         ref.Scheme(key=ref.Quant(4, "token", 16, levels="lloyd_max"), value=ref.Quant(3, "channel", 32),
+                    residual=8, sinks=2), 32),
+        # LowRAM's exact residual: the 3 worst-reconstructed tokens per head read exactly.
+        ("lrres { key: quant(bits = 2, axis = channel, group = 16), value: quant(bits = 2, axis = token, group = 8), "
+         "residual: 16, dtype: f32, low_rank: pca(rank = 24, apply = [key, value], residual = 3) }",
+         ref.Scheme(key=ref.Quant(2, "channel", 16), value=ref.Quant(2, "token", 8), residual=16, dtype="f32"), 24),
+    ]
+    d = HEAD_DIM
+    scale = np.float32(1) / np.sqrt(np.float32(d))
+    for text, coords, rank in cases:
+        name = text.split("{")[0].strip()
+        exact_n = int(re.search(r"pca\([^)]*residual = (\d+)", text).group(1)) if "residual = 3" in text else 0
+        path = os.path.join(tmp, f"{name}.kivi")
+        with open(path, "w") as f:
+            f.write(text)
+        for layout, (hq, hkv) in LAYOUTS.items():
+            full = [np.stack([np.linalg.qr(rng.standard_normal((d, d)))[0].T for _ in range(hkv)]).astype(np.float32)
+                    for _ in range(2)]
+            cal = os.path.join(tmp, f"{name}-{hkv}.kivical")
+            with open(cal, "wb") as f:
+                f.write(basis_calibration_bytes(hkv, d, full))
+            bk, bv = (ref.round_to(b[:, :rank, :], coords.dtype) for b in full)
+            group = hq // hkv
+            for t in lengths:
+                q, k, v = inputs(rng, t, hq, hkv, d)
+                paths = run.write(q, k, v)
+                q, k, v = (np.load(paths[n]).astype(np.float32) for n in "qkv")
+                ck = ref.cache_view(coords, coords.key, project(bk, ref.round_to(k, coords.dtype)), "key")
+                cv = ref.cache_view(coords, coords.value, project(bv, ref.round_to(v, coords.dtype)), "value")
+                kview, vview = reconstruct(bk, ck), reconstruct(bv, cv)
+                if exact_n:
+                    kview = keep_worst(bk, ref.round_to(k, coords.dtype), kview, exact_n)
+                    vview = keep_worst(bv, ref.round_to(v, coords.dtype), vview, exact_n)
+                qr = ref.round_to(q, coords.dtype)
+                qp = np.stack([project(bk[h // group][None], qr[h][None])[0] for h in range(hq)])
+                outc = ref.decode_attention(coords, qp, ck, cv, scale)
+                fast = np.stack([reconstruct(bv[h // group][None], outc[h][None])[0] for h in range(hq)])
+                oracle = ref.decode_attention(coords, q, kview, vview, scale)
+                what = f"low_rank {name} {layout} T={t}"
+                for backend in ("reference", "cpu", "sim"):
+                    r = run.attend(what, path, paths, backend, ["--calibration", cal, "--layer", "0"],
+                                   dump=backend == "reference")
+                    if r is None:
+                        continue
+                    if not exact_n:
+                        # (a residual scheme decodes through the oracle's attention: no fast path)
+                        e = rel_err(r["out"], fast)
+                        checks.ok(e <= REL_TOL, f"{what} {backend}: rel err {e:.3g} > {REL_TOL} against the fast path")
+                    if coords.dtype == "f32":
+                        e = rel_err(r["out"], oracle)
+                        checks.ok(e <= REL_TOL, f"{what} {backend}: rel err {e:.3g} > {REL_TOL} against the oracle")
+                    if "k" in r:
+                        for n, got, exp in (("K", r["k"], kview), ("V", r["v"], vview)):
+                            u = ulps(got, exp)
+                            checks.ok(u <= 1.0, f"{what}: reconstructed {n} differs by {u:.3g} ulp")
+        # Without the calibration: refused, naming low_rank.
+        q, k, v = inputs(rng, 5, 4, 1, d)
+        paths = run.write(q, k, v)
+        r = subprocess.run([run.kivi, "attend", "--scheme", path, "--q", paths["q"], "--k", paths["k"],
+                            "--v", paths["v"], "--out", os.path.join(tmp, "bad.npy")], capture_output=True, text=True)
+        checks.ok(r.returncode != 0 and "low_rank" in r.stderr and "--calibration" in r.stderr,
+                  f"low_rank {name}: refused without a calibration: {r.stderr.strip()}")
 
 
 def vq_calibration_bytes(kv_heads, head_dim, entries):

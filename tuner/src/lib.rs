@@ -33,6 +33,8 @@
 //! - [`bucket`] — shape buckets.
 //! - [`select`] — run-time selection: [`select_or_tune`], [`select_cpu`],
 //!   [`select_cuda`], `KIVI_TUNE`.
+//! - [`low_rank`] — low-rank schemes: the coordinate scheme's target,
+//!   keyed by the calibration the bases came from.
 //! - [`progress`] — the hand-drawn progress bar of `kivi tune`.
 //! - [`gpu_bench`] — the GPU decode benchmark (`benches/gpu_decode.rs`) on
 //!   any device, the simulated one included.
@@ -45,6 +47,7 @@ pub mod cuda;
 pub mod decisions;
 pub mod fingerprint;
 pub mod gpu_bench;
+pub mod low_rank;
 pub mod progress;
 pub mod select;
 pub mod tune;

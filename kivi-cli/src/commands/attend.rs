@@ -12,7 +12,8 @@ use super::show::memory_json;
 use crate::args::BackendChoice;
 use crate::npy::{self, Array};
 use kivi_runtime::device::{DeviceBackend, DeviceKind};
-use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, PagedCache, ReferenceBackend};
+use kivi_runtime::low_rank::LowRankCache;
+use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, MemoryReport, PagedCache, ReferenceBackend, SeqId};
 use kivi_spec::{layout, Heads, Scheme, Shape, Tensor};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -63,10 +64,10 @@ pub struct Args {
     /// Also write the cache's dequantized view of K and V to DIR/k.npy and DIR/v.npy
     #[arg(long, value_name = "DIR")]
     pub dump_dequant: Option<PathBuf>,
-    /// A calibration file (`kivi calibrate`) whose codebooks a scheme with levels = nuq decodes with
+    /// A calibration file (`kivi calibrate`) whose codebooks a scheme with levels = nuq decodes with, or whose bases a low_rank scheme projects on
     #[arg(long, value_name = "FILE")]
     pub calibration: Option<PathBuf>,
-    /// The layer of the calibration to take the codebooks from
+    /// The layer of the calibration to take the codebooks or bases from
     #[arg(long, default_value_t = 0, requires = "calibration")]
     pub layer: usize,
 }
@@ -165,6 +166,49 @@ fn load(args: &Args) -> super::Result<Problem> {
     })
 }
 
+/// The cache `attend` fills: a paged cache, or for a `low_rank` scheme a
+/// `LowRankCache` (the paged cache of its coordinates plus the bases of
+/// `--layer` from `--calibration`), which projects each row as it is
+/// appended and the query once, and reconstructs the output once.
+enum Cache {
+    // Boxed: both are large (a cache is a kilobyte of bookkeeping).
+    Paged(Box<PagedCache>),
+    LowRank(Box<LowRankCache>),
+}
+
+impl Cache {
+    fn add_sequence(&mut self) -> SeqId {
+        match self {
+            Cache::Paged(c) => c.add_sequence(),
+            Cache::LowRank(c) => c.add_sequence(),
+        }
+    }
+    fn append(&mut self, id: SeqId, k: &[f32], v: &[f32]) -> kivi_runtime::Result<()> {
+        match self {
+            Cache::Paged(c) => c.append(id, k, v),
+            Cache::LowRank(c) => c.extend(id, k, v),
+        }
+    }
+    fn decode(&self, b: &dyn Backend, seqs: &[SeqId], q: &[f32], attn: AttnParams) -> kivi_runtime::Result<Vec<f32>> {
+        match self {
+            Cache::Paged(c) => b.decode(c, seqs, q, attn),
+            Cache::LowRank(c) => c.decode(b, seqs, q, attn),
+        }
+    }
+    fn dequantize(&self, id: SeqId, t: Tensor) -> kivi_runtime::Result<Vec<f32>> {
+        match self {
+            Cache::Paged(c) => c.dequantize(id, t),
+            Cache::LowRank(c) => c.dequantize(id, t),
+        }
+    }
+    fn memory(&self) -> MemoryReport {
+        match self {
+            Cache::Paged(c) => c.memory(),
+            Cache::LowRank(c) => c.memory(),
+        }
+    }
+}
+
 pub fn run(args: Args) -> super::Result {
     // An mla scheme takes latent and RoPE rows instead of keys and values.
     // (Resolved quietly here: `load` says the same on stderr once.)
@@ -195,9 +239,10 @@ pub fn run(args: Args) -> super::Result {
     }
 
     // The pool holds every sequence's blocks; one spare covers rounding.
+    // (A low-rank scheme's blocks hold its coordinate scheme's rows.)
     let bt = args
         .block_tokens
-        .unwrap_or_else(|| layout::default_block_tokens(&p.scheme));
+        .unwrap_or_else(|| layout::default_block_tokens(&kivi_templates::kernel_scheme(&p.scheme)));
     let max_blocks = if bt == 0 {
         1
     } else {
@@ -211,9 +256,30 @@ pub fn run(args: Args) -> super::Result {
         Some(path) => {
             let cal = kivi_runtime::calib::Calibration::load(path)
                 .map_err(|e| format!("--calibration {}: {e}", path.display()))?;
-            PagedCache::with_calibration(p.scheme.clone(), config, &cal, args.layer)?
+            if p.scheme.low_rank.is_some() {
+                Cache::LowRank(Box::new(LowRankCache::with_calibration(
+                    p.scheme.clone(),
+                    config,
+                    &cal,
+                    args.layer,
+                )?))
+            } else {
+                Cache::Paged(Box::new(PagedCache::with_calibration(
+                    p.scheme.clone(),
+                    config,
+                    &cal,
+                    args.layer,
+                )?))
+            }
         }
-        None => PagedCache::new(p.scheme.clone(), config)?,
+        None if p.scheme.low_rank.is_some() => {
+            return Err(format!(
+                "scheme `{}` has low_rank, whose bases come from a calibration: pass --calibration FILE (made by `kivi calibrate`) and --layer N",
+                p.scheme.name
+            )
+            .into())
+        }
+        None => Cache::Paged(Box::new(PagedCache::new(p.scheme.clone(), config)?)),
     };
 
     // Append in order, one token at a time, as a decoder fills its cache.
@@ -250,7 +316,7 @@ pub fn run(args: Args) -> super::Result {
         ),
     };
     let start = Instant::now();
-    let out = backend.decode(&cache, &seqs, &p.q.data, attn)?;
+    let out = cache.decode(backend.as_ref(), &seqs, &p.q.data, attn)?;
     let time_ms = start.elapsed().as_secs_f64() * 1e3;
     npy::write(&args.out, &p.q.shape, &out)?;
 

@@ -194,6 +194,38 @@ pub fn fill_paged_evicting(s: &Scheme, tokens: usize, window: Option<usize>) -> 
     Ok((cache.memory(), bt))
 }
 
+/// [`fill_paged`] for a low-rank scheme: a `LowRankCache` (the paged cache
+/// of its coordinates plus the bases, counted once). The bases are the
+/// first `R` unit vectors: what the cache allocates depends on the shape,
+/// not on the basis a calibration would supply.
+pub fn fill_low_rank(s: &Scheme, tokens: usize) -> super::Result<(MemoryReport, usize)> {
+    let shape = s.shape().ok_or("scheme has no shape")?;
+    let coords = s.coordinate_scheme().ok_or("scheme has no low_rank field")?;
+    let (h, d, r) = (shape.kv_heads, shape.head_dim, coords.head_dim.unwrap_or(0) as usize);
+    let unit: Vec<f32> = (0..h * r * d)
+        .map(|i| if i % d == (i / d) % r { 1.0 } else { 0.0 })
+        .collect();
+    let bases = kivi_runtime::low_rank::Bases::new(s, unit.clone(), unit)?;
+    let bt = default_block_tokens(&coords);
+    let config = CacheConfig {
+        block_tokens: Some(bt),
+        max_blocks: tokens.div_ceil(bt) + 1,
+    };
+    let mut cache = kivi_runtime::low_rank::LowRankCache::with_bases(s.clone(), config, bases)?;
+    let seq = cache.add_sequence();
+    let row = h * d;
+    let mut rng = kivi_runtime::rand::Rng::new(0x9e37_79b9_7f4a_7c15);
+    let mut done = 0;
+    while done < tokens {
+        let n = (tokens - done).min(CHUNK);
+        let k: Vec<f32> = (0..n * row).map(|_| rng.f32() * 2.0).collect();
+        let v: Vec<f32> = (0..n * row).map(|_| rng.f32() * 2.0).collect();
+        cache.extend(seq, &k, &v)?;
+        done += n;
+    }
+    Ok((cache.memory(), bt))
+}
+
 /// Prefill chunk of [`fill_model_pool`] (and of [`fill_paged`]).
 const CHUNK: usize = 1024;
 
@@ -254,6 +286,7 @@ pub fn memory_json(m: &MemoryReport) -> serde_json::Value {
         "outliers": m.outliers,
         "means": m.means,
         "codebooks": m.codebooks,
+        "bases": m.bases,
         "windows": m.windows,
         "tables": m.tables,
         "blocks_in_use": m.blocks_in_use,
@@ -301,15 +334,22 @@ pub fn run(args: Args) -> super::Result {
         bound.head_dim.ok_or("no head_dim")?,
     );
     let shape = bound.shape().ok_or("scheme has no shape")?;
-    let ((bytes, per), k, v) = per_token(&bound)?;
+    // A low-rank scheme stores its coordinate scheme's rows (R wide): its
+    // per-token bytes and footprint are that scheme's; f16 is of full rows.
+    let stored = kivi_templates::kernel_scheme(&bound).into_owned();
+    let ((bytes, per), k, v) = per_token(&stored)?;
     let f16_tok = 2 * shape.head_dim * 2;
-    let foot = Footprint::for_tokens(&bound, args.context);
+    let foot = Footprint::for_tokens(&stored, args.context);
     let f16_ctx = f16_bytes(args.context, shape.kv_heads, shape.head_dim);
-    let (mem, block_tokens) = fill_paged(&bound, args.context)?;
+    let (mem, block_tokens) = if bound.low_rank.is_some() {
+        fill_low_rank(&bound, args.context)?
+    } else {
+        fill_paged(&bound, args.context)?
+    };
     let ratio = |b: usize| f16_ctx as f64 / b as f64;
 
     if args.json {
-        let out = serde_json::json!({
+        let mut out = serde_json::json!({
             "name": bound.name,
             "canonical": kivi_spec::canonical(&bound),
             "hash": hash_hex(&bound),
@@ -343,6 +383,13 @@ pub fn run(args: Args) -> super::Result {
                 "ratio": ratio(mem.total),
             },
         });
+        if let Some(l) = bound.low_rank {
+            out["low_rank"] = serde_json::json!({
+                "rank": l.rank,
+                "coordinates": kivi_spec::canonical(&stored),
+                "bases_bytes": mem.bases,
+            });
+        }
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
@@ -355,6 +402,18 @@ pub fn run(args: Args) -> super::Result {
     );
     if bound != scheme {
         println!("          {} (as declared, without a shape)", hash_hex(&scheme));
+    }
+    if let Some(l) = bound.low_rank {
+        println!(
+            "low_rank  {} coordinates per token per KV head (of head_dim {head_dim}), stored as `{}` stores an R-wide head; \
+             bases {} bytes per layer (2 x {} KV heads x {} x {head_dim} in {}), counted once in the paged cache",
+            l.rank,
+            stored.name,
+            mem.bases,
+            shape.kv_heads,
+            l.rank,
+            bound.dtype.name()
+        );
     }
     println!();
     println!("bytes per quantized token per KV head (exact, codes + scales/norms + zeros + outliers):");
@@ -391,7 +450,7 @@ pub fn run(args: Args) -> super::Result {
         ratio(foot.total())
     );
     println!(
-        "  paged cache  {:>12} bytes = codes {} + scales {} + zeros {} + outliers {} + means {} + codebooks {} + windows {} + tables {}   (compression {:.2}x; {} blocks of {block_tokens} tokens)",
+        "  paged cache  {:>12} bytes = codes {} + scales {} + zeros {} + outliers {} + means {} + codebooks {}{} + windows {} + tables {}   (compression {:.2}x; {} blocks of {block_tokens} tokens)",
         mem.total,
         mem.codes,
         mem.scales,
@@ -399,6 +458,11 @@ pub fn run(args: Args) -> super::Result {
         mem.outliers,
         mem.means,
         mem.codebooks,
+        if mem.bases > 0 {
+            format!(" + bases {}", mem.bases)
+        } else {
+            String::new()
+        },
         mem.windows,
         mem.tables,
         ratio(mem.total),

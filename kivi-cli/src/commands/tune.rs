@@ -68,10 +68,10 @@ pub struct Args {
     /// No progress bar
     #[arg(long)]
     quiet: bool,
-    /// A calibration file (`kivi calibrate`) for a scheme with levels = nuq (cpu backend) or vq(...) codecs (any backend); decisions are keyed by the scheme and this calibration together
+    /// A calibration file (`kivi calibrate`) for a scheme with levels = nuq (cpu backend), vq(...) codecs or low_rank (any backend: their codebooks or bases); decisions are keyed by the scheme and this calibration together
     #[arg(long)]
     calibration: Option<PathBuf>,
-    /// The model layer whose codebooks `--calibration` supplies
+    /// The model layer whose codebooks or bases `--calibration` supplies
     #[arg(long, default_value_t = 0, requires = "calibration")]
     layer: usize,
 }
@@ -116,6 +116,9 @@ fn with_vq_calibration(
     scheme: &Scheme,
     args: &Args,
 ) -> super::Result<kivi_tuner::cuda::CudaTarget> {
+    if !scheme.has_vq() {
+        return Ok(t);
+    }
     match calibration(scheme, args)? {
         None => Ok(t),
         Some(cal) => Ok(t.with_calibration(&cal, args.layer).map_err(|e| {
@@ -139,6 +142,24 @@ fn cpu_target(scheme: &Scheme, args: &Args) -> super::Result<CpuTarget> {
     let path = args.calibration.as_deref().unwrap_or(std::path::Path::new(""));
     Ok(CpuTarget::with_calibration(scheme, &cal, args.layer)
         .map_err(|e| format!("--calibration {} (layer {}): {e}", path.display(), args.layer))?)
+}
+
+/// For a low-rank scheme, the calibration `--calibration` names (its bases
+/// are checked by `LowRankTarget::new`); `None` for any other scheme.
+fn low_rank_calibration(scheme: &Scheme, args: &Args) -> super::Result<Option<kivi_runtime::calib::Calibration>> {
+    if scheme.low_rank.is_none() {
+        return Ok(None);
+    }
+    let Some(path) = &args.calibration else {
+        return Err(format!(
+            "scheme `{}` has low_rank, whose bases come from a calibration: pass --calibration FILE (made by `kivi calibrate`) and --layer N",
+            scheme.name
+        )
+        .into());
+    };
+    let cal =
+        kivi_runtime::calib::Calibration::load(path).map_err(|e| format!("--calibration {}: {e}", path.display()))?;
+    Ok(Some(cal))
 }
 
 /// Binds the shape from the flags or the scheme's own.
@@ -362,11 +383,23 @@ pub fn run(args: Args) -> super::Result {
     let mut notes: Vec<String> = Vec::new();
     // (arch, SMs, what they describe) for a ranking of the CUDA variants on paper
     let mut static_report: Option<(kivi_runtime::cuda::Arch, u32, String)> = None;
+    // A low-rank scheme tunes its coordinate scheme's kernels (CPU paths or
+    // generated CUDA), keyed by the low-rank scheme and the calibration of
+    // its bases (kivi_tuner::low_rank).
+    let low_rank = low_rank_calibration(&scheme, &args)?;
+    let tuned = kivi_templates::kernel_scheme(&scheme).into_owned();
+    let cpu = || -> super::Result<CpuTarget> {
+        match low_rank {
+            Some(_) => Ok(CpuTarget::new(&tuned)?),
+            None => cpu_target(&scheme, &args),
+        }
+    };
     // The CUDA target takes vq codebooks (kernel arguments) but not nuq
     // tables (baked into the source).
     if args.calibration.is_some()
-        && matches!(args.backend, BackendChoice::Sim | BackendChoice::Cuda)
+        && low_rank.is_none()
         && !scheme.has_vq()
+        && matches!(args.backend, BackendChoice::Sim | BackendChoice::Cuda)
     {
         return Err(
             "--calibration is supported with --backend cpu (or auto without a GPU) only, yet, except for vq(...) \
@@ -376,7 +409,7 @@ pub fn run(args: Args) -> super::Result {
     }
     let target: Box<dyn Target> = match args.backend {
         // `reference` is not offered (BACKENDS): there is nothing to tune in it.
-        BackendChoice::Cpu | BackendChoice::Reference => Box::new(cpu_target(&scheme, &args)?),
+        BackendChoice::Cpu | BackendChoice::Reference => Box::new(cpu()?),
         BackendChoice::Sim => {
             let dev = kivi_runtime::device::SimDevice::shared();
             let i = dev.info();
@@ -387,20 +420,20 @@ pub fn run(args: Args) -> super::Result {
                     .into(),
             );
             Box::new(with_vq_calibration(
-                kivi_tuner::cuda::CudaTarget::sim(&scheme, dev)?,
+                kivi_tuner::cuda::CudaTarget::sim(&tuned, dev)?,
                 &scheme,
                 &args,
             )?)
         }
         // Asked for a GPU by name: no GPU is an error, never another backend.
         BackendChoice::Cuda => Box::new(with_vq_calibration(
-            kivi_tuner::cuda::CudaTarget::new(&scheme).map_err(|why| {
+            kivi_tuner::cuda::CudaTarget::new(&tuned).map_err(|why| {
                 format!("--backend cuda: {why} (use --backend sim to tune on the simulated device, or cpu)")
             })?,
             &scheme,
             &args,
         )?),
-        BackendChoice::Auto => match kivi_tuner::cuda::CudaTarget::new(&scheme) {
+        BackendChoice::Auto => match kivi_tuner::cuda::CudaTarget::new(&tuned) {
             Ok(t) => Box::new(with_vq_calibration(t, &scheme, &args)?),
             Err(why) => {
                 // No GPU here: tune what can run, and still say how the
@@ -411,9 +444,18 @@ pub fn run(args: Args) -> super::Result {
                     132,
                     "an H200, assumed: no GPU here".into(),
                 ));
-                Box::new(cpu_target(&scheme, &args)?)
+                Box::new(cpu()?)
             }
         },
+    };
+    let target: Box<dyn Target> = match &low_rank {
+        Some(cal) => Box::new(
+            kivi_tuner::low_rank::LowRankTarget::new(&scheme, target, cal, args.layer).map_err(|e| {
+                let path = args.calibration.as_deref().unwrap_or(std::path::Path::new("?"));
+                format!("--calibration {} (layer {}): {e}", path.display(), args.layer)
+            })?,
+        ),
+        None => target,
     };
     let target: &dyn Target = target.as_ref();
     let store = Store::new(dir.clone(), target.device(), target.toolchain());

@@ -304,6 +304,10 @@ impl DeviceCache {
         calibration: Option<u64>,
         vq: [Option<Arc<VqBook>>; 2],
     ) -> Result<DeviceCache> {
+        // A low-rank scheme's rows are coordinates: its own wrapper projects.
+        if scheme.low_rank.is_some() {
+            return Err(Error::Config(super::NOT_DEVICE.into()));
+        }
         // A codec the templates cannot generate (or a table that does not
         // fit) is refused here, not at the first launch.
         kivi_templates::check_calibrated(scheme, &codebooks).map_err(gen_err)?;

@@ -35,9 +35,11 @@
 
 pub mod args;
 mod cache;
+mod low_rank;
 mod sim;
 
 pub use cache::{DecodeRun, DeviceBackend, DeviceCache};
+pub use low_rank::{DeviceLowRankCache, NOT_DEVICE};
 pub use sim::SimDevice;
 
 use crate::cuda::Arch;
