@@ -890,6 +890,7 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
     }
     let mut fs = plan.fast.map(|f| fused::State::new(f, g, d, tile, q));
     let mut ds = plan.dense_tile.then(|| dense::TileState::new(g, d, tile));
+    let mut vq_corr = vec![1f32; g];
     let mut t0 = a;
     while t0 < z {
         // Tiles after the sinks start at multiples of `tile` (counted from
@@ -950,16 +951,11 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
             } else {
                 (m[hh] - new_m).exp()
             };
+            vq_corr[hh] = corr;
             if corr != 1.0 {
                 l[hh] *= corr;
                 for x in &mut acc[hh * d..(hh + 1) * d] {
                     *x *= corr;
-                }
-                if let Some(book) = plan.vq[1].as_deref() {
-                    let n = book.subvectors * book.entries;
-                    for x in &mut sc.vq_bins[hh * n..(hh + 1) * n] {
-                        *x *= corr;
-                    }
                 }
                 if plan.kinds[1] == Kind::Codec {
                     sc.psum[hh] *= corr;
@@ -972,6 +968,10 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
                 }
             }
             m[hh] = new_m;
+        }
+        if plan.vq[1].is_some() {
+            // The bins interleave the heads: one pass for all of them.
+            super::vq::rescale(&mut sc.vq_bins, &vq_corr);
         }
         for row in s.chunks_exact_mut(g) {
             for (x, mm) in row.iter_mut().zip(&m) {

@@ -2,56 +2,147 @@
 //! (DESIGN.md §8): no key or value row is ever reconstructed.
 //!
 //! Keys: once per split, per query head `h` and sub-vector `j`, a table
-//! `L[h][j][c] = q_h[j] . C_j[c]` over the `E` centroids of codebook `j`;
-//! a token's score is then `sum_j L[h][j][code_j]`, `D / M` lookups
+//! `L[j][c][h] = q_h[j] . C_j[c]` over the `E` centroids of codebook `j`;
+//! a token's score is then `sum_j L[j][code_j][h]`, `D / M` lookups
 //! instead of `D` multiply-adds over decoded channels.
 //!
 //! Values: each token's softmax weight is added to the bin of its centroid
-//! in every sub-vector, `B[h][j][c] += p_t`; the bins follow the online
-//! softmax's rescaling like the accumulator does, and the output is
-//! expanded once per split, `acc[h][j] += sum_c B[h][j][c] C_j[c]`.
+//! in every sub-vector, `B[j][c][h] += p_t[h]`; the bins follow the online
+//! softmax's rescaling like the accumulator does ([`rescale`]), and the
+//! output is expanded once per split, `acc[h][j] += sum_c B[j][c][h] C_j[c]`.
+//!
+//! Layout, for speed: the heads of the GQA group are the innermost axis of
+//! both tables, so one code selects the entries of every head at once, one
+//! 128-bit load (or load-add-store) per four heads instead of four scalar
+//! lookups in four tables a `S * E` stride apart; and all `g` heads of a
+//! token touch `S` cache lines, not `g * S` (vq2's tables are 256 KiB at
+//! MQA 4:1 d256 and stayed in L2 only this way). Scores take four tokens at
+//! a time, four independent addition chains, so the loads' latency overlaps;
+//! each head's sum still runs over `j = 0, 1, ..` in order, and each bin
+//! adds tokens in order, so the results are those of the one-lookup-at-a-
+//! time loop bit for bit (the oracle holds both to 1e-5).
+//!
+//! The four-head vectors are SSE (the x86-64 baseline, so no per-ISA copy:
+//! wider vectors would only help groups of eight or more heads, and the
+//! lookups, not the additions, bound the loop); elsewhere `[f32; 4]`.
 
 use crate::vq::VqBook;
 
-/// The codes of a packed row (LSB first, `32 / bits` codes per word), each
-/// offset by its sub-vector's table, `codes[j] = j * entries + code_j`:
-/// word by word, so no division per code (it cost more than the lookups).
+/// Sub-vectors whose codes [`score`] and [`accumulate`] unpack on the
+/// stack (`head_dim / dim`; wider rows take a heap buffer).
+const STACK_S: usize = 256;
+
+/// The codes of a packed row (LSB first, `32 / bits` codes per word) as
+/// table offsets, `codes[j] = (j * entries + code_j) * g`: word by word, so
+/// no division per code (it cost more than the lookups); 8-bit codes are
+/// the row's bytes.
 #[inline(always)]
-fn offsets(row: &[u32], bits: u32, entries: usize, codes: &mut [usize]) {
-    let per = (32 / bits) as usize;
-    let mask = (1u32 << bits) - 1;
-    for (w, chunk) in row.iter().zip(codes.chunks_mut(per)) {
-        let mut x = *w;
-        for c in chunk.iter_mut() {
-            *c = (x & mask) as usize;
-            x >>= bits;
+fn offsets(row: &[u32], bits: u32, entries: usize, g: usize, codes: &mut [usize]) {
+    if bits == 8 {
+        for (w, chunk) in row.iter().zip(codes.chunks_mut(4)) {
+            for (k, c) in chunk.iter_mut().enumerate() {
+                *c = ((w >> (8 * k)) & 0xff) as usize;
+            }
+        }
+    } else {
+        let per = (32 / bits) as usize;
+        let mask = (1u32 << bits) - 1;
+        for (w, chunk) in row.iter().zip(codes.chunks_mut(per)) {
+            let mut x = *w;
+            for c in chunk.iter_mut() {
+                *c = (x & mask) as usize;
+                x >>= bits;
+            }
         }
     }
     for (j, c) in codes.iter_mut().enumerate() {
-        *c += j * entries;
+        *c = (*c + j * entries) * g;
+    }
+}
+
+/// Four f32 lanes: SSE on x86-64 (its baseline), an array elsewhere.
+#[cfg(target_arch = "x86_64")]
+mod v4 {
+    use std::arch::x86_64::*;
+    pub type V = __m128;
+    #[inline(always)]
+    pub fn zero() -> V {
+        // SAFETY: SSE is part of the x86-64 baseline.
+        unsafe { _mm_setzero_ps() }
+    }
+    /// # Safety
+    /// `p..p + 4` readable.
+    #[inline(always)]
+    pub unsafe fn load(p: *const f32) -> V {
+        _mm_loadu_ps(p)
+    }
+    /// # Safety
+    /// `p..p + 4` writable.
+    #[inline(always)]
+    pub unsafe fn store(p: *mut f32, v: V) {
+        _mm_storeu_ps(p, v)
+    }
+    #[inline(always)]
+    pub fn add(a: V, b: V) -> V {
+        // SAFETY: SSE is part of the x86-64 baseline.
+        unsafe { _mm_add_ps(a, b) }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+mod v4 {
+    pub type V = [f32; 4];
+    #[inline(always)]
+    pub fn zero() -> V {
+        [0.0; 4]
+    }
+    #[inline(always)]
+    pub unsafe fn load(p: *const f32) -> V {
+        std::ptr::read_unaligned(p as *const V)
+    }
+    #[inline(always)]
+    pub unsafe fn store(p: *mut f32, v: V) {
+        std::ptr::write_unaligned(p as *mut V, v)
+    }
+    #[inline(always)]
+    pub fn add(a: V, b: V) -> V {
+        [a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3]]
     }
 }
 
 /// The lookup table of `g` query heads (`q`, `g x D`, already scaled):
-/// `lut[(h * S + j) * E + c] = q_h[j*M..(j+1)*M] . C_j[c]`.
+/// `lut[(j * E + c) * g + h] = q_h[j*M..(j+1)*M] . C_j[c]`.
 pub(crate) fn build_lut(book: &VqBook, q: &[f32], g: usize, lut: &mut Vec<f32>) {
     let (m, e, s) = (book.dim, book.entries, book.subvectors);
     let d = m * s;
     lut.clear();
     lut.resize(g * s * e, 0.0);
-    for hh in 0..g {
-        for j in 0..s {
-            let qj = &q[hh * d + j * m..][..m];
-            let out = &mut lut[(hh * s + j) * e..][..e];
-            for (o, cent) in out.iter_mut().zip(book.table(j).chunks_exact(m)) {
+    for j in 0..s {
+        for (c, cent) in book.table(j).chunks_exact(m).enumerate() {
+            let out = &mut lut[(j * e + c) * g..][..g];
+            for (hh, o) in out.iter_mut().enumerate() {
+                let qj = &q[hh * d + j * m..][..m];
                 *o = qj.iter().zip(cent).map(|(a, b)| a * b).sum();
             }
         }
     }
 }
 
+/// A buffer of `n` code offsets: on the stack when it fits.
+macro_rules! code_buf {
+    ($stack:ident, $heap:ident, $n:expr) => {{
+        let n = $n;
+        if n <= $stack.len() {
+            &mut $stack[..n]
+        } else {
+            $heap.resize(n, 0);
+            &mut $heap[..]
+        }
+    }};
+}
+
 /// Scores of `len` block rows starting at word `base` (`wpt` words a row):
-/// `out[r * g + h] = sum_j lut[(h * S + j) * E + code(r, j)]`.
+/// `out[r * g + h] = sum_j lut[(j * E + code(r, j)) * g + h]`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn score(
     book: &VqBook,
@@ -65,24 +156,65 @@ pub(crate) fn score(
     out: &mut [f32],
 ) {
     let (e, s) = (book.entries, book.subvectors);
-    let mut codes = vec![0usize; s];
-    for r in 0..len {
-        offsets(&words[base + r * wpt..][..wpt], bits, e, &mut codes);
-        for hh in 0..g {
-            let l = &lut[hh * s * e..][..s * e];
-            let mut sum = 0f32;
-            for &c in &codes {
-                // SAFETY: `c = j * E + code` with `j < S` and `code < 2^bits
-                // = E` (masked), so `c < S * E = l.len()`.
-                sum += unsafe { *l.get_unchecked(c) };
-            }
-            out[r * g + hh] = sum;
+    // The unchecked reads below rely on these (the plan's invariants).
+    assert!(lut.len() >= g * s * e && out.len() >= len * g && bits <= 16 && e == 1 << bits);
+    let mut stack = [0usize; 4 * STACK_S];
+    let mut heap = Vec::new();
+    let codes = code_buf!(stack, heap, 4 * s);
+    let lp = lut.as_ptr();
+    let mut r = 0;
+    while r < len {
+        let n = (len - r).min(4);
+        for t in 0..4 {
+            // A short last group repeats its last token (its sums are not stored).
+            let row = &words[base + (r + t.min(n - 1)) * wpt..][..wpt];
+            offsets(row, bits, e, g, &mut codes[t * s..(t + 1) * s]);
         }
+        let (c01, c23) = codes.split_at(2 * s);
+        let (c0, c1) = c01.split_at(s);
+        let (c2, c3) = c23.split_at(s);
+        let mut h0 = 0;
+        while h0 + 4 <= g {
+            let mut acc = [v4::zero(); 4];
+            for j in 0..s {
+                // SAFETY: an offset is `(j * E + code) * g` with `j < S` and
+                // `code < E` (masked to `bits`, `E = 2^bits`), so offset +
+                // `h0 + 3 < g` is below `S * E * g <= lut.len()`.
+                unsafe {
+                    acc[0] = v4::add(acc[0], v4::load(lp.add(c0[j] + h0)));
+                    acc[1] = v4::add(acc[1], v4::load(lp.add(c1[j] + h0)));
+                    acc[2] = v4::add(acc[2], v4::load(lp.add(c2[j] + h0)));
+                    acc[3] = v4::add(acc[3], v4::load(lp.add(c3[j] + h0)));
+                }
+            }
+            for (t, a) in acc.iter().enumerate().take(n) {
+                let o = &mut out[(r + t) * g + h0..][..4];
+                // SAFETY: `o` holds four floats.
+                unsafe { v4::store(o.as_mut_ptr(), *a) };
+            }
+            h0 += 4;
+        }
+        for hh in h0..g {
+            let mut acc = [0f32; 4];
+            for j in 0..s {
+                // SAFETY: as above, with `hh < g`.
+                unsafe {
+                    acc[0] += *lp.add(c0[j] + hh);
+                    acc[1] += *lp.add(c1[j] + hh);
+                    acc[2] += *lp.add(c2[j] + hh);
+                    acc[3] += *lp.add(c3[j] + hh);
+                }
+            }
+            for (t, a) in acc.iter().enumerate().take(n) {
+                out[(r + t) * g + hh] = *a;
+            }
+        }
+        r += n;
     }
 }
 
 /// Adds the weights `p[r * g + h]` of `len` block rows to their centroids'
-/// bins: `bins[(h * S + j) * E + code(r, j)] += p[r * g + h]`.
+/// bins: `bins[(j * E + code(r, j)) * g + h] += p[r * g + h]`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn accumulate(
     book: &VqBook,
@@ -96,32 +228,61 @@ pub(crate) fn accumulate(
     bins: &mut [f32],
 ) {
     let (e, s) = (book.entries, book.subvectors);
-    let mut codes = vec![0usize; s];
+    // The unchecked accesses below rely on these (the plan's invariants).
+    assert!(bins.len() >= g * s * e && p.len() >= len * g && bits <= 16 && e == 1 << bits);
+    let mut stack = [0usize; STACK_S];
+    let mut heap = Vec::new();
+    let codes = code_buf!(stack, heap, s);
+    let bp = bins.as_mut_ptr();
     for r in 0..len {
-        offsets(&words[base + r * wpt..][..wpt], bits, e, &mut codes);
-        for hh in 0..g {
-            let w = p[r * g + hh];
-            let b = &mut bins[hh * s * e..][..s * e];
-            for &c in &codes {
-                // SAFETY: `c < S * E = b.len()`, as in `score`.
-                unsafe { *b.get_unchecked_mut(c) += w };
+        offsets(&words[base + r * wpt..][..wpt], bits, e, g, codes);
+        let w = &p[r * g..][..g];
+        let mut h0 = 0;
+        while h0 + 4 <= g {
+            // SAFETY: `w[h0..h0 + 4]` is in `w`; bin offsets as in `score`.
+            unsafe {
+                let pv = v4::load(w.as_ptr().add(h0));
+                for &c in codes.iter() {
+                    let b = bp.add(c + h0);
+                    v4::store(b, v4::add(v4::load(b), pv));
+                }
+            }
+            h0 += 4;
+        }
+        for (hh, &x) in w.iter().enumerate().skip(h0) {
+            for &c in codes.iter() {
+                // SAFETY: `c + hh < S * E * g <= bins.len()`, as in `score`.
+                unsafe { *bp.add(c + hh) += x };
             }
         }
     }
 }
 
-/// `acc[h][j*M..] += sum_c bins[h][j][c] * C_j[c]` for the `g` heads
-/// (`acc` is `g x D`); empty bins cost one comparison.
+/// The online softmax's rescaling of the bins: `bins[.. * g + h] *= corr[h]`
+/// for the `g = corr.len()` heads (heads whose factor is 1 are untouched).
+pub(crate) fn rescale(bins: &mut [f32], corr: &[f32]) {
+    if corr.iter().all(|&c| c == 1.0) {
+        return;
+    }
+    for row in bins.chunks_exact_mut(corr.len()) {
+        for (x, c) in row.iter_mut().zip(corr) {
+            *x *= c;
+        }
+    }
+}
+
+/// `acc[h][j*M..] += sum_c bins[(j * E + c) * g + h] * C_j[c]` for the `g`
+/// heads (`acc` is `g x D`); empty bins cost one comparison.
 pub(crate) fn expand(book: &VqBook, bins: &[f32], g: usize, acc: &mut [f32]) {
     let (m, e, s) = (book.dim, book.entries, book.subvectors);
     let d = m * s;
-    for hh in 0..g {
-        for j in 0..s {
-            let b = &bins[(hh * s + j) * e..][..e];
-            let out = &mut acc[hh * d + j * m..][..m];
-            for (c, &w) in b.iter().enumerate() {
+    for j in 0..s {
+        for c in 0..e {
+            let b = &bins[(j * e + c) * g..][..g];
+            let x = book.centroid(j, c);
+            for (hh, &w) in b.iter().enumerate() {
                 if w != 0.0 {
-                    for (o, x) in out.iter_mut().zip(book.centroid(j, c)) {
+                    for (o, x) in acc[hh * d + j * m..][..m].iter_mut().zip(x) {
                         *o += w * x;
                     }
                 }
