@@ -33,30 +33,34 @@ use crate::vq::VqBook;
 const STACK_S: usize = 256;
 
 /// The codes of a packed row (LSB first, `32 / bits` codes per word) as
-/// table offsets, `codes[j] = (j * entries + code_j) * g`: word by word, so
-/// no division per code (it cost more than the lookups); 8-bit codes are
-/// the row's bytes.
+/// table offsets, `codes[j] = (j * entries + code_j) * g` (u32: the
+/// callers check `S * E * g` fits): word by word, so no division per code
+/// (it cost more than the lookups); 8-bit codes are the row's bytes on a
+/// little-endian machine, widened sixteen at a time by the compiler (the
+/// shifts and masks were most of `score`'s time).
 #[inline(always)]
-fn offsets(row: &[u32], bits: u32, entries: usize, g: usize, codes: &mut [usize]) {
+fn offsets(row: &[u32], bits: u32, entries: usize, g: usize, codes: &mut [u32]) {
+    let (e, g) = (entries as u32, g as u32);
+    #[cfg(target_endian = "little")]
     if bits == 8 {
-        for (w, chunk) in row.iter().zip(codes.chunks_mut(4)) {
-            for (k, c) in chunk.iter_mut().enumerate() {
-                *c = ((w >> (8 * k)) & 0xff) as usize;
-            }
+        // SAFETY: the row's `4 * len` bytes, read as bytes (any alignment).
+        let bytes = unsafe { std::slice::from_raw_parts(row.as_ptr() as *const u8, 4 * row.len()) };
+        for (j, (c, &b)) in codes.iter_mut().zip(bytes).enumerate() {
+            *c = (j as u32 * e + b as u32) * g;
         }
-    } else {
-        let per = (32 / bits) as usize;
-        let mask = (1u32 << bits) - 1;
-        for (w, chunk) in row.iter().zip(codes.chunks_mut(per)) {
-            let mut x = *w;
-            for c in chunk.iter_mut() {
-                *c = (x & mask) as usize;
-                x >>= bits;
-            }
+        return;
+    }
+    let per = (32 / bits) as usize;
+    let mask = (1u32 << bits) - 1;
+    for (w, chunk) in row.iter().zip(codes.chunks_mut(per)) {
+        let mut x = *w;
+        for c in chunk.iter_mut() {
+            *c = x & mask;
+            x >>= bits;
         }
     }
     for (j, c) in codes.iter_mut().enumerate() {
-        *c = (*c + j * entries) * g;
+        *c = (*c + j as u32 * e) * g;
     }
 }
 
@@ -158,7 +162,8 @@ pub(crate) fn score(
     let (e, s) = (book.entries, book.subvectors);
     // The unchecked reads below rely on these (the plan's invariants).
     assert!(lut.len() >= g * s * e && out.len() >= len * g && bits <= 16 && e == 1 << bits);
-    let mut stack = [0usize; 4 * STACK_S];
+    assert!(g * s * e <= u32::MAX as usize, "vq table offsets fit u32");
+    let mut stack = [0u32; 4 * STACK_S];
     let mut heap = Vec::new();
     let codes = code_buf!(stack, heap, 4 * s);
     let lp = lut.as_ptr();
@@ -181,10 +186,10 @@ pub(crate) fn score(
                 // `code < E` (masked to `bits`, `E = 2^bits`), so offset +
                 // `h0 + 3 < g` is below `S * E * g <= lut.len()`.
                 unsafe {
-                    acc[0] = v4::add(acc[0], v4::load(lp.add(c0[j] + h0)));
-                    acc[1] = v4::add(acc[1], v4::load(lp.add(c1[j] + h0)));
-                    acc[2] = v4::add(acc[2], v4::load(lp.add(c2[j] + h0)));
-                    acc[3] = v4::add(acc[3], v4::load(lp.add(c3[j] + h0)));
+                    acc[0] = v4::add(acc[0], v4::load(lp.add(c0[j] as usize + h0)));
+                    acc[1] = v4::add(acc[1], v4::load(lp.add(c1[j] as usize + h0)));
+                    acc[2] = v4::add(acc[2], v4::load(lp.add(c2[j] as usize + h0)));
+                    acc[3] = v4::add(acc[3], v4::load(lp.add(c3[j] as usize + h0)));
                 }
             }
             for (t, a) in acc.iter().enumerate().take(n) {
@@ -199,10 +204,10 @@ pub(crate) fn score(
             for j in 0..s {
                 // SAFETY: as above, with `hh < g`.
                 unsafe {
-                    acc[0] += *lp.add(c0[j] + hh);
-                    acc[1] += *lp.add(c1[j] + hh);
-                    acc[2] += *lp.add(c2[j] + hh);
-                    acc[3] += *lp.add(c3[j] + hh);
+                    acc[0] += *lp.add(c0[j] as usize + hh);
+                    acc[1] += *lp.add(c1[j] as usize + hh);
+                    acc[2] += *lp.add(c2[j] as usize + hh);
+                    acc[3] += *lp.add(c3[j] as usize + hh);
                 }
             }
             for (t, a) in acc.iter().enumerate().take(n) {
@@ -230,7 +235,8 @@ pub(crate) fn accumulate(
     let (e, s) = (book.entries, book.subvectors);
     // The unchecked accesses below rely on these (the plan's invariants).
     assert!(bins.len() >= g * s * e && p.len() >= len * g && bits <= 16 && e == 1 << bits);
-    let mut stack = [0usize; STACK_S];
+    assert!(g * s * e <= u32::MAX as usize, "vq table offsets fit u32");
+    let mut stack = [0u32; STACK_S];
     let mut heap = Vec::new();
     let codes = code_buf!(stack, heap, s);
     let bp = bins.as_mut_ptr();
@@ -243,7 +249,7 @@ pub(crate) fn accumulate(
             unsafe {
                 let pv = v4::load(w.as_ptr().add(h0));
                 for &c in codes.iter() {
-                    let b = bp.add(c + h0);
+                    let b = bp.add(c as usize + h0);
                     v4::store(b, v4::add(v4::load(b), pv));
                 }
             }
@@ -252,19 +258,36 @@ pub(crate) fn accumulate(
         for (hh, &x) in w.iter().enumerate().skip(h0) {
             for &c in codes.iter() {
                 // SAFETY: `c + hh < S * E * g <= bins.len()`, as in `score`.
-                unsafe { *bp.add(c + hh) += x };
+                unsafe { *bp.add(c as usize + hh) += x };
             }
         }
     }
 }
 
 /// The online softmax's rescaling of the bins: `bins[.. * g + h] *= corr[h]`
-/// for the `g = corr.len()` heads (heads whose factor is 1 are untouched).
+/// for the `g = corr.len()` heads (nothing when every factor is 1). Where
+/// `g` divides 16 the factors are repeated into a 16-lane pattern that the
+/// compiler multiplies a vector at a time: a loop over `g = 4` factors ran
+/// one scalar multiply per bin, and this pass (128 KiB of bins for vq1 at
+/// MQA 4:1, each time any head's maximum grows) was most of the decode.
 pub(crate) fn rescale(bins: &mut [f32], corr: &[f32]) {
-    if corr.iter().all(|&c| c == 1.0) {
+    let g = corr.len();
+    if g == 0 || corr.iter().all(|&c| c == 1.0) {
         return;
     }
-    for row in bins.chunks_exact_mut(corr.len()) {
+    let mut rest = &mut bins[..];
+    if 16 % g == 0 {
+        let pattern: [f32; 16] = std::array::from_fn(|i| corr[i % g]);
+        let mut chunks = rest.chunks_exact_mut(16);
+        for chunk in &mut chunks {
+            for (x, c) in chunk.iter_mut().zip(&pattern) {
+                *x *= c;
+            }
+        }
+        // A 16-float chunk holds whole groups of `g`: the rest starts at a head 0.
+        rest = chunks.into_remainder();
+    }
+    for row in rest.chunks_exact_mut(g) {
         for (x, c) in row.iter_mut().zip(corr) {
             *x *= c;
         }
