@@ -769,11 +769,20 @@ fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: us
                         let book = plan.vq[i].as_deref().expect("a vq kind has its codebooks");
                         match &mut sub {
                             Op::Score { out, .. } => {
-                                super::vq::score(book, bits, part, base, wpt, len, &sc.vq_lut, g, out)
+                                super::vq::score(plan.isa, book, bits, part, base, wpt, len, &sc.vq_lut, g, out)
                             }
-                            Op::Accum { p: pr, .. } => {
-                                super::vq::accumulate(book, bits, part, base, wpt, len, pr, g, &mut sc.vq_bins)
-                            }
+                            Op::Accum { p: pr, .. } => super::vq::accumulate(
+                                plan.isa,
+                                book,
+                                bits,
+                                part,
+                                base,
+                                wpt,
+                                len,
+                                pr,
+                                g,
+                                &mut sc.vq_bins,
+                            ),
                         }
                     }
                     Kind::Generic => {

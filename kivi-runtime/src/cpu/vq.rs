@@ -26,6 +26,7 @@
 //! wider vectors would only help groups of eight or more heads, and the
 //! lookups, not the additions, bound the loop); elsewhere `[f32; 4]`.
 
+use super::simd::Isa;
 use crate::vq::VqBook;
 
 /// Sub-vectors whose codes [`score`] and [`accumulate`] unpack on the
@@ -64,6 +65,29 @@ fn offsets(row: &[u32], bits: u32, entries: usize, g: usize, codes: &mut [u32]) 
     }
 }
 
+/// [`offsets`] compiled with AVX2 (a 32-bit multiply per lane; the
+/// x86-64 baseline emulates it with two `pmuludq` and shuffles, which took
+/// a third of `score`); the same body, so the same offsets.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn offsets_avx2(row: &[u32], bits: u32, entries: usize, g: usize, codes: &mut [u32]) {
+    offsets(row, bits, entries, g, codes)
+}
+
+/// [`offsets`] at the plan's ISA (`Isa::Avx2` and above have AVX2).
+#[inline(always)]
+fn offsets_at(isa: Isa, row: &[u32], bits: u32, entries: usize, g: usize, codes: &mut [u32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Scalar {
+        // SAFETY: the backend selects `Avx2` or `Avx512` only where the CPU
+        // has AVX2.
+        unsafe { offsets_avx2(row, bits, entries, g, codes) };
+        return;
+    }
+    let _ = isa;
+    offsets(row, bits, entries, g, codes)
+}
+
 /// Four f32 lanes: SSE on x86-64 (its baseline), an array elsewhere.
 #[cfg(target_arch = "x86_64")]
 mod v4 {
@@ -91,6 +115,16 @@ mod v4 {
         // SAFETY: SSE is part of the x86-64 baseline.
         unsafe { _mm_add_ps(a, b) }
     }
+    #[inline(always)]
+    pub fn mul(a: V, b: V) -> V {
+        // SAFETY: SSE is part of the x86-64 baseline.
+        unsafe { _mm_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    pub fn splat(x: f32) -> V {
+        // SAFETY: SSE is part of the x86-64 baseline.
+        unsafe { _mm_set1_ps(x) }
+    }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -112,21 +146,50 @@ mod v4 {
     pub fn add(a: V, b: V) -> V {
         [a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3]]
     }
+    #[inline(always)]
+    pub fn mul(a: V, b: V) -> V {
+        [a[0] * b[0], a[1] * b[1], a[2] * b[2], a[3] * b[3]]
+    }
+    #[inline(always)]
+    pub fn splat(x: f32) -> V {
+        [x; 4]
+    }
 }
 
 /// The lookup table of `g` query heads (`q`, `g x D`, already scaled):
-/// `lut[(j * E + c) * g + h] = q_h[j*M..(j+1)*M] . C_j[c]`.
+/// `lut[(j * E + c) * g + h] = q_h[j*M..(j+1)*M] . C_j[c]`. Per sub-vector
+/// the query's channels are transposed so that a centroid's channel `k`
+/// multiplies four heads at once (a broadcast, a multiply and an add);
+/// each entry is still `((0 + q_0 c_0) + q_1 c_1) + ..`, the dot product
+/// in channel order, without FMA.
 pub(crate) fn build_lut(book: &VqBook, q: &[f32], g: usize, lut: &mut Vec<f32>) {
     let (m, e, s) = (book.dim, book.entries, book.subvectors);
     let d = m * s;
     lut.clear();
     lut.resize(g * s * e, 0.0);
+    let mut qt = vec![0f32; m * g];
     for j in 0..s {
+        for (k, row) in qt.chunks_exact_mut(g).enumerate() {
+            for (hh, x) in row.iter_mut().enumerate() {
+                *x = q[hh * d + j * m + k];
+            }
+        }
         for (c, cent) in book.table(j).chunks_exact(m).enumerate() {
             let out = &mut lut[(j * e + c) * g..][..g];
-            for (hh, o) in out.iter_mut().enumerate() {
-                let qj = &q[hh * d + j * m..][..m];
-                *o = qj.iter().zip(cent).map(|(a, b)| a * b).sum();
+            let mut h0 = 0;
+            while h0 + 4 <= g {
+                let mut acc = v4::zero();
+                for (k, &x) in cent.iter().enumerate() {
+                    // SAFETY: `qt[k * g + h0..][..4]` is inside `qt` (`h0 + 4 <= g`).
+                    let qv = unsafe { v4::load(qt.as_ptr().add(k * g + h0)) };
+                    acc = v4::add(acc, v4::mul(v4::splat(x), qv));
+                }
+                // SAFETY: `out[h0..h0 + 4]` is inside `out`.
+                unsafe { v4::store(out.as_mut_ptr().add(h0), acc) };
+                h0 += 4;
+            }
+            for (hh, o) in out.iter_mut().enumerate().skip(h0) {
+                *o = cent.iter().enumerate().map(|(k, x)| qt[k * g + hh] * x).sum();
             }
         }
     }
@@ -149,6 +212,7 @@ macro_rules! code_buf {
 /// `out[r * g + h] = sum_j lut[(j * E + code(r, j)) * g + h]`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn score(
+    isa: Isa,
     book: &VqBook,
     bits: u32,
     words: &[u32],
@@ -173,7 +237,7 @@ pub(crate) fn score(
         for t in 0..4 {
             // A short last group repeats its last token (its sums are not stored).
             let row = &words[base + (r + t.min(n - 1)) * wpt..][..wpt];
-            offsets(row, bits, e, g, &mut codes[t * s..(t + 1) * s]);
+            offsets_at(isa, row, bits, e, g, &mut codes[t * s..(t + 1) * s]);
         }
         let (c01, c23) = codes.split_at(2 * s);
         let (c0, c1) = c01.split_at(s);
@@ -222,6 +286,7 @@ pub(crate) fn score(
 /// bins: `bins[(j * E + code(r, j)) * g + h] += p[r * g + h]`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn accumulate(
+    isa: Isa,
     book: &VqBook,
     bits: u32,
     words: &[u32],
@@ -241,7 +306,7 @@ pub(crate) fn accumulate(
     let codes = code_buf!(stack, heap, s);
     let bp = bins.as_mut_ptr();
     for r in 0..len {
-        offsets(&words[base + r * wpt..][..wpt], bits, e, g, codes);
+        offsets_at(isa, &words[base + r * wpt..][..wpt], bits, e, g, codes);
         let w = &p[r * g..][..g];
         let mut h0 = 0;
         while h0 + 4 <= g {
@@ -295,8 +360,40 @@ pub(crate) fn rescale(bins: &mut [f32], corr: &[f32]) {
 }
 
 /// `acc[h][j*M..] += sum_c bins[(j * E + c) * g + h] * C_j[c]` for the `g`
-/// heads (`acc` is `g x D`); empty bins cost one comparison.
+/// heads (`acc` is `g x D`); empty bins are skipped. Sub-vectors of 4 or 8
+/// channels keep their sums in a fixed-size array the compiler holds in
+/// registers across the `E` centroids; each channel still adds the
+/// centroids in order, as the generic loop does.
 pub(crate) fn expand(book: &VqBook, bins: &[f32], g: usize, acc: &mut [f32]) {
+    match book.dim {
+        4 => expand_m::<4>(book, bins, g, acc),
+        8 => expand_m::<8>(book, bins, g, acc),
+        _ => expand_any(book, bins, g, acc),
+    }
+}
+
+fn expand_m<const M: usize>(book: &VqBook, bins: &[f32], g: usize, acc: &mut [f32]) {
+    let (e, s) = (book.entries, book.subvectors);
+    let d = M * s;
+    for j in 0..s {
+        let table = &book.table(j)[..e * M];
+        for hh in 0..g {
+            let out: &mut [f32; M] = (&mut acc[hh * d + j * M..][..M]).try_into().expect("M channels");
+            let mut sum = *out;
+            for (c, cent) in table.chunks_exact(M).enumerate() {
+                let w = bins[(j * e + c) * g + hh];
+                if w != 0.0 {
+                    for (o, x) in sum.iter_mut().zip(cent) {
+                        *o += w * x;
+                    }
+                }
+            }
+            *out = sum;
+        }
+    }
+}
+
+fn expand_any(book: &VqBook, bins: &[f32], g: usize, acc: &mut [f32]) {
     let (m, e, s) = (book.dim, book.entries, book.subvectors);
     let d = m * s;
     for j in 0..s {
