@@ -807,6 +807,34 @@ fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: us
     });
 }
 
+/// `out[h] = max(out[h], max_r s[r * G + h])` with the `G` maxima in
+/// registers: over a runtime group size the generic tile loop kept them in
+/// memory, a store per score (a quarter of the loop's time at GQA 32:8
+/// with lookup-table schemes). Maxima are exact in any order.
+fn col_max<const G: usize>(s: &[f32], out: &mut [f32]) {
+    let mut m = [f32::NEG_INFINITY; G];
+    m.copy_from_slice(&out[..G]);
+    for row in s.chunks_exact(G) {
+        for (t, &x) in m.iter_mut().zip(row) {
+            *t = if x > *t { x } else { *t };
+        }
+    }
+    out[..G].copy_from_slice(&m);
+}
+
+/// `l[h] += sum_r s[r * G + h]`, rows in order (the generic loop's sums),
+/// the `G` sums in registers (see [`col_max`]).
+fn col_add<const G: usize>(s: &[f32], l: &mut [f32]) {
+    let mut a = [0f32; G];
+    a.copy_from_slice(&l[..G]);
+    for row in s.chunks_exact(G) {
+        for (t, &x) in a.iter_mut().zip(row) {
+            *t += x;
+        }
+    }
+    l[..G].copy_from_slice(&a);
+}
+
 /// Asks for the share of the next block's K and V bytes of head `h` that
 /// matches rows `off..off + n` of this one, while this block is computed: a
 /// head's parts of consecutive blocks are a block apart in the pool, a
@@ -943,9 +971,15 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
         // Tile maxima, one pass over the rows (scores are finite: the inputs are).
         let mut tmax = [f32::NEG_INFINITY; 64];
         let tmax = &mut tmax[..g.min(64)];
-        for row in s.chunks_exact(g) {
-            for (t, &x) in tmax.iter_mut().zip(row) {
-                *t = if x > *t { x } else { *t };
+        match g {
+            4 => col_max::<4>(s, tmax),
+            8 => col_max::<8>(s, tmax),
+            _ => {
+                for row in s.chunks_exact(g) {
+                    for (t, &x) in tmax.iter_mut().zip(row) {
+                        *t = if x > *t { x } else { *t };
+                    }
+                }
             }
         }
         for hh in 0..g {
@@ -988,9 +1022,15 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
             }
         }
         simd::exp_le0(plan.isa, s);
-        for row in s.chunks_exact(g) {
-            for (li, p) in l.iter_mut().zip(row) {
-                *li += p;
+        match g {
+            4 => col_add::<4>(s, &mut l),
+            8 => col_add::<8>(s, &mut l),
+            _ => {
+                for row in s.chunks_exact(g) {
+                    for (li, p) in l.iter_mut().zip(row) {
+                        *li += p;
+                    }
+                }
             }
         }
         run_tensor(
