@@ -65,29 +65,6 @@ fn offsets(row: &[u32], bits: u32, entries: usize, g: usize, codes: &mut [u32]) 
     }
 }
 
-/// [`offsets`] compiled with AVX2 (a 32-bit multiply per lane; the
-/// x86-64 baseline emulates it with two `pmuludq` and shuffles, which took
-/// a third of `score`); the same body, so the same offsets.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn offsets_avx2(row: &[u32], bits: u32, entries: usize, g: usize, codes: &mut [u32]) {
-    offsets(row, bits, entries, g, codes)
-}
-
-/// [`offsets`] at the plan's ISA (`Isa::Avx2` and above have AVX2).
-#[inline(always)]
-fn offsets_at(isa: Isa, row: &[u32], bits: u32, entries: usize, g: usize, codes: &mut [u32]) {
-    #[cfg(target_arch = "x86_64")]
-    if isa != Isa::Scalar {
-        // SAFETY: the backend selects `Avx2` or `Avx512` only where the CPU
-        // has AVX2.
-        unsafe { offsets_avx2(row, bits, entries, g, codes) };
-        return;
-    }
-    let _ = isa;
-    offsets(row, bits, entries, g, codes)
-}
-
 /// Four f32 lanes: SSE on x86-64 (its baseline), an array elsewhere.
 #[cfg(target_arch = "x86_64")]
 mod v4 {
@@ -223,6 +200,49 @@ pub(crate) fn score(
     g: usize,
     out: &mut [f32],
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Scalar {
+        // SAFETY: the backend selects `Avx2` or `Avx512` only where the
+        // CPU has AVX2.
+        unsafe { score_avx2(book, bits, words, base, wpt, len, lut, g, out) };
+        return;
+    }
+    let _ = isa;
+    score_body(book, bits, words, base, wpt, len, lut, g, out)
+}
+
+/// [`score_body`] compiled with AVX2 (see [`accumulate_avx2`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn score_avx2(
+    book: &VqBook,
+    bits: u32,
+    words: &[u32],
+    base: usize,
+    wpt: usize,
+    len: usize,
+    lut: &[f32],
+    g: usize,
+    out: &mut [f32],
+) {
+    score_body(book, bits, words, base, wpt, len, lut, g, out)
+}
+
+/// [`score`]'s loop, one body for every ISA.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn score_body(
+    book: &VqBook,
+    bits: u32,
+    words: &[u32],
+    base: usize,
+    wpt: usize,
+    len: usize,
+    lut: &[f32],
+    g: usize,
+    out: &mut [f32],
+) {
     let (e, s) = (book.entries, book.subvectors);
     // The unchecked reads below rely on these (the plan's invariants).
     assert!(lut.len() >= g * s * e && out.len() >= len * g && bits <= 16 && e == 1 << bits);
@@ -237,7 +257,7 @@ pub(crate) fn score(
         for t in 0..4 {
             // A short last group repeats its last token (its sums are not stored).
             let row = &words[base + (r + t.min(n - 1)) * wpt..][..wpt];
-            offsets_at(isa, row, bits, e, g, &mut codes[t * s..(t + 1) * s]);
+            offsets(row, bits, e, g, &mut codes[t * s..(t + 1) * s]);
         }
         let (c01, c23) = codes.split_at(2 * s);
         let (c0, c1) = c01.split_at(s);
@@ -297,6 +317,53 @@ pub(crate) fn accumulate(
     g: usize,
     bins: &mut [f32],
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Scalar {
+        // SAFETY: the backend selects `Avx2` or `Avx512` only where the
+        // CPU has AVX2.
+        unsafe { accumulate_avx2(book, bits, words, base, wpt, len, p, g, bins) };
+        return;
+    }
+    let _ = isa;
+    accumulate_body(book, bits, words, base, wpt, len, p, g, bins)
+}
+
+/// [`accumulate_body`] compiled with AVX2: the code offsets' 32-bit
+/// multiplies become one instruction (the x86-64 baseline emulates them
+/// with two `pmuludq` and shuffles, a third of `score`'s time), and the
+/// offsets are computed inline rather than in a call per token. The same
+/// body, so the same sums.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn accumulate_avx2(
+    book: &VqBook,
+    bits: u32,
+    words: &[u32],
+    base: usize,
+    wpt: usize,
+    len: usize,
+    p: &[f32],
+    g: usize,
+    bins: &mut [f32],
+) {
+    accumulate_body(book, bits, words, base, wpt, len, p, g, bins)
+}
+
+/// [`accumulate`]'s loop, one body for every ISA.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn accumulate_body(
+    book: &VqBook,
+    bits: u32,
+    words: &[u32],
+    base: usize,
+    wpt: usize,
+    len: usize,
+    p: &[f32],
+    g: usize,
+    bins: &mut [f32],
+) {
     let (e, s) = (book.entries, book.subvectors);
     // The unchecked accesses below rely on these (the plan's invariants).
     assert!(bins.len() >= g * s * e && p.len() >= len * g && bits <= 16 && e == 1 << bits);
@@ -306,7 +373,7 @@ pub(crate) fn accumulate(
     let codes = code_buf!(stack, heap, s);
     let bp = bins.as_mut_ptr();
     for r in 0..len {
-        offsets_at(isa, &words[base + r * wpt..][..wpt], bits, e, g, codes);
+        offsets(&words[base + r * wpt..][..wpt], bits, e, g, codes);
         let w = &p[r * g..][..g];
         let mut h0 = 0;
         while h0 + 4 <= g {
