@@ -29,14 +29,22 @@ use calib_util::kv;
 
 const LENS: [usize; 5] = [1, 31, 33, 127, 1000];
 
-/// Pre-RoPE keys on both axes, nuq or uniform values, sinks.
-const SCHEMES: [&str; 2] = [
+/// Pre-RoPE keys on both axes, nuq or uniform values, sinks; channel-axis
+/// nuq keys of 2, 4 (16 entries: two permutes and a blend on AVX2) and 1
+/// bits, both pair styles, which the CPU backend's vector path decodes.
+const SCHEMES: [&str; 4] = [
     "pre_ck { key: quant(bits = 2, axis = channel, group = 32, levels = nuq),
               value: quant(bits = 2, axis = token, group = 32, levels = nuq, norm = l2),
               residual: 16, sinks: 4, rope: pre(theta = 10000, style = half) }",
     "pre_tk { key: quant(bits = 3, axis = token, group = 16, levels = nuq, norm = l2),
               value: quant(bits = 2, axis = token, group = 32),
               residual: 5, sinks: 2, rope: pre(theta = 1000000, style = interleaved) }",
+    "pre_ck4 { key: quant(bits = 4, axis = channel, group = 32, levels = nuq),
+              value: quant(bits = 2, axis = token, group = 32),
+              residual: 16, sinks: 4, rope: pre(theta = 10000, style = interleaved) }",
+    "pre_ck1 { key: quant(bits = 1, axis = channel, group = 32, levels = nuq),
+              value: quant(bits = 2, axis = token, group = 32, levels = nuq, norm = l2),
+              residual: 16, sinks: 4, rope: pre(theta = 10000, style = half) }",
 ];
 
 fn model(layers: u32, kv: u32, d: u32) -> ModelId {
@@ -339,6 +347,15 @@ fn calibrated_pre_rope_caches_match_the_oracle_odd_lengths_and_layouts() {
                         "{}",
                         b.kernel_path(&caches[0])
                     );
+                    // Channel-axis table keys take the vector decode.
+                    if s.key.quant().is_some_and(|q| q.axis == kivi_spec::Axis::Channel) && !p.scalar {
+                        assert!(
+                            b.kernel_path(&caches[0]).ends_with("vec+rope"),
+                            "{}: {}",
+                            s.name,
+                            b.kernel_path(&caches[0])
+                        );
+                    }
                     for rotate_query in [false, true] {
                         kivi_runtime::cpu::set_rope_strategy(rotate_query);
                         let got = b.decode(&caches[0], &seqs, &q, attn);

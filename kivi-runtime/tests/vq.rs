@@ -57,9 +57,12 @@ const VQ: [&str; 4] = [
     "d { key: vq(dim = 2, entries = 4), value: full, residual: 16, flush: chunked }",
 ];
 
-fn layouts() -> [Heads; 4] {
+/// Group sizes 1, 4, 7 and 8: the CPU lookups take heads four at a time,
+/// with a remainder (7) or none (4, 8), and one head alone (MHA).
+fn layouts() -> [Heads; 5] {
     [
         Heads::Mha(2),
+        Heads::Gqa { q: 16, kv: 2 },
         Heads::Gqa { q: 8, kv: 2 },
         Heads::Gqa { q: 7, kv: 1 },
         Heads::Mqa(4),

@@ -375,17 +375,20 @@ fn bind(name: &str, l: Layout) -> Result<Scheme, String> {
 }
 
 /// A paged cache for `s`: with `--calibration`, that file's codebooks;
-/// otherwise a `levels = nuq` scheme gets codebooks fitted on
+/// otherwise a `levels = nuq` or `vq(...)` scheme gets codebooks fitted on
 /// another draw of the benchmark's own K/V (layer 0; keys before RoPE are
 /// the same draw, so a pre-RoPE scheme fits too): decode speed depends on
 /// the table's width, not on its values, and the bench needs no model.
 fn new_cache(bench: &Config, s: &Scheme, l: Layout, cfg: CacheConfig) -> Result<PagedCache, String> {
     use kivi_runtime::calib::{fit_key, Calibration, FitOptions, LayerSamples, ModelId};
+    use kivi_runtime::vq::VqFitOptions;
     use kivi_spec::Tensor;
     if let Some((cal, layer)) = &bench.calibration {
         return PagedCache::with_calibration(s.clone(), cfg, cal, *layer).map_err(|e| format!("{}: {e}", s.name));
     }
-    if fit_key(s, Tensor::Key).is_none() && fit_key(s, Tensor::Value).is_none() {
+    let nuq = fit_key(s, Tensor::Key).is_some() || fit_key(s, Tensor::Value).is_some();
+    let vq = [Tensor::Key, Tensor::Value].iter().any(|&t| s.codec(t).vq().is_some());
+    if !nuq && !vq {
         return PagedCache::new(s.clone(), cfg).map_err(|e| format!("{}: {e}", s.name));
     }
     let tokens = 1024;
@@ -400,8 +403,21 @@ fn new_cache(bench: &Config, s: &Scheme, l: Layout, cfg: CacheConfig) -> Result<
         head_dim: d as u32,
     };
     let mut cal = Calibration::new(model, "kv_data(1024 tokens, seed 0xca1)");
-    cal.fit_codebooks(s, &[x], FitOptions::default())
-        .map_err(|e| format!("{}: {e}", s.name))?;
+    if nuq {
+        cal.fit_codebooks(s, std::slice::from_ref(&x), FitOptions::default())
+            .map_err(|e| format!("{}: {e}", s.name))?;
+    }
+    if vq {
+        // Few iterations on few points: the decode kernel's speed depends
+        // on the codebooks' shape, not on how well they fit, and a full fit
+        // of 256-entry books takes seconds per scheme on two cores.
+        let opts = VqFitOptions {
+            iterations: 4,
+            max_points: 2048,
+            ..VqFitOptions::default()
+        };
+        cal.fit_vq(s, &[x], opts).map_err(|e| format!("{}: {e}", s.name))?;
+    }
     PagedCache::with_calibration(s.clone(), cfg, &cal, 0).map_err(|e| format!("{}: {e}", s.name))
 }
 
@@ -902,6 +918,40 @@ mod tests {
         let r = r.unwrap();
         assert_eq!(r.decode.len(), 3);
         assert!(r.decode[2].path.ends_with("+rope"), "{:?}", r.decode[2].path);
+    }
+
+    /// `vq(...)` schemes get product codebooks fitted on the bench's own
+    /// K/V (no `--calibration`), pass the oracle check and are timed.
+    #[test]
+    fn vq_schemes_are_fitted_checked_and_timed() {
+        let dir = std::env::temp_dir().join(format!("kivi-bench-vq-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let texts = [
+            ("vqkv", "vqkv { key: vq(dim = 8, entries = 16), value: vq(dim = 8, entries = 16), residual: 32, sinks: 4 }"),
+            ("vqv", "vqv { key: quant(bits = 2, axis = channel, group = 64), value: vq(dim = 4, entries = 16), residual: 32, sinks: 4 }"),
+        ];
+        let mut schemes = vec!["f16".to_string()];
+        for (name, text) in texts {
+            let p = dir.join(format!("{name}.kivi"));
+            std::fs::write(&p, text).unwrap();
+            schemes.push(p.display().to_string());
+        }
+        let cfg = Config {
+            layouts: vec![MQA],
+            contexts: vec![300],
+            batches: vec![2],
+            schemes,
+            reps: 1,
+            params: CpuParams::default(),
+            cold: false,
+            prefill: false,
+            prefill_tokens: 0,
+            calibration: None,
+        };
+        let r = run(&cfg, "test".into(), &mut |_| peers::PeerReport::default(), &mut |_| {});
+        std::fs::remove_dir_all(&dir).unwrap();
+        let r = r.unwrap();
+        assert_eq!(r.decode.len(), 3, "{:?}", r.decode);
     }
 
     #[test]

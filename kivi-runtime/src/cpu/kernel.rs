@@ -769,11 +769,20 @@ fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: us
                         let book = plan.vq[i].as_deref().expect("a vq kind has its codebooks");
                         match &mut sub {
                             Op::Score { out, .. } => {
-                                super::vq::score(book, bits, part, base, wpt, len, &sc.vq_lut, g, out)
+                                super::vq::score(plan.isa, book, bits, part, base, wpt, len, &sc.vq_lut, g, out)
                             }
-                            Op::Accum { p: pr, .. } => {
-                                super::vq::accumulate(book, bits, part, base, wpt, len, pr, g, &mut sc.vq_bins)
-                            }
+                            Op::Accum { p: pr, .. } => super::vq::accumulate(
+                                plan.isa,
+                                book,
+                                bits,
+                                part,
+                                base,
+                                wpt,
+                                len,
+                                pr,
+                                g,
+                                &mut sc.vq_bins,
+                            ),
                         }
                     }
                     Kind::Generic => {
@@ -796,6 +805,34 @@ fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: us
             }
         }
     });
+}
+
+/// `out[h] = max(out[h], max_r s[r * G + h])` with the `G` maxima in
+/// registers: over a runtime group size the generic tile loop kept them in
+/// memory, a store per score (a quarter of the loop's time at GQA 32:8
+/// with lookup-table schemes). Maxima are exact in any order.
+fn col_max<const G: usize>(s: &[f32], out: &mut [f32]) {
+    let mut m = [f32::NEG_INFINITY; G];
+    m.copy_from_slice(&out[..G]);
+    for row in s.chunks_exact(G) {
+        for (t, &x) in m.iter_mut().zip(row) {
+            *t = if x > *t { x } else { *t };
+        }
+    }
+    out[..G].copy_from_slice(&m);
+}
+
+/// `l[h] += sum_r s[r * G + h]`, rows in order (the generic loop's sums),
+/// the `G` sums in registers (see [`col_max`]).
+fn col_add<const G: usize>(s: &[f32], l: &mut [f32]) {
+    let mut a = [0f32; G];
+    a.copy_from_slice(&l[..G]);
+    for row in s.chunks_exact(G) {
+        for (t, &x) in a.iter_mut().zip(row) {
+            *t += x;
+        }
+    }
+    l[..G].copy_from_slice(&a);
 }
 
 /// Asks for the share of the next block's K and V bytes of head `h` that
@@ -890,6 +927,7 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
     }
     let mut fs = plan.fast.map(|f| fused::State::new(f, g, d, tile, q));
     let mut ds = plan.dense_tile.then(|| dense::TileState::new(g, d, tile));
+    let mut vq_corr = vec![1f32; g];
     let mut t0 = a;
     while t0 < z {
         // Tiles after the sinks start at multiples of `tile` (counted from
@@ -933,9 +971,15 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
         // Tile maxima, one pass over the rows (scores are finite: the inputs are).
         let mut tmax = [f32::NEG_INFINITY; 64];
         let tmax = &mut tmax[..g.min(64)];
-        for row in s.chunks_exact(g) {
-            for (t, &x) in tmax.iter_mut().zip(row) {
-                *t = if x > *t { x } else { *t };
+        match g {
+            4 => col_max::<4>(s, tmax),
+            8 => col_max::<8>(s, tmax),
+            _ => {
+                for row in s.chunks_exact(g) {
+                    for (t, &x) in tmax.iter_mut().zip(row) {
+                        *t = if x > *t { x } else { *t };
+                    }
+                }
             }
         }
         for hh in 0..g {
@@ -950,16 +994,11 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
             } else {
                 (m[hh] - new_m).exp()
             };
+            vq_corr[hh] = corr;
             if corr != 1.0 {
                 l[hh] *= corr;
                 for x in &mut acc[hh * d..(hh + 1) * d] {
                     *x *= corr;
-                }
-                if let Some(book) = plan.vq[1].as_deref() {
-                    let n = book.subvectors * book.entries;
-                    for x in &mut sc.vq_bins[hh * n..(hh + 1) * n] {
-                        *x *= corr;
-                    }
                 }
                 if plan.kinds[1] == Kind::Codec {
                     sc.psum[hh] *= corr;
@@ -973,15 +1012,25 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
             }
             m[hh] = new_m;
         }
+        if plan.vq[1].is_some() {
+            // The bins interleave the heads: one pass for all of them.
+            super::vq::rescale(&mut sc.vq_bins, &vq_corr);
+        }
         for row in s.chunks_exact_mut(g) {
             for (x, mm) in row.iter_mut().zip(&m) {
                 *x -= mm;
             }
         }
         simd::exp_le0(plan.isa, s);
-        for row in s.chunks_exact(g) {
-            for (li, p) in l.iter_mut().zip(row) {
-                *li += p;
+        match g {
+            4 => col_add::<4>(s, &mut l),
+            8 => col_add::<8>(s, &mut l),
+            _ => {
+                for row in s.chunks_exact(g) {
+                    for (li, p) in l.iter_mut().zip(row) {
+                        *li += p;
+                    }
+                }
             }
         }
         run_tensor(

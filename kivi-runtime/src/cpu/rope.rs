@@ -19,8 +19,10 @@
 //! rounded to f32 once, as [`kivi_spec::Rope::cos_sin`] does.
 //!
 //! The vector path (`avx512-vec+rope` / `avx2-vec+rope`: channel-axis
-//! uniform 1/2/4-bit keys, no codec pipeline, `D % 16 == 0`, key strategy)
-//! does the same arithmetic in vectors, tile by tile:
+//! 1/2/4-bit keys with uniform, Lloyd–Max or calibrated `nuq` levels, no
+//! codec pipeline, `D % 16 == 0`, key strategy) does the same arithmetic in
+//! vectors, tile by tile, each loop written once over the vector width
+//! ([`super::width::Width`]) and compiled per ISA:
 //! - the tile's table is built four (AVX2) or eight (AVX-512) f64 pairs at a
 //!   time with the same multiplies and subtractions, so the same f32
 //!   cosines and sines, and stored expanded, one cosine and one signed sine
@@ -36,6 +38,9 @@
 //!   converted, then `c * s + z` with the group's per-channel parameters (a
 //!   multiply and an add, as [`crate::quant::decode`]: bit for bit the row
 //!   reader's values), read once per run of rows in one block and key group;
+//!   table levels look the code up in a register instead (`vpermps`, two
+//!   and a blend for 16 entries on AVX2) and take `s * table[c] + 0`, the
+//!   row reader's `s * table[c]` ([`crate::quant::dequantize_in`]);
 //! - the turned rows are scored by the ISA's dot product, shared by the
 //!   query heads of the group; where the plan allows the fused path's value
 //!   coding (`kernel.rs`), its softmax and value half takes the scores.
@@ -122,6 +127,10 @@ pub(crate) struct RopeKeys {
     chan: Option<(Quant, TensorLayout)>,
     /// Code bits of keys the vector path decodes (see the module comment).
     vec_bits: Option<u32>,
+    /// Whether those codes index a table (Lloyd–Max or a calibrated `nuq`
+    /// codebook, read from the cache's codec at decode time) rather than
+    /// being uniform levels.
+    vec_table: bool,
     /// `step` split into cosines and sines (`[r][i]`, `r <= tile`), for
     /// vector loads.
     step_c: Vec<f64>,
@@ -190,6 +199,7 @@ impl RopeKeys {
             strategy: Strategy::current(),
             chan: None,
             vec_bits: None,
+            vec_table: false,
             step_c,
             step_s,
         })
@@ -201,14 +211,17 @@ impl RopeKeys {
     pub fn with_key_layout(mut self, s: &Scheme, tl: TensorLayout) -> RopeKeys {
         // Table-driven keys (Lloyd–Max, or a calibrated `nuq` codebook, which
         // lives in the cache, not the scheme) decode with the cache codec's
-        // own table (`key_row`); only uniform keys take the vector decode.
+        // own table, read when a tile is scored (`key_row`, `score_vec`).
         if let Some(q) = s.key.quant().filter(|q| q.axis == Axis::Channel) {
             self.chan = Some((*q, tl));
             // The vector decode: eight channels lie in one word (1, 2, 4
-            // bits), plain `c * s + z` levels, halves of whole vectors.
-            if q.levels == Levels::Uniform
-                && matches!(q.bits, 1 | 2 | 4)
-                && !s.has_pipeline(Tensor::Key)
+            // bits), `c * s + z` or `s * table[c]` levels (at most 16, one
+            // or two register permutes), halves of whole vectors.
+            self.vec_table = q.levels != Levels::Uniform;
+            if matches!(q.bits, 1 | 2 | 4)
+                && s.rotation_of(Tensor::Key).is_none()
+                && s.outliers_of(Tensor::Key) == 0
+                && s.center_of(Tensor::Key).is_none()
                 && self.d.is_multiple_of(16)
                 && VECTOR.load(Ordering::Relaxed)
             {
@@ -416,7 +429,7 @@ impl RopeKeys {
             let k = if chained { sc.next.map_or(0, |x| x.1) } else { 0 };
             assert!(self.step_c.len() > n * half && self.step_s.len() > n * half && sc.bc.len() == half);
             assert!(sc.bs.len() == half && half.is_multiple_of(4));
-            let table = if isa == Isa::Avx512 && is_x86_feature_detected!("avx512f") {
+            let table = if isa == Isa::Avx512 && avx512_ok() {
                 vecs::table512
             } else {
                 vecs::table
@@ -451,12 +464,19 @@ impl RopeKeys {
         sc.scales.resize(d, 0.0);
         sc.zeros.resize(d, 0.0);
         let (gsz, wpt) = (qz.group as usize, tl.words_per_token);
-        let decode_turn =
-            if isa == Isa::Avx512 && is_x86_feature_detected!("avx512f") && (interleaved || d.is_multiple_of(32)) {
-                vecs::decode_turn512
-            } else {
-                vecs::decode_turn
-            };
+        let table = self.vec_table;
+        // Table levels: the cache codec's table, zero-padded to 16 entries
+        // (a code past the end of the table decodes to 0, as in
+        // `dequantize_in`: `0 * s + 0`).
+        let mut levels = [0f32; 16];
+        if table {
+            let t = view.codec(Tensor::Key).map_or(&[][..], |c| &c.levels[..]);
+            for (l, x) in levels.iter_mut().zip(t) {
+                *l = *x;
+            }
+        }
+        let wide = isa == Isa::Avx512 && avx512_ok() && (interleaved || d.is_multiple_of(32));
+        let decode_turn = vecs::decode_turn(wide, table);
         assert!(wpt * (32 / bits as usize) >= d);
         let mut r = 0;
         while r < n {
@@ -481,14 +501,13 @@ impl RopeKeys {
                         // side: eight widened per instruction (exact, as
                         // `params_at`'s one at a time, which cost a division
                         // per channel: a tenth of the path).
+                        // Table levels have no zero point (`s * table[c]`).
                         let i0 = tl.param_index(off, 0);
                         let halves = |at: usize| part.get(at..).filter(|w| 2 * w.len() >= i0 + d);
-                        match (halves(tl.scales_offset), halves(tl.zeros_offset)) {
-                            (Some(sw), Some(zw))
-                                if qz.scale == ScaleDtype::F16
-                                    && qz.has_zeros()
-                                    && tl.param_index(off, d - 1) == i0 + d - 1 =>
-                            {
+                        let run = qz.scale == ScaleDtype::F16 && tl.param_index(off, d - 1) == i0 + d - 1;
+                        let zw = if table { None } else { halves(tl.zeros_offset) };
+                        match (halves(tl.scales_offset), zw) {
+                            (Some(sw), Some(zw)) if run && qz.has_zeros() => {
                                 // SAFETY: AVX2 + F16C checked by `vector`;
                                 // `halves` checked halves `i0..i0 + d` are
                                 // in both slices, `d` floats in the outputs.
@@ -497,11 +516,16 @@ impl RopeKeys {
                                     vecs::f16_run(zw, i0, &mut sc.zeros[..d]);
                                 }
                             }
+                            (Some(sw), _) if run && table => {
+                                // SAFETY: as above, for the scales.
+                                unsafe { vecs::f16_run(sw, i0, &mut sc.scales[..d]) };
+                                sc.zeros.fill(0.0);
+                            }
                             _ => {
                                 for c in 0..d {
                                     let gp = params_at(tl, part, qz, off, c);
                                     sc.scales[c] = gp.scale;
-                                    sc.zeros[c] = gp.zero;
+                                    sc.zeros[c] = if table { 0.0 } else { gp.zero };
                                 }
                             }
                         }
@@ -517,6 +541,7 @@ impl RopeKeys {
                             decode_turn(
                                 row,
                                 bits,
+                                &levels,
                                 &sc.scales,
                                 &sc.zeros,
                                 &sc.cosx[rr * d..(rr + 1) * d],
@@ -587,6 +612,12 @@ impl RopeKeys {
     }
 }
 
+/// AVX-512F + DQ are there (the wide loops' features).
+#[cfg(target_arch = "x86_64")]
+fn avx512_ok() -> bool {
+    is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq")
+}
+
 /// AVX2 + FMA + F16C are there (the vector path's intrinsics; an `Isa` above
 /// scalar implies them, checked again because the path is unsafe code).
 fn simd_ok() -> bool {
@@ -600,20 +631,71 @@ fn simd_ok() -> bool {
     }
 }
 
-/// The vector path's loops: eight f32 (four f64) lanes on AVX2, sixteen
-/// (eight) in the `512` variants. Callers check the features and the slice
-/// lengths each function names.
+/// The vector path's loops, each written once over [`Width`]: eight f32
+/// lanes (AVX2) or sixteen (AVX-512), one `#[target_feature]` entry point
+/// per width instantiating the same `#[inline(always)]` body (as `fused.rs`
+/// and `dense.rs` do). Callers check the features and the slice lengths
+/// each function names.
 #[cfg(target_arch = "x86_64")]
 mod vecs {
-    use std::arch::x86_64::*;
+    use super::super::width::{Avx2, Avx512, Width};
 
     /// The expanded table of tokens `p0..p0 + n` from the cosines and sines
     /// of `p0`'s angles (`bc`, `bs`, `[half]`) and of `r * f_i` (`sc`, `ss`,
     /// `[r][half]`): `cos(p0 + r) = cb cr - sb sr`, `sin = sb cr + cb sr` in
-    /// f64 (the scalar `table`'s operations, so the same f32 results),
-    /// rounded once. Per row, channel `j` gets its pair's cosine and the
-    /// sine signed for its side (`-s` on the pair's first channel).
-    #[target_feature(enable = "avx2,fma")]
+    /// f64 (the scalar `table`'s operations, so the same f32 results: Rust
+    /// never contracts them to FMAs), rounded once. Per row, channel `j`
+    /// gets its pair's cosine and the sine signed for its side (`-s` on the
+    /// pair's first channel). Plain arithmetic over slices, which each entry
+    /// point's features let the compiler vectorise at its width (four or
+    /// eight f64 lanes): no intrinsics, so nothing to mirror.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn table_body(
+        bc: &[f64],
+        bs: &[f64],
+        sc: &[f64],
+        ss: &[f64],
+        n: usize,
+        half: usize,
+        interleaved: bool,
+        cosx: &mut [f32],
+        sinx: &mut [f32],
+    ) {
+        let d = 2 * half;
+        let (bc, bs) = (&bc[..half], &bs[..half]);
+        for r in 0..n {
+            let (co, so) = (&mut cosx[r * d..][..d], &mut sinx[r * d..][..d]);
+            let (cr, sr) = (&sc[r * half..][..half], &ss[r * half..][..half]);
+            let angles = bc
+                .iter()
+                .zip(bs)
+                .zip(cr.iter().zip(sr))
+                .map(|((&cb, &sb), (&cr, &sr))| ((cb * cr - sb * sr) as f32, (sb * cr + cb * sr) as f32));
+            if interleaved {
+                // Channels 2i, 2i + 1: (c, -s), (c, s).
+                for ((c2, s2), (c, s)) in co.chunks_exact_mut(2).zip(so.chunks_exact_mut(2)).zip(angles) {
+                    c2[0] = c;
+                    c2[1] = c;
+                    s2[0] = -s;
+                    s2[1] = s;
+                }
+            } else {
+                // Channels i and i + half.
+                let (c0, c1) = co.split_at_mut(half);
+                let (s0, s1) = so.split_at_mut(half);
+                for ((((c0, c1), s0), s1), (c, s)) in c0.iter_mut().zip(c1).zip(s0).zip(s1).zip(angles) {
+                    *c0 = c;
+                    *c1 = c;
+                    *s0 = -s;
+                    *s1 = s;
+                }
+            }
+        }
+    }
+
+    /// [`table_body`] compiled for AVX2 (four f64 lanes).
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn table(
         bc: &[f64],
@@ -626,40 +708,12 @@ mod vecs {
         cosx: &mut [f32],
         sinx: &mut [f32],
     ) {
-        let d = 2 * half;
-        debug_assert!(half.is_multiple_of(4) && cosx.len() >= n * d && sinx.len() >= n * d);
-        let neg = _mm_set1_ps(-0.0);
-        for r in 0..n {
-            let (co, so) = (cosx.as_mut_ptr().add(r * d), sinx.as_mut_ptr().add(r * d));
-            for i in (0..half).step_by(4) {
-                let cb = _mm256_loadu_pd(bc.as_ptr().add(i));
-                let sb = _mm256_loadu_pd(bs.as_ptr().add(i));
-                let cr = _mm256_loadu_pd(sc.as_ptr().add(r * half + i));
-                let sr = _mm256_loadu_pd(ss.as_ptr().add(r * half + i));
-                let c = _mm256_sub_pd(_mm256_mul_pd(cb, cr), _mm256_mul_pd(sb, sr));
-                let s = _mm256_add_pd(_mm256_mul_pd(sb, cr), _mm256_mul_pd(cb, sr));
-                let (c, s) = (_mm256_cvtpd_ps(c), _mm256_cvtpd_ps(s));
-                let ns = _mm_xor_ps(s, neg);
-                if interleaved {
-                    // Channels 2i, 2i + 1: (c, -s), (c, s).
-                    let cc = _mm256_set_m128(_mm_unpackhi_ps(c, c), _mm_unpacklo_ps(c, c));
-                    let sx = _mm256_set_m128(_mm_unpackhi_ps(ns, s), _mm_unpacklo_ps(ns, s));
-                    _mm256_storeu_ps(co.add(2 * i), cc);
-                    _mm256_storeu_ps(so.add(2 * i), sx);
-                } else {
-                    // Channels i and i + half.
-                    _mm_storeu_ps(co.add(i), c);
-                    _mm_storeu_ps(co.add(half + i), c);
-                    _mm_storeu_ps(so.add(i), ns);
-                    _mm_storeu_ps(so.add(half + i), s);
-                }
-            }
-        }
+        table_body(bc, bs, sc, ss, n, half, interleaved, cosx, sinx)
     }
 
-    /// [`table`] eight f64 lanes at a time (the same operations, so the same
-    /// values): the table is a tenth of the path's time on AVX2 lanes.
-    #[target_feature(enable = "avx512f,avx2,fma")]
+    /// [`table_body`] compiled for AVX-512 (eight f64 lanes): the table is a
+    /// tenth of the path's time on AVX2 lanes.
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn table512(
         bc: &[f64],
@@ -672,37 +726,7 @@ mod vecs {
         cosx: &mut [f32],
         sinx: &mut [f32],
     ) {
-        let d = 2 * half;
-        debug_assert!(half.is_multiple_of(8) && cosx.len() >= n * d && sinx.len() >= n * d);
-        let neg = _mm256_set1_ps(-0.0);
-        for r in 0..n {
-            let (co, so) = (cosx.as_mut_ptr().add(r * d), sinx.as_mut_ptr().add(r * d));
-            for i in (0..half).step_by(8) {
-                let cb = _mm512_loadu_pd(bc.as_ptr().add(i));
-                let sb = _mm512_loadu_pd(bs.as_ptr().add(i));
-                let cr = _mm512_loadu_pd(sc.as_ptr().add(r * half + i));
-                let sr = _mm512_loadu_pd(ss.as_ptr().add(r * half + i));
-                let c = _mm512_sub_pd(_mm512_mul_pd(cb, cr), _mm512_mul_pd(sb, sr));
-                let s = _mm512_add_pd(_mm512_mul_pd(sb, cr), _mm512_mul_pd(cb, sr));
-                let (c, s) = (_mm512_cvtpd_ps(c), _mm512_cvtpd_ps(s));
-                let ns = _mm256_xor_ps(s, neg);
-                if interleaved {
-                    // Channels 2i, 2i + 1: (c, -s), (c, s); the unpacks work
-                    // within 128-bit halves, the permutes put them in order.
-                    let (cl, ch) = (_mm256_unpacklo_ps(c, c), _mm256_unpackhi_ps(c, c));
-                    let (sl, sh) = (_mm256_unpacklo_ps(ns, s), _mm256_unpackhi_ps(ns, s));
-                    _mm256_storeu_ps(co.add(2 * i), _mm256_permute2f128_ps(cl, ch, 0x20));
-                    _mm256_storeu_ps(co.add(2 * i + 8), _mm256_permute2f128_ps(cl, ch, 0x31));
-                    _mm256_storeu_ps(so.add(2 * i), _mm256_permute2f128_ps(sl, sh, 0x20));
-                    _mm256_storeu_ps(so.add(2 * i + 8), _mm256_permute2f128_ps(sl, sh, 0x31));
-                } else {
-                    _mm256_storeu_ps(co.add(i), c);
-                    _mm256_storeu_ps(co.add(half + i), c);
-                    _mm256_storeu_ps(so.add(i), ns);
-                    _mm256_storeu_ps(so.add(half + i), s);
-                }
-            }
-        }
+        table_body(bc, bs, sc, ss, n, half, interleaved, cosx, sinx)
     }
 
     /// `out[k] = f32(halves[i0 + k])` for the f16 halves packed two a word
@@ -712,44 +736,47 @@ mod vecs {
         debug_assert!(out.len().is_multiple_of(8) && 2 * words.len() >= i0 + out.len());
         let h = (words.as_ptr() as *const u16).add(i0);
         for k in (0..out.len()).step_by(8) {
-            let x = _mm256_cvtph_ps(_mm_loadu_si128(h.add(k) as *const __m128i));
-            _mm256_storeu_ps(out.as_mut_ptr().add(k), x);
+            Avx2::store(out.as_mut_ptr().add(k), Avx2::load_f16(h.add(k)));
         }
     }
 
-    /// `c * s + z` of eight channels from `c` of one packed row (channel `c`
-    /// in word `c / per`, slot `c % per`): the word broadcast, shifted per
-    /// lane by its slot, masked, converted; then a multiply and an add (no
-    /// FMA: the row reader's rounding).
+    /// Channels `c..c + LANES` of a packed row decoded: [`Width::codes`],
+    /// then the level (the code itself, or `table[code]` when `TABLE`),
+    /// then `x * s + z` with the group's per-channel parameters, a multiply
+    /// and an add (no FMA: the row reader's rounding; table levels have
+    /// `z = 0` and the reader's `s * table[code]`).
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn decode8(
-        row: &[u32],
+    unsafe fn decode<W: Width, const TABLE: bool>(
+        row: *const u32,
         bits: u32,
-        per: usize,
-        lane: __m256i,
-        mask: __m256i,
-        s: &[f32],
-        z: &[f32],
+        t: [W::F; 2],
+        s: *const f32,
+        z: *const f32,
         c: usize,
-    ) -> __m256 {
-        let w = _mm256_set1_epi32(*row.get_unchecked(c / per) as i32);
-        let sh = _mm256_add_epi32(lane, _mm256_set1_epi32(((c % per) * bits as usize) as i32));
-        let x = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, sh), mask));
-        _mm256_add_ps(
-            _mm256_mul_ps(x, _mm256_loadu_ps(s.as_ptr().add(c))),
-            _mm256_loadu_ps(z.as_ptr().add(c)),
-        )
+    ) -> W::F {
+        let k = W::codes(row, bits, c);
+        let x = if TABLE { W::lookup16(t, k) } else { W::cvt_i(k) };
+        W::add(W::mul(x, W::load(s.add(c))), W::load(z.add(c)))
     }
 
-    /// A packed row decoded ([`decode8`]) and turned as [`turn`] does, without
-    /// the row's round trip through memory: `half` pairs decode channels `j` and `j + D/2` together,
+    /// `x * cos + p * sin`: the scalar turn's `xa c - xb s` and
+    /// `xb c + xa s` (the sign is in `sin`), two multiplies and an add.
+    #[inline(always)]
+    unsafe fn rot<W: Width>(x: W::F, p: W::F, cos: *const f32, sin: *const f32) -> W::F {
+        W::add(W::mul(x, W::load(cos)), W::mul(p, W::load(sin)))
+    }
+
+    /// A packed row decoded ([`decode`]) and turned as [`turn`] does,
+    /// without the row's round trip through memory: `half` pairs decode
+    /// channels `j` and `j + D/2` together (`D/2` a multiple of `LANES`),
     /// `interleaved` ones swap lanes.
-    #[target_feature(enable = "avx2,fma")]
+    #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn decode_turn(
+    unsafe fn decode_turn_body<W: Width, const TABLE: bool>(
         row: &[u32],
         bits: u32,
+        table: &[f32; 16],
         s: &[f32],
         z: &[f32],
         cos: &[f32],
@@ -759,135 +786,94 @@ mod vecs {
     ) {
         let d = out.len();
         let half = d / 2;
-        let per = (32 / bits) as usize;
-        debug_assert!(d.is_multiple_of(16) && per >= 8 && row.len() * per >= d && s.len() >= d && z.len() >= d);
-        debug_assert!(cos.len() >= d && sin.len() >= d);
-        let mask = _mm256_set1_epi32(((1u32 << bits) - 1) as i32);
-        let lane = _mm256_mullo_epi32(
-            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-            _mm256_set1_epi32(bits as i32),
-        );
+        let l = W::LANES;
+        debug_assert!(d.is_multiple_of(16) && (32 / bits as usize) >= 8 && row.len() * (32 / bits as usize) >= d);
+        debug_assert!(s.len() >= d && z.len() >= d && cos.len() >= d && sin.len() >= d);
+        debug_assert!(interleaved || half.is_multiple_of(l));
+        let t = W::table16(table.as_ptr());
+        let (rp, sp, zp) = (row.as_ptr(), s.as_ptr(), z.as_ptr());
         let (co, si, o) = (cos.as_ptr(), sin.as_ptr(), out.as_mut_ptr());
         if interleaved {
-            for c in (0..d).step_by(8) {
-                let v = decode8(row, bits, per, lane, mask, s, z, c);
-                let p = _mm256_permute_ps(v, 0b10_11_00_01);
-                let r = _mm256_add_ps(
-                    _mm256_mul_ps(v, _mm256_loadu_ps(co.add(c))),
-                    _mm256_mul_ps(p, _mm256_loadu_ps(si.add(c))),
-                );
-                _mm256_storeu_ps(o.add(c), r);
+            for c in (0..d).step_by(l) {
+                let v = decode::<W, TABLE>(rp, bits, t, sp, zp, c);
+                W::store(o.add(c), rot::<W>(v, W::swap_pairs(v), co.add(c), si.add(c)));
             }
         } else {
-            for j in (0..half).step_by(8) {
-                let a = decode8(row, bits, per, lane, mask, s, z, j);
-                let b = decode8(row, bits, per, lane, mask, s, z, j + half);
-                let ra = _mm256_add_ps(
-                    _mm256_mul_ps(a, _mm256_loadu_ps(co.add(j))),
-                    _mm256_mul_ps(b, _mm256_loadu_ps(si.add(j))),
-                );
-                let rb = _mm256_add_ps(
-                    _mm256_mul_ps(b, _mm256_loadu_ps(co.add(j + half))),
-                    _mm256_mul_ps(a, _mm256_loadu_ps(si.add(j + half))),
-                );
-                _mm256_storeu_ps(o.add(j), ra);
-                _mm256_storeu_ps(o.add(j + half), rb);
+            for j in (0..half).step_by(l) {
+                let a = decode::<W, TABLE>(rp, bits, t, sp, zp, j);
+                let b = decode::<W, TABLE>(rp, bits, t, sp, zp, j + half);
+                W::store(o.add(j), rot::<W>(a, b, co.add(j), si.add(j)));
+                W::store(o.add(j + half), rot::<W>(b, a, co.add(j + half), si.add(j + half)));
             }
         }
     }
 
-    /// [`decode_turn`] sixteen channels at a time (AVX-512): 2- and 1-bit
-    /// rows broadcast one word to the vector, 4-bit rows two words (eight
-    /// lanes each); `half` pairs need `D % 32 == 0` (the caller checks).
-    /// The same operations per channel, so the same values.
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn decode_turn512(
-        row: &[u32],
-        bits: u32,
-        s: &[f32],
-        z: &[f32],
-        cos: &[f32],
-        sin: &[f32],
-        interleaved: bool,
-        out: &mut [f32],
-    ) {
-        let d = out.len();
-        let half = d / 2;
-        let per = (32 / bits) as usize;
-        debug_assert!(d.is_multiple_of(16) && per >= 8 && row.len() * per >= d && s.len() >= d && z.len() >= d);
-        debug_assert!(cos.len() >= d && sin.len() >= d && (interleaved || half.is_multiple_of(16)));
-        let mask = _mm512_set1_epi32(((1u32 << bits) - 1) as i32);
-        let k = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        let b = _mm512_set1_epi32(bits as i32);
-        // Lane k's shift: (k % 8) * bits for two words of eight codes, else
-        // (c % per + k) * bits within one word.
-        let sh8 = _mm512_mullo_epi32(_mm512_and_si512(k, _mm512_set1_epi32(7)), b);
-        let sh16 = _mm512_mullo_epi32(k, b);
-        let two = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-        let rp = row.as_ptr();
-        let dec = |c: usize| {
-            let (w, sh) = if per == 8 {
-                let pair = _mm512_castsi128_si512(_mm_loadl_epi64(rp.add(c / 8) as *const __m128i));
-                (_mm512_permutexvar_epi32(two, pair), sh8)
-            } else {
-                let off = _mm512_set1_epi32(((c % per) * bits as usize) as i32);
-                (_mm512_set1_epi32(*rp.add(c / per) as i32), _mm512_add_epi32(sh16, off))
-            };
-            let x = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w, sh), mask));
-            _mm512_add_ps(
-                _mm512_mul_ps(x, _mm512_loadu_ps(s.as_ptr().add(c))),
-                _mm512_loadu_ps(z.as_ptr().add(c)),
-            )
+    /// [`decode_turn_body`] at one width with table or uniform levels.
+    macro_rules! decode_turn_entry {
+        ($name:ident, $w:ty, $features:literal, $table:literal) => {
+            #[target_feature(enable = $features)]
+            #[allow(clippy::too_many_arguments)]
+            unsafe fn $name(
+                row: &[u32],
+                bits: u32,
+                table: &[f32; 16],
+                s: &[f32],
+                z: &[f32],
+                cos: &[f32],
+                sin: &[f32],
+                interleaved: bool,
+                out: &mut [f32],
+            ) {
+                decode_turn_body::<$w, $table>(row, bits, table, s, z, cos, sin, interleaved, out)
+            }
         };
-        let (co, si, o) = (cos.as_ptr(), sin.as_ptr(), out.as_mut_ptr());
-        if interleaved {
-            for c in (0..d).step_by(16) {
-                let v = dec(c);
-                let p = _mm512_permute_ps(v, 0b10_11_00_01);
-                let r = _mm512_add_ps(
-                    _mm512_mul_ps(v, _mm512_loadu_ps(co.add(c))),
-                    _mm512_mul_ps(p, _mm512_loadu_ps(si.add(c))),
-                );
-                _mm512_storeu_ps(o.add(c), r);
-            }
-        } else {
-            for j in (0..half).step_by(16) {
-                let (a, b) = (dec(j), dec(j + half));
-                let ra = _mm512_add_ps(
-                    _mm512_mul_ps(a, _mm512_loadu_ps(co.add(j))),
-                    _mm512_mul_ps(b, _mm512_loadu_ps(si.add(j))),
-                );
-                let rb = _mm512_add_ps(
-                    _mm512_mul_ps(b, _mm512_loadu_ps(co.add(j + half))),
-                    _mm512_mul_ps(a, _mm512_loadu_ps(si.add(j + half))),
-                );
-                _mm512_storeu_ps(o.add(j), ra);
-                _mm512_storeu_ps(o.add(j + half), rb);
-            }
+    }
+    decode_turn_entry!(dt256, Avx2, "avx2,fma,f16c", false);
+    decode_turn_entry!(dt256_table, Avx2, "avx2,fma,f16c", true);
+    decode_turn_entry!(dt512, Avx512, "avx512f,avx512dq,avx2,fma,f16c", false);
+    decode_turn_entry!(dt512_table, Avx512, "avx512f,avx512dq,avx2,fma,f16c", true);
+
+    /// The signature of a [`decode_turn`] body.
+    pub type DecodeTurn = unsafe fn(&[u32], u32, &[f32; 16], &[f32], &[f32], &[f32], &[f32], bool, &mut [f32]);
+
+    /// The entry point for a width (`wide`: AVX-512) and table or uniform
+    /// levels (`table`: the padded table is read, else ignored).
+    pub fn decode_turn(wide: bool, table: bool) -> DecodeTurn {
+        match (wide, table) {
+            (true, true) => dt512_table,
+            (true, false) => dt512,
+            (false, true) => dt256_table,
+            (false, false) => dt256,
         }
     }
 
     /// `out_j = x_j cos_j + partner(x)_j sin_j` (two multiplies and an add:
     /// the scalar turn's `xa c - xb s` and `xb c + xa s`, bit for bit),
     /// `partner` the other half's channel or the pair's neighbour.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn turn(x: &[f32], cos: &[f32], sin: &[f32], interleaved: bool, out: &mut [f32]) {
+    #[inline(always)]
+    unsafe fn turn_body<W: Width>(x: &[f32], cos: &[f32], sin: &[f32], interleaved: bool, out: &mut [f32]) {
         let d = x.len();
         let half = d / 2;
         debug_assert!(d.is_multiple_of(16) && cos.len() >= d && sin.len() >= d && out.len() >= d);
-        for j in (0..d).step_by(8) {
-            let v = _mm256_loadu_ps(x.as_ptr().add(j));
+        debug_assert!(interleaved || half.is_multiple_of(W::LANES));
+        let xp = x.as_ptr();
+        for j in (0..d).step_by(W::LANES) {
+            let v = W::load(xp.add(j));
             let p = if interleaved {
-                _mm256_permute_ps(v, 0b10_11_00_01)
+                W::swap_pairs(v)
             } else {
-                _mm256_loadu_ps(x.as_ptr().add((j + half) % d))
+                W::load(xp.add((j + half) % d))
             };
-            let r = _mm256_add_ps(
-                _mm256_mul_ps(v, _mm256_loadu_ps(cos.as_ptr().add(j))),
-                _mm256_mul_ps(p, _mm256_loadu_ps(sin.as_ptr().add(j))),
+            W::store(
+                out.as_mut_ptr().add(j),
+                rot::<W>(v, p, cos.as_ptr().add(j), sin.as_ptr().add(j)),
             );
-            _mm256_storeu_ps(out.as_mut_ptr().add(j), r);
         }
+    }
+
+    /// [`turn_body`] on AVX2 (every `D % 16 == 0`: a half is whole vectors).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn turn(x: &[f32], cos: &[f32], sin: &[f32], interleaved: bool, out: &mut [f32]) {
+        turn_body::<Avx2>(x, cos, sin, interleaved, out)
     }
 }

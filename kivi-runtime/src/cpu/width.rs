@@ -129,6 +129,18 @@ pub(crate) trait Width {
     unsafe fn transpose8(rows: *const i32, wpt: usize, wb: usize) -> [Self::I; 8];
     /// Word `w` of `LANES` rows `wpt` words apart (lane = row).
     unsafe fn gather_word(rows: *const i32, wpt: usize, w: usize) -> Self::I;
+    /// The `bits`-bit codes (1, 2 or 4) of channels `c..c + LANES` of a
+    /// packed row (channel `k` in word `k / (32 / bits)`, LSB first), one a
+    /// lane; `c` a multiple of `LANES` (`rope.rs`'s vector decode).
+    unsafe fn codes(row: *const u32, bits: u32, c: usize) -> Self::I;
+    /// A table of 16 levels at `p` (shorter tables zero-padded by the
+    /// caller), as [`Width::lookup16`] reads it.
+    unsafe fn table16(p: *const f32) -> [Self::F; 2];
+    /// `t[code]` per lane, codes below 16.
+    unsafe fn lookup16(t: [Self::F; 2], code: Self::I) -> Self::F;
+    /// Lanes `2i` and `2i + 1` exchanged (the partner of an `interleaved`
+    /// RoPE pair).
+    unsafe fn swap_pairs(v: Self::F) -> Self::F;
     /// Per-token parameters of `n` tokens (a multiple of `LANES`), `[n][ng]`
     /// f16 at `src`, to `[ng][n]` f32 at `dst`. The half before `src` is
     /// readable (the codes precede a part's parameter sections).
@@ -343,6 +355,43 @@ impl Width for Avx512 {
     #[inline(always)]
     unsafe fn cvt_i(a: __m512i) -> __m512 {
         _mm512_cvtepi32_ps(a)
+    }
+
+    /// 1- and 2-bit rows hold sixteen codes in one word, broadcast and
+    /// shifted per lane; 4-bit rows two words, one per eight lanes.
+    #[inline(always)]
+    unsafe fn codes(row: *const u32, bits: u32, c: usize) -> __m512i {
+        let k = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        let b = _mm512_set1_epi32(bits as i32);
+        let per = (32 / bits) as usize;
+        let (w, sh) = if per == 8 {
+            let two = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+            let pair = _mm512_castsi128_si512(_mm_loadl_epi64(row.add(c / 8) as *const __m128i));
+            (
+                _mm512_permutexvar_epi32(two, pair),
+                _mm512_mullo_epi32(_mm512_and_si512(k, _mm512_set1_epi32(7)), b),
+            )
+        } else {
+            let off = _mm512_set1_epi32(((c % per) * bits as usize) as i32);
+            (
+                _mm512_set1_epi32(*row.add(c / per) as i32),
+                _mm512_add_epi32(_mm512_mullo_epi32(k, b), off),
+            )
+        };
+        _mm512_and_si512(_mm512_srlv_epi32(w, sh), _mm512_set1_epi32(((1u32 << bits) - 1) as i32))
+    }
+    #[inline(always)]
+    unsafe fn table16(p: *const f32) -> [__m512; 2] {
+        [_mm512_loadu_ps(p), _mm512_setzero_ps()]
+    }
+    /// One permute: sixteen entries fit a register.
+    #[inline(always)]
+    unsafe fn lookup16(t: [__m512; 2], code: __m512i) -> __m512 {
+        _mm512_permutexvar_ps(code, t[0])
+    }
+    #[inline(always)]
+    unsafe fn swap_pairs(v: __m512) -> __m512 {
+        _mm512_permute_ps::<0b10_11_00_01>(v)
     }
 
     /// Three levels of eight two-source permutes.
@@ -672,6 +721,35 @@ impl Width for Avx2 {
     #[inline(always)]
     unsafe fn cvt_i(a: __m256i) -> __m256 {
         _mm256_cvtepi32_ps(a)
+    }
+
+    /// Eight codes lie in one word (`bits <= 4`): broadcast, shifted per lane.
+    #[inline(always)]
+    unsafe fn codes(row: *const u32, bits: u32, c: usize) -> __m256i {
+        let per = (32 / bits) as usize;
+        let lane = _mm256_mullo_epi32(
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            _mm256_set1_epi32(bits as i32),
+        );
+        let w = _mm256_set1_epi32(*row.add(c / per) as i32);
+        let sh = _mm256_add_epi32(lane, _mm256_set1_epi32(((c % per) * bits as usize) as i32));
+        _mm256_and_si256(_mm256_srlv_epi32(w, sh), _mm256_set1_epi32(((1u32 << bits) - 1) as i32))
+    }
+    #[inline(always)]
+    unsafe fn table16(p: *const f32) -> [__m256; 2] {
+        [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))]
+    }
+    /// Two eight-entry permutes (they read the code's low three bits),
+    /// blended on its bit 3 moved to the sign.
+    #[inline(always)]
+    unsafe fn lookup16(t: [__m256; 2], code: __m256i) -> __m256 {
+        let lo = _mm256_permutevar8x32_ps(t[0], code);
+        let hi = _mm256_permutevar8x32_ps(t[1], code);
+        _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32::<28>(code)))
+    }
+    #[inline(always)]
+    unsafe fn swap_pairs(v: __m256) -> __m256 {
+        _mm256_permute_ps::<0b10_11_00_01>(v)
     }
 
     /// The classic 8 x 8 transpose: 32-bit, 64-bit, then 128-bit interleaves.
