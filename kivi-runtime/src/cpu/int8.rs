@@ -141,12 +141,32 @@ impl Int8Keys {
         if self.key == Some(key) {
             return;
         }
-        let (d, per) = (self.d, (32 / self.bits) as usize);
-        let slots = per / 4;
+        let d = self.d;
         let i0 = tl.param_index(off, 0);
         read(self.fisa, &part[tl.scales_offset..], scale, i0, &mut self.s);
         read(self.fisa, &part[tl.zeros_offset..], scale, i0, &mut self.z);
         let nb = d / self.qgroup;
+        // SAFETY: `select` chose Vnni512 only with AVX-512F (and VNNI); the
+        // group is a multiple of 16 (validated), so is D; the buffers were
+        // sized in `new` for `g` heads.
+        #[cfg(target_arch = "x86_64")]
+        if self.isa == Int8Isa::Vnni512
+            && unsafe {
+                x86::fold_heads512(
+                    &self.qs,
+                    &self.s,
+                    &self.z,
+                    self.qgroup,
+                    self.bits,
+                    &mut self.qd,
+                    &mut self.a,
+                    &mut self.cst,
+                )
+            }
+        {
+            self.key = Some(key);
+            return;
+        }
         for h in 0..self.g {
             let qh = &self.qs[h * d..(h + 1) * d];
             let a = &mut self.a[h * nb..(h + 1) * nb];
@@ -163,13 +183,7 @@ impl Int8Keys {
                         *w = q * s;
                     }
                     quantize_query(&self.w, self.qgroup, &mut self.qi, a);
-                    for wd in 0..d / per {
-                        for k in 0..slots {
-                            let b = |j: usize| self.qi[wd * per + j * slots + k] as u8 as u32;
-                            let v = b(0) | (b(1) << 8) | (b(2) << 16) | (b(3) << 24);
-                            qd[wd * slots + k] = v as i32;
-                        }
-                    }
+                    pack_slots(&self.qi, self.bits, qd);
                     // In f64, rounded once: a sequential f32 sum of D
                     // products with offsets of both signs (KIVI keys' zero
                     // points) loses up to 1e-5 of the output on spiky keys.
@@ -256,6 +270,22 @@ impl Int8Keys {
     }
 }
 
+/// Query codes `qi` (channel order) as [`Int8Keys`] holds them: four bytes
+/// per dword, dword `k` of word `wd` holding the codes that slot `k` of a
+/// `bits`-bit code word unpacks into its four bytes (channels
+/// `wd * per + j * slots + k`, `j` = 0..4).
+fn pack_slots(qi: &[i8], bits: u32, qd: &mut [i32]) {
+    let per = (32 / bits) as usize;
+    let slots = per / 4;
+    for wd in 0..qi.len() / per {
+        for k in 0..slots {
+            let b = |j: usize| qi[wd * per + j * slots + k] as u8 as u32;
+            let v = b(0) | (b(1) << 8) | (b(2) << 16) | (b(3) << 24);
+            qd[wd * slots + k] = v as i32;
+        }
+    }
+}
+
 /// Parameters `i0..i0 + out.len()` of a scale or zero section, as f32
 /// (F16C where the float ISA has it: once per key group, but a software
 /// f16 conversion per channel cost more than the group's dot products).
@@ -281,6 +311,7 @@ fn read(isa: Isa, section: &[u32], dtype: ScaleDtype, i0: usize, out: &mut [f32]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 mod x86 {
     use super::Int8Keys;
+    use crate::cpu::width::{Avx2 as W256, Avx512 as W512, Width};
     use std::arch::x86_64::*;
 
     /// Byte shuffles from channel order to slot order within sixteen
@@ -354,6 +385,91 @@ mod x86 {
         _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)))
     }
 
+    /// [`fold_head`] for every head at once with sixteen lanes, bit-identical
+    /// to [`crate::quant::quantize_query`] as well: the block maxima of all
+    /// heads first (one vector maximum per block), then `m / 127` and
+    /// `127 / m` for sixteen blocks per division instead of two scalar
+    /// divisions per block, then one product, one rounding conversion and
+    /// one truncating narrowing (`vpmovdb`) per sixteen channels, the bytes
+    /// shuffled into slot order. A block of zeros (`m == 0`) needs no test:
+    /// `0 * inf` is NaN, which converts to `0x8000_0000`, whose low byte is
+    /// the code 0. Returns false, having written nothing the caller relies
+    /// on, when a block's `m` is so small that `127 / m` overflows (the
+    /// oracle then clamps `±inf` to ±127): the caller takes the portable
+    /// fold, which is the oracle's function.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn fold_heads512(
+        qs: &[f32],
+        s: &[f32],
+        z: &[f32],
+        group: usize,
+        bits: u32,
+        qd: &mut [i32],
+        scales: &mut [f32],
+        cst: &mut [f32],
+    ) -> bool {
+        let d = s.len();
+        let (g, nb) = (cst.len(), d / group);
+        assert!(group.is_multiple_of(16) && z.len() == d && qs.len() >= g * d);
+        assert!(qd.len() >= g * d / 4 && scales.len() >= g * nb);
+        let abs = _mm512_set1_epi32(0x7fff_ffff);
+        let (qp, sp, zp) = (qs.as_ptr(), s.as_ptr(), z.as_ptr());
+        let w = |h: usize, c: usize| _mm512_mul_ps(_mm512_loadu_ps(qp.add(h * d + c)), _mm512_loadu_ps(sp.add(c)));
+        // Maxima into `scales` (then overwritten by `m / 127` in place).
+        let mut tiny = false;
+        for h in 0..g {
+            for b in 0..nb {
+                let mut mv = _mm512_setzero_si512();
+                for c in (b * group..(b + 1) * group).step_by(16) {
+                    mv = _mm512_max_epu32(mv, _mm512_and_si512(_mm512_castps_si512(w(h, c)), abs));
+                }
+                // |w| as bits orders like the floats (non-negative, finite):
+                // an integer maximum is the exact float maximum.
+                let m = f32::from_bits(_mm512_reduce_max_epu32(mv));
+                tiny |= m > 0.0 && m < 1e-36;
+                scales[h * nb + b] = m;
+            }
+        }
+        // Reciprocals `127 / m` per block (on the stack: more than 256
+        // blocks, i.e. wide GQA groups of long heads, take the portable fold);
+        // the scales `m / 127` in place.
+        let n = g * nb;
+        if tiny || n > 256 {
+            return false;
+        }
+        let mut inv = [0f32; 256];
+        let inv_of = &mut inv[..n];
+        let k127 = _mm512_set1_ps(127.0);
+        for i in (0..n).step_by(16) {
+            let k = (n - i).min(16);
+            let mask: __mmask16 = if k == 16 { 0xffff } else { (1u16 << k) - 1 };
+            let m = _mm512_maskz_loadu_ps(mask, scales.as_ptr().add(i));
+            _mm512_mask_storeu_ps(inv_of.as_mut_ptr().add(i), mask, _mm512_div_ps(k127, m));
+            _mm512_mask_storeu_ps(scales.as_mut_ptr().add(i), mask, _mm512_div_ps(m, k127));
+        }
+        let shuf = _mm_loadu_si128(if bits == 2 { SLOTS2.as_ptr() } else { SLOTS4.as_ptr() } as *const __m128i);
+        let out = qd.as_mut_ptr() as *mut __m128i;
+        for h in 0..g {
+            let mut cz = _mm512_setzero_ps();
+            for b in 0..nb {
+                let iv = _mm512_set1_ps(inv_of[h * nb + b]);
+                for c in (b * group..(b + 1) * group).step_by(16) {
+                    // `cvtps2dq` rounds by MXCSR, to nearest even (Rust never
+                    // changes it); |w * inv| <= 127 (1 + 2^-23) rounds to at
+                    // most 127, so narrowing by truncation is exact.
+                    let x = _mm512_cvtps_epi32(_mm512_mul_ps(w(h, c), iv));
+                    let bytes = _mm_shuffle_epi8(_mm512_cvtepi32_epi8(x), shuf);
+                    _mm_storeu_si128(out.add((h * d + c) / 16), bytes);
+                    cz = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(h * d + c)), _mm512_loadu_ps(zp.add(c)), cz);
+                }
+            }
+            // Sixteen partial sums, then a tree (see `fold_head`).
+            cst[h] = _mm512_reduce_add_ps(cz);
+        }
+        true
+    }
+
     /// What differs between the two integer widths (everything else in
     /// [`dot`] is written once): how many rows a vector holds, how the
     /// words of those rows are gathered, and how four u8 x i8 products are
@@ -376,6 +492,20 @@ mod x86 {
         unsafe fn row_offsets(wpt: usize) -> Self::I;
         /// Word `idx[r]` of `rows` into lane `r`.
         unsafe fn gather(rows: *const i32, idx: Self::I) -> Self::I;
+        /// Words `wb..wb + 8` of the rows (lane `r` = row `r`, `idx` from
+        /// [`Self::row_offsets`]), one vector a word; words past `wpt`
+        /// are left zero. Where a row is a multiple of eight words this is
+        /// the f32 path's in-register transpose ([`Width::transpose8`]):
+        /// sixteen gathers of one word each took the loads' latency into
+        /// the dot products, and issue at about one lane per cycle.
+        #[inline(always)]
+        unsafe fn words8(rows: *const i32, wpt: usize, wb: usize, idx: Self::I) -> [Self::I; 8] {
+            let mut zs = [Self::zero_i(); 8];
+            for (j, z) in zs.iter_mut().enumerate().take((wpt - wb).min(8)) {
+                *z = Self::gather(rows, Self::add_i(idx, Self::splat_i((wb + j) as i32)));
+            }
+            zs
+        }
         unsafe fn add_i(a: Self::I, b: Self::I) -> Self::I;
         /// `(z >> shift) & mask` per lane.
         unsafe fn codes(z: Self::I, shift: i32, mask: Self::I) -> Self::I;
@@ -384,7 +514,7 @@ mod x86 {
         /// `acc + f32(sum) * a`.
         unsafe fn scale_add(sum: Self::I, a: f32, acc: Self::F) -> Self::F;
         /// `v + c` into `out[..ROWS]`.
-        unsafe fn store_plus(out: &mut [f32; 16], v: Self::F, c: f32);
+        unsafe fn store_plus(out: *mut f32, v: Self::F, c: f32);
     }
 
     /// AVX-512F + VNNI: sixteen rows, `vpdpbusd`.
@@ -419,6 +549,18 @@ mod x86 {
             _mm512_i32gather_epi32::<4>(idx, rows)
         }
         #[inline(always)]
+        unsafe fn words8(rows: *const i32, wpt: usize, wb: usize, idx: __m512i) -> [__m512i; 8] {
+            if wpt.is_multiple_of(8) {
+                <W512 as Width>::transpose8(rows, wpt, wb)
+            } else {
+                let mut zs = [_mm512_setzero_si512(); 8];
+                for (j, z) in zs.iter_mut().enumerate().take((wpt - wb).min(8)) {
+                    *z = _mm512_i32gather_epi32::<4>(_mm512_add_epi32(idx, _mm512_set1_epi32((wb + j) as i32)), rows);
+                }
+                zs
+            }
+        }
+        #[inline(always)]
         unsafe fn add_i(a: __m512i, b: __m512i) -> __m512i {
             _mm512_add_epi32(a, b)
         }
@@ -435,8 +577,8 @@ mod x86 {
             _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(a), acc)
         }
         #[inline(always)]
-        unsafe fn store_plus(out: &mut [f32; 16], v: __m512, c: f32) {
-            _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(v, _mm512_set1_ps(c)))
+        unsafe fn store_plus(out: *mut f32, v: __m512, c: f32) {
+            _mm512_storeu_ps(out, _mm512_add_ps(v, _mm512_set1_ps(c)))
         }
     }
 
@@ -469,6 +611,18 @@ mod x86 {
             _mm256_i32gather_epi32::<4>(rows, idx)
         }
         #[inline(always)]
+        unsafe fn words8(rows: *const i32, wpt: usize, wb: usize, idx: __m256i) -> [__m256i; 8] {
+            if wpt.is_multiple_of(8) {
+                <W256 as Width>::transpose8(rows, wpt, wb)
+            } else {
+                let mut zs = [_mm256_setzero_si256(); 8];
+                for (j, z) in zs.iter_mut().enumerate().take((wpt - wb).min(8)) {
+                    *z = _mm256_i32gather_epi32::<4>(rows, _mm256_add_epi32(idx, _mm256_set1_epi32((wb + j) as i32)));
+                }
+                zs
+            }
+        }
+        #[inline(always)]
         unsafe fn add_i(a: __m256i, b: __m256i) -> __m256i {
             _mm256_add_epi32(a, b)
         }
@@ -488,8 +642,8 @@ mod x86 {
             _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(a), acc)
         }
         #[inline(always)]
-        unsafe fn store_plus(out: &mut [f32; 16], v: __m256, c: f32) {
-            _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(v, _mm256_set1_ps(c)))
+        unsafe fn store_plus(out: *mut f32, v: __m256, c: f32) {
+            _mm256_storeu_ps(out, _mm256_add_ps(v, _mm256_set1_ps(c)))
         }
     }
 
@@ -550,9 +704,7 @@ mod x86 {
         let mut zs = [L::zero_i(); 8];
         for w in 0..wpt {
             if w % 8 == 0 {
-                for (j, z) in zs.iter_mut().enumerate().take((wpt - w).min(8)) {
-                    *z = L::gather(rows, L::add_i(idx, L::splat_i((w + j) as i32)));
-                }
+                zs = L::words8(rows, wpt, w, idx);
             }
             let z = zs[w % 8];
             for s in 0..slots {
@@ -577,10 +729,111 @@ mod x86 {
         }
         let mut tmp = [0f32; 16];
         for h in 0..NH {
-            L::store_plus(&mut tmp, sa[h], k.cst[h0 + h]);
+            if rs == 1 {
+                // Rows contiguous per head (the fused tile's `[g][n]`): one
+                // store, not sixteen scalar ones. `scores` bounded
+                // `(ROWS - 1) + h * hs` by `out.len()`.
+                L::store_plus(out.as_mut_ptr().add(h * hs), sa[h], k.cst[h0 + h]);
+                continue;
+            }
+            L::store_plus(tmp.as_mut_ptr(), sa[h], k.cst[h0 + h]);
             for (r, x) in tmp[..L::ROWS].iter().enumerate() {
                 *out.get_unchecked_mut(r * rs + h * hs) = *x;
             }
         }
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    /// The sixteen-lane fold of every head against the oracle's
+    /// `quantize_query` and the portable packing, bit for bit: random
+    /// blocks, a block of zeros (`0 * inf` must give the code 0), signed
+    /// zeros, exact ties, and a block so small that `127 / m` overflows
+    /// (the fold must decline it).
+    #[test]
+    fn fold_heads512_is_the_oracles_quantization() {
+        if !vnni_available() {
+            eprintln!("no AVX-512 VNNI here: fold_heads512 not exercised");
+            return;
+        }
+        let mut rng = crate::rand::Rng::new(17);
+        let mut declined = 0;
+        for (bits, g, d, group) in [
+            (2u32, 4usize, 128usize, 32usize),
+            (4, 4, 256, 32),
+            (2, 1, 128, 64),
+            (2, 7, 256, 16),
+            (4, 3, 64, 64),
+        ] {
+            for case in 0..5 {
+                let mut qs: Vec<f32> = (0..g * d).map(|_| rng.f32() * 4.0 - 2.0).collect();
+                let s: Vec<f32> = (0..d)
+                    .map(|c| if c % 9 == 4 { 40.0 * rng.f32() } else { rng.f32() })
+                    .collect();
+                let z: Vec<f32> = (0..d).map(|_| rng.f32() - 0.5).collect();
+                match case {
+                    1 => {
+                        qs[..group].fill(0.0);
+                        qs[group] = -0.0;
+                    }
+                    2 => {
+                        // w = q * s = 127 * k / 2 ties against a maximum of 127.
+                        for (c, q) in qs[..group].iter_mut().enumerate() {
+                            *q = (c as f32 - 8.0) / 2.0 / s[c];
+                        }
+                    }
+                    // Near and below the overflow of `127 / m` (m ~ 1e-36).
+                    3 => qs[d * (g - 1)..d * (g - 1) + group]
+                        .iter_mut()
+                        .for_each(|q| *q *= 1e-38),
+                    4 => qs[..group].iter_mut().for_each(|q| *q *= 1e-40),
+                    _ => {}
+                }
+                let nb = d / group;
+                let (mut qd, mut a, mut cst) = (vec![0i32; g * d / 4], vec![0f32; g * nb], vec![0f32; g]);
+                // SAFETY: AVX-512F checked above; shapes as `fold` passes them.
+                let ok = unsafe { x86::fold_heads512(&qs, &s, &z, group, bits, &mut qd, &mut a, &mut cst) };
+                let tiny = qs.chunks(d).any(|qh| {
+                    qh.chunks(group).enumerate().any(|(b, qb)| {
+                        let m = qb
+                            .iter()
+                            .enumerate()
+                            .fold(0f32, |m, (c, q)| m.max((q * s[b * group + c]).abs()));
+                        m > 0.0 && m < 1e-36
+                    })
+                });
+                assert_eq!(
+                    ok, !tiny,
+                    "bits {bits} g {g} d {d} group {group} case {case}: declined iff 127 / m may overflow"
+                );
+                if !ok {
+                    declined += 1;
+                    continue;
+                }
+                let (mut w, mut qi, mut ra, mut rqd) = (vec![0f32; d], vec![0i8; d], vec![0f32; nb], vec![0i32; d / 4]);
+                for h in 0..g {
+                    for c in 0..d {
+                        w[c] = qs[h * d + c] * s[c];
+                    }
+                    quantize_query(&w, group, &mut qi, &mut ra);
+                    pack_slots(&qi, bits, &mut rqd);
+                    let at = format!("bits {bits} g {g} d {d} group {group} case {case} head {h}");
+                    assert_eq!(&qd[h * d / 4..(h + 1) * d / 4], &rqd[..], "codes, {at}");
+                    let bits_of = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits_of(&a[h * nb..(h + 1) * nb]), bits_of(&ra), "scales, {at}");
+                    let want: f64 = (0..d).map(|c| qs[h * d + c] as f64 * z[c] as f64).sum();
+                    let tol = 1e-6 * (0..d).map(|c| (qs[h * d + c] * z[c]).abs() as f64).sum::<f64>();
+                    assert!(
+                        (cst[h] as f64 - want).abs() <= tol,
+                        "zero-point sum {} vs {want}, {at}",
+                        cst[h]
+                    );
+                }
+            }
+        }
+        assert!(declined > 0, "the overflow case was never reached");
     }
 }
