@@ -416,38 +416,49 @@ mod x86 {
         let abs = _mm512_set1_epi32(0x7fff_ffff);
         let (qp, sp, zp) = (qs.as_ptr(), s.as_ptr(), z.as_ptr());
         let w = |h: usize, c: usize| _mm512_mul_ps(_mm512_loadu_ps(qp.add(h * d + c)), _mm512_loadu_ps(sp.add(c)));
-        // Maxima into `scales` (then overwritten by `m / 127` in place).
-        let mut tiny = false;
-        for h in 0..g {
-            for b in 0..nb {
-                let mut mv = _mm512_setzero_si512();
-                for c in (b * group..(b + 1) * group).step_by(16) {
-                    mv = _mm512_max_epu32(mv, _mm512_and_si512(_mm512_castps_si512(w(h, c)), abs));
-                }
-                // |w| as bits orders like the floats (non-negative, finite):
-                // an integer maximum is the exact float maximum.
-                let m = f32::from_bits(_mm512_reduce_max_epu32(mv));
-                tiny |= m > 0.0 && m < 1e-36;
-                scales[h * nb + b] = m;
-            }
-        }
-        // Reciprocals `127 / m` per block (on the stack: more than 256
-        // blocks, i.e. wide GQA groups of long heads, take the portable fold);
-        // the scales `m / 127` in place.
+        // Per (head, block) `i = h * nb + b`, sixteen at a time: the
+        // blocks' vector maxima, reduced by one transpose tree (sixteen
+        // horizontal maxima in fifteen steps rather than sixteen chains of
+        // four), then `m / 127` and `127 / m` as two vector divisions.
+        // The reciprocals live on the stack: more than 256 blocks (wide
+        // GQA groups of long heads) take the portable fold.
         let n = g * nb;
-        if tiny || n > 256 {
+        if n > 256 {
             return false;
         }
         let mut inv = [0f32; 256];
-        let inv_of = &mut inv[..n];
-        let k127 = _mm512_set1_ps(127.0);
-        for i in (0..n).step_by(16) {
-            let k = (n - i).min(16);
+        // Lane `4k + m` of the tree holds block `4m + k` of the sixteen.
+        let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        let (k127, lo) = (_mm512_set1_ps(127.0), _mm512_set1_ps(1e-36));
+        for i0 in (0..n).step_by(16) {
+            let k = (n - i0).min(16);
+            let mut bv = [_mm512_setzero_ps(); 16];
+            for (j, v) in bv.iter_mut().enumerate().take(k) {
+                let (h, b) = ((i0 + j) / nb, (i0 + j) % nb);
+                let mut mv = _mm512_setzero_ps();
+                for c in (b * group..(b + 1) * group).step_by(16) {
+                    mv = _mm512_max_ps(
+                        mv,
+                        _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(w(h, c)), abs)),
+                    );
+                }
+                *v = mv;
+            }
+            // Maxima of non-negative finite floats: exact in any order.
+            let m = _mm512_permutexvar_ps(order, tree_max(&bv));
             let mask: __mmask16 = if k == 16 { 0xffff } else { (1u16 << k) - 1 };
-            let m = _mm512_maskz_loadu_ps(mask, scales.as_ptr().add(i));
-            _mm512_mask_storeu_ps(inv_of.as_mut_ptr().add(i), mask, _mm512_div_ps(k127, m));
-            _mm512_mask_storeu_ps(scales.as_mut_ptr().add(i), mask, _mm512_div_ps(m, k127));
+            // `127 / m` overflows where `m < 127 / f32::MAX`; the oracle
+            // then clamps `±inf` to ±127, which the narrowing below would
+            // not: decline (the caller folds portably).
+            let tiny = _mm512_mask_cmp_ps_mask::<_CMP_LT_OQ>(mask, m, lo)
+                & _mm512_cmp_ps_mask::<_CMP_GT_OQ>(m, _mm512_setzero_ps());
+            if tiny != 0 {
+                return false;
+            }
+            _mm512_mask_storeu_ps(inv.as_mut_ptr().add(i0), mask, _mm512_div_ps(k127, m));
+            _mm512_mask_storeu_ps(scales.as_mut_ptr().add(i0), mask, _mm512_div_ps(m, k127));
         }
+        let inv_of = &inv[..n];
         let shuf = _mm_loadu_si128(if bits == 2 { SLOTS2.as_ptr() } else { SLOTS4.as_ptr() } as *const __m128i);
         let out = qd.as_mut_ptr() as *mut __m128i;
         for h in 0..g {
@@ -468,6 +479,37 @@ mod x86 {
             cst[h] = _mm512_reduce_add_ps(cz);
         }
         true
+    }
+
+    /// Sixteen horizontal maxima at once: lane `4k + m` of the result is
+    /// the maximum of `v[4m + k]` (`width.rs`'s sum tree, with maxima).
+    #[inline(always)]
+    unsafe fn tree_max(v: &[__m512; 16]) -> __m512 {
+        let s: [__m512; 8] = std::array::from_fn(|i| {
+            let (a, b) = (v[2 * i], v[2 * i + 1]);
+            _mm512_max_ps(
+                _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+                _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+            )
+        });
+        let t: [__m512; 4] = std::array::from_fn(|i| {
+            let (a, b) = (s[2 * i], s[2 * i + 1]);
+            _mm512_max_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
+            )
+        });
+        let y: [__m512; 2] = std::array::from_fn(|i| {
+            let (a, b) = (t[2 * i], t[2 * i + 1]);
+            _mm512_max_ps(
+                _mm512_shuffle_ps::<0b01_00_01_00>(a, b),
+                _mm512_shuffle_ps::<0b11_10_11_10>(a, b),
+            )
+        });
+        _mm512_max_ps(
+            _mm512_shuffle_ps::<0b10_00_10_00>(y[0], y[1]),
+            _mm512_shuffle_ps::<0b11_01_11_01>(y[0], y[1]),
+        )
     }
 
     /// What differs between the two integer widths (everything else in
