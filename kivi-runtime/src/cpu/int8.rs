@@ -51,7 +51,8 @@ impl Int8Isa {
         }
     }
 
-    fn rows(self) -> usize {
+    /// Rows per vector of the integer loops.
+    pub fn rows(self) -> usize {
         match self {
             Int8Isa::Vnni512 => 16,
             Int8Isa::Avx2 => 8,
@@ -134,6 +135,11 @@ impl Int8Keys {
         }
     }
 
+    /// Rows per vector of the integer loops (1: portable).
+    pub fn rows(&self) -> usize {
+        self.isa.rows()
+    }
+
     /// Makes the integer query of key group `(block, group)` current: reads
     /// its scales and zero points (token `off` of the block part `part`),
     /// folds and quantizes. Once per group of `G` tokens.
@@ -199,6 +205,23 @@ impl Int8Keys {
     /// must have made the rows' key group current.
     #[allow(clippy::too_many_arguments)] // rows, then where each score goes: all needed
     pub fn scores(&self, words: &[u32], base: usize, wpt: usize, n: usize, out: &mut [f32], rs: usize, hs: usize) {
+        self.scores_ahead(words, base, wpt, n, out, rs, hs, None)
+    }
+
+    /// [`Self::scores`], prefetching `ahead`'s lines a few per word of the
+    /// vector loops (the fused tile's next block: see [`Ahead`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn scores_ahead(
+        &self,
+        words: &[u32],
+        base: usize,
+        wpt: usize,
+        n: usize,
+        out: &mut [f32],
+        rs: usize,
+        hs: usize,
+        ahead: Option<Ahead>,
+    ) {
         assert!(base + n * wpt <= words.len() && wpt * (32 / self.bits as usize) == self.d);
         assert!(n == 0 || (n - 1) * rs + (self.g - 1) * hs < out.len());
         let step = self.isa.rows();
@@ -216,18 +239,23 @@ impl Int8Keys {
             while h0 < self.g {
                 let nh = if self.g - h0 >= 4 { 4 } else { 1 };
                 let o = &mut out[r0 * rs + h0 * hs..];
+                // One head pass asks for the lines; piece = (vector of rows, word).
+                let pf = ahead.filter(|_| h0 == 0).map(|a| Ahead {
+                    piece: a.piece + r0 / step * wpt,
+                    ..a
+                });
                 // SAFETY: the asserts bound rows `r0..r0 + step` of `words`
                 // and every output index; `select` checked the features.
                 unsafe {
                     match (self.isa, self.bits, nh) {
-                        (Int8Isa::Vnni512, 2, 4) => x86::vnni::<2, 4>(self, rows, wpt, h0, o, rs, hs),
-                        (Int8Isa::Vnni512, 2, _) => x86::vnni::<2, 1>(self, rows, wpt, h0, o, rs, hs),
-                        (Int8Isa::Vnni512, _, 4) => x86::vnni::<4, 4>(self, rows, wpt, h0, o, rs, hs),
-                        (Int8Isa::Vnni512, _, _) => x86::vnni::<4, 1>(self, rows, wpt, h0, o, rs, hs),
-                        (Int8Isa::Avx2, 2, 4) => x86::avx2::<2, 4>(self, rows, wpt, h0, o, rs, hs),
-                        (Int8Isa::Avx2, 2, _) => x86::avx2::<2, 1>(self, rows, wpt, h0, o, rs, hs),
-                        (Int8Isa::Avx2, _, 4) => x86::avx2::<4, 4>(self, rows, wpt, h0, o, rs, hs),
-                        (Int8Isa::Avx2, _, _) => x86::avx2::<4, 1>(self, rows, wpt, h0, o, rs, hs),
+                        (Int8Isa::Vnni512, 2, 4) => x86::vnni::<2, 4>(self, rows, wpt, h0, o, rs, hs, pf),
+                        (Int8Isa::Vnni512, 2, _) => x86::vnni::<2, 1>(self, rows, wpt, h0, o, rs, hs, pf),
+                        (Int8Isa::Vnni512, _, 4) => x86::vnni::<4, 4>(self, rows, wpt, h0, o, rs, hs, pf),
+                        (Int8Isa::Vnni512, _, _) => x86::vnni::<4, 1>(self, rows, wpt, h0, o, rs, hs, pf),
+                        (Int8Isa::Avx2, 2, 4) => x86::avx2::<2, 4>(self, rows, wpt, h0, o, rs, hs, pf),
+                        (Int8Isa::Avx2, 2, _) => x86::avx2::<2, 1>(self, rows, wpt, h0, o, rs, hs, pf),
+                        (Int8Isa::Avx2, _, 4) => x86::avx2::<4, 4>(self, rows, wpt, h0, o, rs, hs, pf),
+                        (Int8Isa::Avx2, _, _) => x86::avx2::<4, 1>(self, rows, wpt, h0, o, rs, hs, pf),
                         (Int8Isa::Portable, ..) => unreachable!("one row at a time"),
                     }
                 }
@@ -267,6 +295,39 @@ impl Int8Keys {
             }
         }
         score + self.cst[h]
+    }
+}
+
+/// Lines to prefetch while scoring (into L2): the same rows of the KV
+/// head's next block, K and V, `step[k]` lines of part `k` per piece, a
+/// piece being one word of one vector of rows, numbered from `piece`. A
+/// head's parts of consecutive blocks are a block apart, a stride the
+/// hardware prefetchers do not follow; asking for a few lines per word (as
+/// the f32 key loops of `fused.rs` do) rather than a tile's worth per
+/// sixteen rows keeps the requests from queueing on the fill buffers.
+#[derive(Clone, Copy)]
+pub(crate) struct Ahead<'a> {
+    pub parts: [&'a [u32]; 2],
+    pub step: [usize; 2],
+    pub piece: usize,
+}
+
+impl Ahead<'_> {
+    /// Prefetches piece `i`'s lines.
+    #[inline(always)]
+    fn fetch(&self, i: usize) {
+        for (part, &step) in self.parts.iter().zip(&self.step) {
+            let lines = part.len().div_ceil(16);
+            for l in (i * step).min(lines)..((i + 1) * step).min(lines) {
+                // SAFETY: a prefetch is a hint; the address is inside `part`.
+                #[cfg(target_arch = "x86_64")]
+                unsafe {
+                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                        part.as_ptr().add(16 * l) as *const i8
+                    )
+                };
+            }
+        }
     }
 }
 
@@ -310,7 +371,7 @@ fn read(isa: Isa, section: &[u32], dtype: ScaleDtype, i0: usize, out: &mut [f32]
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 mod x86 {
-    use super::Int8Keys;
+    use super::{Ahead, Int8Keys};
     use crate::cpu::width::{Avx2 as W256, Avx512 as W512, Width};
     use std::arch::x86_64::*;
 
@@ -700,8 +761,9 @@ mod x86 {
         out: &mut [f32],
         rs: usize,
         hs: usize,
+        ahead: Option<Ahead>,
     ) {
-        dot::<Vnni512, BITS, NH>(k, rows, wpt, h0, out, rs, hs)
+        dot::<Vnni512, BITS, NH>(k, rows, wpt, h0, out, rs, hs, ahead)
     }
 
     /// Eight rows, heads `h0..h0 + NH`, `vpmaddubsw` + `vpmaddwd`.
@@ -714,8 +776,9 @@ mod x86 {
         out: &mut [f32],
         rs: usize,
         hs: usize,
+        ahead: Option<Ahead>,
     ) {
-        dot::<Avx2, BITS, NH>(k, rows, wpt, h0, out, rs, hs)
+        dot::<Avx2, BITS, NH>(k, rows, wpt, h0, out, rs, hs, ahead)
     }
 
     /// The one body of [`vnni`] and [`avx2`]: `L::ROWS` rows, heads
@@ -729,6 +792,7 @@ mod x86 {
         out: &mut [f32],
         rs: usize,
         hs: usize,
+        ahead: Option<Ahead>,
     ) {
         let per = (32 / BITS) as usize;
         let slots = per / 4;
@@ -745,6 +809,9 @@ mod x86 {
         // use: one at a time, each stalled the dot products on its loads.
         let mut zs = [L::zero_i(); 8];
         for w in 0..wpt {
+            if let Some(a) = &ahead {
+                a.fetch(a.piece + w);
+            }
             if w % 8 == 0 {
                 zs = L::words8(rows, wpt, w, idx);
             }
