@@ -372,7 +372,7 @@ fn read(isa: Isa, section: &[u32], dtype: ScaleDtype, i0: usize, out: &mut [f32]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 mod x86 {
     use super::{Ahead, Int8Keys};
-    use crate::cpu::width::{Avx2 as W256, Avx512 as W512, Width};
+    use crate::cpu::width::transpose_indices;
     use std::arch::x86_64::*;
 
     /// Byte shuffles from channel order to slot order within sixteen
@@ -542,6 +542,80 @@ mod x86 {
         true
     }
 
+    /// Words `wb..wb + 8` of sixteen rows, one vector per word (lane =
+    /// row): `width.rs`'s three levels of eight two-source permutes
+    /// (`Width::transpose8`, same indices), written with plain loops.
+    /// Its `array::from_fn` closures were left out of line once the integer
+    /// loop grew a prefetch (`core::array::try_from_fn` calls in the
+    /// disassembly, the decode twice as slow); loops over fixed arrays
+    /// inline and unroll whatever the caller's size.
+    #[inline(always)]
+    unsafe fn transpose16x8(rows: *const i32, wpt: usize, wb: usize) -> [__m512i; 8] {
+        let idx = transpose_indices();
+        let ld = |k: usize| _mm512_loadu_si512(idx[k].as_ptr() as *const _);
+        let mut l = [_mm512_setzero_si512(); 8];
+        for i in 0..8 {
+            let r0 = rows.add(2 * i * wpt + wb) as *const __m256i;
+            let r1 = rows.add((2 * i + 1) * wpt + wb) as *const __m256i;
+            l[i] = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_loadu_si256(r0)), _mm256_loadu_si256(r1));
+        }
+        let mut p = [_mm512_setzero_si512(); 8];
+        for k in 0..8 {
+            p[k] = _mm512_permutex2var_epi32(l[2 * (k / 2)], ld(k), l[2 * (k / 2) + 1]);
+        }
+        let mut r = [_mm512_setzero_si512(); 8];
+        for k in 0..8 {
+            let (q, h) = (k / 4, (k / 2) % 2);
+            r[k] = _mm512_permutex2var_epi32(p[4 * q + h], ld(8 + k), p[4 * q + 2 + h]);
+        }
+        let mut out = [_mm512_setzero_si512(); 8];
+        for k in 0..8 {
+            out[k] = _mm512_permutex2var_epi32(r[k / 2], ld(16 + k), r[4 + k / 2]);
+        }
+        out
+    }
+
+    /// Words `wb..wb + 8` of eight rows, one vector per word: the 8 x 8
+    /// unpack transpose of `width.rs` (`Width::transpose8` for AVX2), in
+    /// plain loops for the reason [`transpose16x8`] gives.
+    #[inline(always)]
+    unsafe fn transpose8x8(rows: *const i32, wpt: usize, wb: usize) -> [__m256i; 8] {
+        let mut r = [_mm256_setzero_si256(); 8];
+        for i in 0..8 {
+            r[i] = _mm256_loadu_si256(rows.add(i * wpt + wb) as *const __m256i);
+        }
+        let mut t = [_mm256_setzero_si256(); 8];
+        for k in 0..8 {
+            let (a, b) = (r[2 * (k / 2)], r[2 * (k / 2) + 1]);
+            t[k] = if k % 2 == 0 {
+                _mm256_unpacklo_epi32(a, b)
+            } else {
+                _mm256_unpackhi_epi32(a, b)
+            };
+        }
+        // u[4q + 2s + e]: rows 4q..4q + 4, words (2s + e) and (2s + e) + 4.
+        let mut u = [_mm256_setzero_si256(); 8];
+        for k in 0..8 {
+            let (q, s, e) = (k / 4, (k / 2) % 2, k % 2);
+            let (a, b) = (t[4 * q + s], t[4 * q + 2 + s]);
+            u[k] = if e == 0 {
+                _mm256_unpacklo_epi64(a, b)
+            } else {
+                _mm256_unpackhi_epi64(a, b)
+            };
+        }
+        let mut out = [_mm256_setzero_si256(); 8];
+        for w in 0..8 {
+            let (a, b) = (u[w % 4], u[4 + w % 4]);
+            out[w] = if w < 4 {
+                _mm256_permute2x128_si256::<0x20>(a, b)
+            } else {
+                _mm256_permute2x128_si256::<0x31>(a, b)
+            };
+        }
+        out
+    }
+
     /// Sixteen horizontal maxima at once: lane `4k + m` of the result is
     /// the maximum of `v[4m + k]` (`width.rs`'s sum tree, with maxima).
     #[inline(always)]
@@ -598,7 +672,7 @@ mod x86 {
         /// Words `wb..wb + 8` of the rows (lane `r` = row `r`, `idx` from
         /// [`Self::row_offsets`]), one vector a word; words past `wpt`
         /// are left zero. Where a row is a multiple of eight words this is
-        /// the f32 path's in-register transpose ([`Width::transpose8`]):
+        /// the f32 path's in-register transpose (`Width::transpose8`):
         /// sixteen gathers of one word each took the loads' latency into
         /// the dot products, and issue at about one lane per cycle.
         #[inline(always)]
@@ -654,7 +728,7 @@ mod x86 {
         #[inline(always)]
         unsafe fn words8(rows: *const i32, wpt: usize, wb: usize, idx: __m512i) -> [__m512i; 8] {
             if wpt.is_multiple_of(8) {
-                <W512 as Width>::transpose8(rows, wpt, wb)
+                transpose16x8(rows, wpt, wb)
             } else {
                 let mut zs = [_mm512_setzero_si512(); 8];
                 for (j, z) in zs.iter_mut().enumerate().take((wpt - wb).min(8)) {
@@ -716,7 +790,7 @@ mod x86 {
         #[inline(always)]
         unsafe fn words8(rows: *const i32, wpt: usize, wb: usize, idx: __m256i) -> [__m256i; 8] {
             if wpt.is_multiple_of(8) {
-                <W256 as Width>::transpose8(rows, wpt, wb)
+                transpose8x8(rows, wpt, wb)
             } else {
                 let mut zs = [_mm256_setzero_si256(); 8];
                 for (j, z) in zs.iter_mut().enumerate().take((wpt - wb).min(8)) {
