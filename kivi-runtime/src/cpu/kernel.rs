@@ -1073,7 +1073,9 @@ fn int8_tile(k8: &mut Int8Keys, t: &Tile, group: usize, p: &mut [f32]) {
     // integer loops.
     let burst = t.ahead.map(|a| a.len().div_ceil(16).div_ceil(chunks.max(1)));
     let per_chunk = ROWS / k8.rows() * wpt;
-    let step = t.ahead.map(|a| a.len().div_ceil(16).div_ceil((chunks * per_chunk).max(1)));
+    let step = t
+        .ahead
+        .map(|a| a.len().div_ceil(16).div_ceil((chunks * per_chunk).max(1)));
     // Up to eight lines a part (GQA d128: 8 + 8) go out at once per
     // sixteen rows, measured ~10% cheaper there than spread over the words;
     // more (MQA d256: 16 + 16) stalled on the fill buffers, and spread
