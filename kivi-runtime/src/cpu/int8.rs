@@ -247,15 +247,23 @@ impl Int8Keys {
                 // SAFETY: the asserts bound rows `r0..r0 + step` of `words`
                 // and every output index; `select` checked the features.
                 unsafe {
-                    match (self.isa, self.bits, nh) {
-                        (Int8Isa::Vnni512, 2, 4) => x86::vnni::<2, 4>(self, rows, wpt, h0, o, rs, hs, pf),
-                        (Int8Isa::Vnni512, 2, _) => x86::vnni::<2, 1>(self, rows, wpt, h0, o, rs, hs, pf),
-                        (Int8Isa::Vnni512, _, 4) => x86::vnni::<4, 4>(self, rows, wpt, h0, o, rs, hs, pf),
-                        (Int8Isa::Vnni512, _, _) => x86::vnni::<4, 1>(self, rows, wpt, h0, o, rs, hs, pf),
-                        (Int8Isa::Avx2, 2, 4) => x86::avx2::<2, 4>(self, rows, wpt, h0, o, rs, hs, pf),
-                        (Int8Isa::Avx2, 2, _) => x86::avx2::<2, 1>(self, rows, wpt, h0, o, rs, hs, pf),
-                        (Int8Isa::Avx2, _, 4) => x86::avx2::<4, 4>(self, rows, wpt, h0, o, rs, hs, pf),
-                        (Int8Isa::Avx2, _, _) => x86::avx2::<4, 1>(self, rows, wpt, h0, o, rs, hs, pf),
+                    match (self.isa, self.bits, nh, pf.is_some()) {
+                        (Int8Isa::Vnni512, 2, 4, false) => x86::vnni::<2, 4, false>(self, rows, wpt, h0, o, rs, hs, pf),
+                        (Int8Isa::Vnni512, 2, 4, true) => x86::vnni::<2, 4, true>(self, rows, wpt, h0, o, rs, hs, pf),
+                        (Int8Isa::Vnni512, 2, _, false) => x86::vnni::<2, 1, false>(self, rows, wpt, h0, o, rs, hs, pf),
+                        (Int8Isa::Vnni512, 2, _, true) => x86::vnni::<2, 1, true>(self, rows, wpt, h0, o, rs, hs, pf),
+                        (Int8Isa::Vnni512, _, 4, false) => x86::vnni::<4, 4, false>(self, rows, wpt, h0, o, rs, hs, pf),
+                        (Int8Isa::Vnni512, _, 4, true) => x86::vnni::<4, 4, true>(self, rows, wpt, h0, o, rs, hs, pf),
+                        (Int8Isa::Vnni512, _, _, false) => x86::vnni::<4, 1, false>(self, rows, wpt, h0, o, rs, hs, pf),
+                        (Int8Isa::Vnni512, _, _, true) => x86::vnni::<4, 1, true>(self, rows, wpt, h0, o, rs, hs, pf),
+                        (Int8Isa::Avx2, 2, 4, false) => x86::avx2::<2, 4, false>(self, rows, wpt, h0, o, rs, hs, pf),
+                        (Int8Isa::Avx2, 2, 4, true) => x86::avx2::<2, 4, true>(self, rows, wpt, h0, o, rs, hs, pf),
+                        (Int8Isa::Avx2, 2, _, false) => x86::avx2::<2, 1, false>(self, rows, wpt, h0, o, rs, hs, pf),
+                        (Int8Isa::Avx2, 2, _, true) => x86::avx2::<2, 1, true>(self, rows, wpt, h0, o, rs, hs, pf),
+                        (Int8Isa::Avx2, _, 4, false) => x86::avx2::<4, 4, false>(self, rows, wpt, h0, o, rs, hs, pf),
+                        (Int8Isa::Avx2, _, 4, true) => x86::avx2::<4, 4, true>(self, rows, wpt, h0, o, rs, hs, pf),
+                        (Int8Isa::Avx2, _, _, false) => x86::avx2::<4, 1, false>(self, rows, wpt, h0, o, rs, hs, pf),
+                        (Int8Isa::Avx2, _, _, true) => x86::avx2::<4, 1, true>(self, rows, wpt, h0, o, rs, hs, pf),
                         (Int8Isa::Portable, ..) => unreachable!("one row at a time"),
                     }
                 }
@@ -676,7 +684,7 @@ mod x86 {
         /// sixteen gathers of one word each took the loads' latency into
         /// the dot products, and issue at about one lane per cycle.
         #[inline(always)]
-        unsafe fn words8(rows: *const i32, wpt: usize, wb: usize, idx: Self::I) -> [Self::I; 8] {
+        unsafe fn words8<const PF: bool>(rows: *const i32, wpt: usize, wb: usize, idx: Self::I) -> [Self::I; 8] {
             let mut zs = [Self::zero_i(); 8];
             for (j, z) in zs.iter_mut().enumerate().take((wpt - wb).min(8)) {
                 *z = Self::gather(rows, Self::add_i(idx, Self::splat_i((wb + j) as i32)));
@@ -726,8 +734,12 @@ mod x86 {
             _mm512_i32gather_epi32::<4>(idx, rows)
         }
         #[inline(always)]
-        unsafe fn words8(rows: *const i32, wpt: usize, wb: usize, idx: __m512i) -> [__m512i; 8] {
-            if wpt.is_multiple_of(8) {
+        unsafe fn words8<const PF: bool>(rows: *const i32, wpt: usize, wb: usize, idx: __m512i) -> [__m512i; 8] {
+            if wpt.is_multiple_of(8) && !PF {
+                // Inlined into the loop without the prefetch, width.rs's
+                // transpose measured ~8% cheaper (GQA d128) than the copy below.
+                <crate::cpu::width::Avx512 as crate::cpu::width::Width>::transpose8(rows, wpt, wb)
+            } else if wpt.is_multiple_of(8) {
                 transpose16x8(rows, wpt, wb)
             } else {
                 let mut zs = [_mm512_setzero_si512(); 8];
@@ -788,7 +800,7 @@ mod x86 {
             _mm256_i32gather_epi32::<4>(rows, idx)
         }
         #[inline(always)]
-        unsafe fn words8(rows: *const i32, wpt: usize, wb: usize, idx: __m256i) -> [__m256i; 8] {
+        unsafe fn words8<const PF: bool>(rows: *const i32, wpt: usize, wb: usize, idx: __m256i) -> [__m256i; 8] {
             if wpt.is_multiple_of(8) {
                 transpose8x8(rows, wpt, wb)
             } else {
@@ -827,7 +839,7 @@ mod x86 {
     /// Sixteen rows, heads `h0..h0 + NH`: see the module docs. `NH` is a
     /// constant so that the sums stay in registers.
     #[target_feature(enable = "avx512f,avx512vnni")]
-    pub unsafe fn vnni<const BITS: u32, const NH: usize>(
+    pub unsafe fn vnni<const BITS: u32, const NH: usize, const PF: bool>(
         k: &Int8Keys,
         rows: *const i32,
         wpt: usize,
@@ -837,17 +849,12 @@ mod x86 {
         hs: usize,
         ahead: Option<Ahead>,
     ) {
-        // Two instances: the per-word prefetch's loop, even when empty,
-        // cost the GQA d128 keys ~8% of the decode (measured).
-        match ahead {
-            Some(a) => dot::<Vnni512, BITS, NH, true>(k, rows, wpt, h0, out, rs, hs, Some(a)),
-            None => dot::<Vnni512, BITS, NH, false>(k, rows, wpt, h0, out, rs, hs, None),
-        }
+        dot::<Vnni512, BITS, NH, PF>(k, rows, wpt, h0, out, rs, hs, ahead)
     }
 
     /// Eight rows, heads `h0..h0 + NH`, `vpmaddubsw` + `vpmaddwd`.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn avx2<const BITS: u32, const NH: usize>(
+    pub unsafe fn avx2<const BITS: u32, const NH: usize, const PF: bool>(
         k: &Int8Keys,
         rows: *const i32,
         wpt: usize,
@@ -857,12 +864,7 @@ mod x86 {
         hs: usize,
         ahead: Option<Ahead>,
     ) {
-        // Two instances: the per-word prefetch's loop, even when empty,
-        // cost the GQA d128 keys ~8% of the decode (measured).
-        match ahead {
-            Some(a) => dot::<Avx2, BITS, NH, true>(k, rows, wpt, h0, out, rs, hs, Some(a)),
-            None => dot::<Avx2, BITS, NH, false>(k, rows, wpt, h0, out, rs, hs, None),
-        }
+        dot::<Avx2, BITS, NH, PF>(k, rows, wpt, h0, out, rs, hs, ahead)
     }
 
     /// The one body of [`vnni`] and [`avx2`]: `L::ROWS` rows, heads
@@ -899,7 +901,7 @@ mod x86 {
                 }
             }
             if w % 8 == 0 {
-                zs = L::words8(rows, wpt, w, idx);
+                zs = L::words8::<PF>(rows, wpt, w, idx);
             }
             let z = zs[w % 8];
             for s in 0..slots {
