@@ -1,5 +1,7 @@
 //! A tight decode loop for profiling the CPU kernel (`perf record`):
 //! `cargo bench -p kivi-runtime --bench cpu_decode -- [scheme] [context] [reps] [threads] [tile]`.
+//! `scheme` is a preset name or a scheme file (`kivi show --help`);
+//! `KIVI_BENCH_LAYOUT=mqa` takes MQA 4:1 d256 instead of GQA 32:8 d128.
 //! Prints the median wall time per decode. `kivi bench` is the measured,
 //! peer-compared benchmark; this one exists to look inside the kernel.
 
@@ -20,16 +22,20 @@ fn main() {
         .split(',')
         .map(|t| t.parse().expect("tile_tokens"))
         .collect();
-    let (hq, hkv, d) = (32usize, 8usize, 128usize);
+    let mqa = std::env::var("KIVI_BENCH_LAYOUT").is_ok_and(|l| l == "mqa");
+    let (hq, hkv, d) = if mqa { (4usize, 1usize, 256usize) } else { (32, 8, 128) };
+    let heads = if mqa {
+        Heads::Mqa(hq as u32)
+    } else {
+        Heads::Gqa {
+            q: hq as u32,
+            kv: hkv as u32,
+        }
+    };
     let s = presets::by_name(scheme)
-        .expect("a preset name")
-        .with_shape(
-            Heads::Gqa {
-                q: hq as u32,
-                kv: hkv as u32,
-            },
-            d as u32,
-        )
+        .or_else(|| kivi_spec::load_scheme(scheme).ok())
+        .expect("a preset name or scheme file")
+        .with_shape(heads, d as u32)
         .expect("shape");
     let shape = s.shape().expect("bound");
     let mut rng = kivi_runtime::rand::Rng::new(0x9e37_79b9_7f4a_7c15);
@@ -65,7 +71,7 @@ fn main() {
     for (tile, times) in tiles.iter().zip(&mut times) {
         times.sort_by(f64::total_cmp);
         println!(
-            "{scheme} gqa32:8 d128 context {context} tile {tile} ({}): median {:.3} ms, min {:.3} ms over {reps} warm reps",
+            "{scheme} {hq}:{hkv} d{d} context {context} tile {tile} ({}): median {:.3} ms, min {:.3} ms over {reps} warm reps",
             cpus[0].kernel_path(&cache),
             times[reps / 2],
             times[0]

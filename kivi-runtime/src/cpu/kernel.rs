@@ -17,7 +17,7 @@
 use super::codec::CodecRows;
 use super::dense;
 use super::fused::{self, Fast, Tile, ROWS};
-use super::int8::{Int8Isa, Int8Keys};
+use super::int8::{Ahead, Int8Isa, Int8Keys};
 use super::rope::{RopeKeys, RopeScratch};
 use super::simd::{self, Bf16Rows, ChanRows, CodeRows, F16Rows, F32Rows, Isa, TokRows};
 use super::Partial;
@@ -1109,33 +1109,52 @@ fn fast_tile<'v>(plan: &Plan, view: &SeqView<'v>, h: usize, t0: usize, n: usize)
 /// The scores `[g][n]` of a fused tile from the integer-domain query,
 /// sixteen rows at a time (tiles and key groups are multiples of sixteen
 /// rows, so the vector loops cover every row). Meanwhile it asks for the
-/// tile's rows of the head's next block, K and V, a few lines per sixteen
-/// rows, as the f32 key loops of the fused path do (`fused.rs`): without
-/// it the gathers of the next tiles wait on DRAM, measured as most of the
-/// integer path's time with the KV cold.
+/// tile's rows of the head's next block, K and V, a few lines per word of
+/// the integer loops, as the f32 key loops of the fused path do
+/// (`fused.rs`): without it the next tiles' rows wait on DRAM, measured as
+/// most of the integer path's time with the KV cold; a tile's worth per
+/// sixteen rows (bursts of 16 + 16 lines at MQA d256) stalled on the fill
+/// buffers.
 fn int8_tile(k8: &mut Int8Keys, t: &Tile, group: usize, p: &mut [f32]) {
     let wpt = t.klayout.words_per_token;
     let chunks = t.n / ROWS;
-    let step = t.ahead.map(|a| a.len().div_ceil(16).div_ceil(chunks.max(1)));
+    // Lines per sixteen rows; pieces: (vector of rows, word) of the
+    // integer loops.
+    let burst = t.ahead.map(|a| a.len().div_ceil(16).div_ceil(chunks.max(1)));
+    let per_chunk = ROWS / k8.rows() * wpt;
+    let step = t
+        .ahead
+        .map(|a| a.len().div_ceil(16).div_ceil((chunks * per_chunk).max(1)));
+    // Up to eight lines a part (GQA d128: 8 + 8) go out at once per
+    // sixteen rows, measured ~10% cheaper there than spread over the words;
+    // more (MQA d256: 16 + 16) stalled on the fill buffers, and spread
+    // over the words the integer keys went from 1.2x the f32 path's CPU
+    // time to parity.
+    let spread = burst.iter().any(|&b| b > 8);
     for c in 0..chunks {
-        #[cfg(target_arch = "x86_64")]
-        for (part, step) in t.ahead.iter().zip(step) {
-            let lines = part.len().div_ceil(16);
-            for l in (c * step).min(lines)..((c + 1) * step).min(lines) {
-                // SAFETY: a prefetch is a hint; the address is inside `part`.
-                unsafe {
-                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
-                        part.as_ptr().add(16 * l) as *const i8
-                    )
-                };
+        if !spread {
+            #[cfg(target_arch = "x86_64")]
+            for (part, step) in t.ahead.iter().zip(burst) {
+                let lines = part.len().div_ceil(16);
+                for l in (c * step).min(lines)..((c + 1) * step).min(lines) {
+                    // SAFETY: a prefetch is a hint; the address is inside `part`.
+                    unsafe {
+                        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                            part.as_ptr().add(16 * l) as *const i8
+                        )
+                    };
+                }
             }
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = step;
         let r = c * ROWS;
         let off = t.off + r;
+        let ahead = spread.then_some(Ahead {
+            parts: t.ahead,
+            step,
+            piece: c * per_chunk,
+        });
         // Fused tiles take f16 parameters only (`Plan::for_heads`).
         k8.fold(t.kpart, &t.klayout, ScaleDtype::F16, (t.block, off / group), off);
-        k8.scores(t.kpart, off * wpt, wpt, ROWS, &mut p[r..], 1, t.n);
+        k8.scores_ahead(t.kpart, off * wpt, wpt, ROWS, &mut p[r..], 1, t.n, ahead);
     }
 }

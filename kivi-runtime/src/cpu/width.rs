@@ -522,7 +522,7 @@ unsafe fn transpose_params4(src: *const u16, dst: *mut f32, n: usize) {
 /// Permutation indices of [`Avx512::transpose8`], built once by following
 /// the (row, word) label of every lane through the three levels.
 #[cfg(target_arch = "x86_64")]
-fn transpose_indices() -> &'static [[i32; 16]; 24] {
+pub(crate) fn transpose_indices() -> &'static [[i32; 16]; 24] {
     static IDX: std::sync::OnceLock<[[i32; 16]; 24]> = std::sync::OnceLock::new();
     IDX.get_or_init(|| {
         type Labels = [(u8, u8); 16];
