@@ -429,7 +429,24 @@ mod x86 {
             let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
             let m = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2)));
             *a = m / 127.0;
-            let inv = _mm256_set1_ps(127.0 / m);
+            let inv_s = 127.0 / m;
+            if m != 0.0 && !inv_s.is_finite() {
+                // `127 / m` overflows (m < 127 / f32::MAX): `cvtps2dq` would
+                // turn `w * inf` into -128 where the oracle clamps to ±127
+                // (and `0 * inf` into -128 where it gives 0). Such a block
+                // takes the oracle's own formula, then the same shuffle.
+                for c in (c0..c0 + group).step_by(16) {
+                    let mut t = [0i8; 16];
+                    for (j, x) in t.iter_mut().enumerate() {
+                        let v = *qp.add(c + j) * *sp.add(c + j);
+                        *x = (v * inv_s).round_ties_even().clamp(-127.0, 127.0) as i8;
+                    }
+                    let bytes = _mm_shuffle_epi8(_mm_loadu_si128(t.as_ptr() as *const __m128i), shuf);
+                    _mm_storeu_si128(out.add(c / 16), bytes);
+                }
+                continue;
+            }
+            let inv = _mm256_set1_ps(inv_s);
             // `cvtps2dq` rounds by MXCSR, to nearest even (Rust never
             // changes it), and |w * inv| <= 127 (1 + 2^-23) rounds to at
             // most 127: the oracle's round and clamp in one instruction.
@@ -518,7 +535,8 @@ mod x86 {
             let mask: __mmask16 = if k == 16 { 0xffff } else { (1u16 << k) - 1 };
             // `127 / m` overflows where `m < 127 / f32::MAX`; the oracle
             // then clamps `±inf` to ±127, which the narrowing below would
-            // not: decline (the caller folds portably).
+            // not: decline (the caller takes the eight-lane `fold_head`,
+            // which handles such a block with the oracle's formula).
             let tiny = _mm512_mask_cmp_ps_mask::<_CMP_LT_OQ>(mask, m, lo)
                 & _mm512_cmp_ps_mask::<_CMP_GT_OQ>(m, _mm512_setzero_ps());
             if tiny != 0 {
@@ -945,19 +963,27 @@ mod x86 {
 mod tests {
     use super::*;
 
-    /// The sixteen-lane fold of every head against the oracle's
-    /// `quantize_query` and the portable packing, bit for bit: random
-    /// blocks, a block of zeros (`0 * inf` must give the code 0), signed
-    /// zeros, exact ties, and a block so small that `127 / m` overflows
-    /// (the fold must decline it).
-    #[test]
-    fn fold_heads512_is_the_oracles_quantization() {
-        if !vnni_available() {
-            eprintln!("no AVX-512 VNNI here: fold_heads512 not exercised");
-            return;
-        }
+    /// One fold's input: `g` heads of query `qs`, key scales `s` and zero
+    /// points `z`, and a label.
+    struct FoldCase {
+        bits: u32,
+        g: usize,
+        d: usize,
+        group: usize,
+        qs: Vec<f32>,
+        s: Vec<f32>,
+        z: Vec<f32>,
+        at: String,
+        /// Some block's `m` is so small that `127 / m` overflows.
+        tiny: bool,
+    }
+
+    /// Random blocks, a block of zeros (`0 * inf` must give the code 0),
+    /// signed zeros, exact ties, and blocks near and below the overflow of
+    /// `127 / m` (m ~ 1e-36), over five shapes.
+    fn fold_cases() -> Vec<FoldCase> {
         let mut rng = crate::rand::Rng::new(17);
-        let mut declined = 0;
+        let mut out = Vec::new();
         for (bits, g, d, group) in [
             (2u32, 4usize, 128usize, 32usize),
             (4, 4, 256, 32),
@@ -982,17 +1008,12 @@ mod tests {
                             *q = (c as f32 - 8.0) / 2.0 / s[c];
                         }
                     }
-                    // Near and below the overflow of `127 / m` (m ~ 1e-36).
                     3 => qs[d * (g - 1)..d * (g - 1) + group]
                         .iter_mut()
                         .for_each(|q| *q *= 1e-38),
                     4 => qs[..group].iter_mut().for_each(|q| *q *= 1e-40),
                     _ => {}
                 }
-                let nb = d / group;
-                let (mut qd, mut a, mut cst) = (vec![0i32; g * d / 4], vec![0f32; g * nb], vec![0f32; g]);
-                // SAFETY: AVX-512F checked above; shapes as `fold` passes them.
-                let ok = unsafe { x86::fold_heads512(&qs, &s, &z, group, bits, &mut qd, &mut a, &mut cst) };
                 let tiny = qs.chunks(d).any(|qh| {
                     qh.chunks(group).enumerate().any(|(b, qb)| {
                         let m = qb
@@ -1002,35 +1023,90 @@ mod tests {
                         m > 0.0 && m < 1e-36
                     })
                 });
-                assert_eq!(
-                    ok, !tiny,
-                    "bits {bits} g {g} d {d} group {group} case {case}: declined iff 127 / m may overflow"
-                );
-                if !ok {
-                    declined += 1;
-                    continue;
-                }
-                let (mut w, mut qi, mut ra, mut rqd) = (vec![0f32; d], vec![0i8; d], vec![0f32; nb], vec![0i32; d / 4]);
-                for h in 0..g {
-                    for c in 0..d {
-                        w[c] = qs[h * d + c] * s[c];
-                    }
-                    quantize_query(&w, group, &mut qi, &mut ra);
-                    pack_slots(&qi, bits, &mut rqd);
-                    let at = format!("bits {bits} g {g} d {d} group {group} case {case} head {h}");
-                    assert_eq!(&qd[h * d / 4..(h + 1) * d / 4], &rqd[..], "codes, {at}");
-                    let bits_of = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits_of(&a[h * nb..(h + 1) * nb]), bits_of(&ra), "scales, {at}");
-                    let want: f64 = (0..d).map(|c| qs[h * d + c] as f64 * z[c] as f64).sum();
-                    let tol = 1e-6 * (0..d).map(|c| (qs[h * d + c] * z[c]).abs() as f64).sum::<f64>();
-                    assert!(
-                        (cst[h] as f64 - want).abs() <= tol,
-                        "zero-point sum {} vs {want}, {at}",
-                        cst[h]
-                    );
-                }
+                let at = format!("bits {bits} g {g} d {d} group {group} case {case}");
+                out.push(FoldCase {
+                    bits,
+                    g,
+                    d,
+                    group,
+                    qs,
+                    s,
+                    z,
+                    at,
+                    tiny,
+                });
+            }
+        }
+        out
+    }
+
+    /// Head `h` of a fold (`qd` codes in slot order, `a` scales, `cst` the
+    /// zero-point sum) against the oracle's `quantize_query` and the
+    /// portable packing, bit for bit (the sum to 1e-6 of its terms).
+    fn check_head(f: &FoldCase, h: usize, qd: &[i32], a: &[f32], cst: f32) {
+        let (d, nb) = (f.d, f.d / f.group);
+        let (mut w, mut qi, mut ra, mut rqd) = (vec![0f32; d], vec![0i8; d], vec![0f32; nb], vec![0i32; d / 4]);
+        for c in 0..d {
+            w[c] = f.qs[h * d + c] * f.s[c];
+        }
+        quantize_query(&w, f.group, &mut qi, &mut ra);
+        pack_slots(&qi, f.bits, &mut rqd);
+        let at = format!("{} head {h}", f.at);
+        assert_eq!(qd, &rqd[..], "codes, {at}");
+        let bits_of = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits_of(a), bits_of(&ra), "scales, {at}");
+        let want: f64 = (0..d).map(|c| f.qs[h * d + c] as f64 * f.z[c] as f64).sum();
+        let tol = 1e-6 * (0..d).map(|c| (f.qs[h * d + c] * f.z[c]).abs() as f64).sum::<f64>();
+        assert!((cst as f64 - want).abs() <= tol, "zero-point sum {cst} vs {want}, {at}");
+    }
+
+    /// The sixteen-lane fold of every head against the oracle: it must
+    /// decline exactly the cases where `127 / m` may overflow (`fold` then
+    /// takes the eight-lane fold, checked below) and match bit for bit
+    /// elsewhere.
+    #[test]
+    fn fold_heads512_is_the_oracles_quantization() {
+        if !vnni_available() {
+            eprintln!("no AVX-512 VNNI here: fold_heads512 not exercised");
+            return;
+        }
+        let mut declined = 0;
+        for f in fold_cases() {
+            let (d, nb) = (f.d, f.d / f.group);
+            let (mut qd, mut a, mut cst) = (vec![0i32; f.g * d / 4], vec![0f32; f.g * nb], vec![0f32; f.g]);
+            // SAFETY: AVX-512F checked above; shapes as `fold` passes them.
+            let ok = unsafe { x86::fold_heads512(&f.qs, &f.s, &f.z, f.group, f.bits, &mut qd, &mut a, &mut cst) };
+            assert_eq!(ok, !f.tiny, "{}: declined iff 127 / m may overflow", f.at);
+            if !ok {
+                declined += 1;
+                continue;
+            }
+            for h in 0..f.g {
+                check_head(&f, h, &qd[h * d / 4..(h + 1) * d / 4], &a[h * nb..(h + 1) * nb], cst[h]);
             }
         }
         assert!(declined > 0, "the overflow case was never reached");
+    }
+
+    /// The eight-lane fold (AVX2, and where the sixteen-lane one declines)
+    /// against the oracle on every case, the overflowing blocks included.
+    #[test]
+    fn fold_head_is_the_oracles_quantization() {
+        if !avx2_available() {
+            eprintln!("no AVX2 + FMA here: fold_head not exercised");
+            return;
+        }
+        let cases = fold_cases();
+        assert!(cases.iter().any(|f| f.tiny), "the overflow case was never reached");
+        for f in cases {
+            let (d, nb) = (f.d, f.d / f.group);
+            for h in 0..f.g {
+                let (mut qd, mut a) = (vec![0i32; d / 4], vec![0f32; nb]);
+                let qh = &f.qs[h * d..(h + 1) * d];
+                // SAFETY: AVX2 and FMA checked above; shapes as `fold` passes them.
+                let cst = unsafe { x86::fold_head(qh, &f.s, &f.z, f.group, f.bits, &mut qd, &mut a) };
+                check_head(&f, h, &qd, &a, cst);
+            }
+        }
     }
 }
