@@ -447,7 +447,7 @@ fn two_bit_candidates_fit_the_budget_and_match_the_doc() {
     let bits = |s: &Scheme| layout::bits_per_element(&s.with_shape(Heads::Mqa(4), 256).unwrap());
     for s in &all {
         assert!(bits(s) <= 2.0, "{} has {} bits", s.name, bits(s));
-        assert_eq!(s.sinks, 4, "{}: equal sinks keep shared fitted tables honest", s.name);
+        assert_eq!(s.sinks, 4, "{}: the doc's runs used 4 sinks throughout", s.name);
     }
     let doc = [
         ("pre_k64_u", 1.90625),
