@@ -484,6 +484,56 @@ fn two_bit_candidates_fit_the_budget_and_match_the_doc() {
     }
 }
 
+/// `norm = minmax` (a nuq table over [0, 1] with a zero point): parsed,
+/// printed back, priced like uniform levels (a scale and a zero per
+/// group), and refused by name wherever a kernel would not add the zero.
+#[test]
+fn minmax_nuq_parses_prices_and_refuses_where_unsupported() {
+    let text = "M { key: quant(bits = 2, axis = channel, group = 64, levels = nuq, norm = minmax), \
+                value: quant(bits = 2, axis = token, group = 32), rope: pre(theta = 10000, style = half) }";
+    let s = parse_scheme(text).unwrap();
+    let q = *s.key.quant().unwrap();
+    assert_eq!(q.levels, Levels::Nuq(Norm::MinMax));
+    assert!(q.has_zeros());
+    let b = s.with_shape(Heads::Mqa(4), 256).unwrap();
+    assert_eq!(parse_scheme(&canonical(&b)).unwrap(), b);
+    assert!(canonical(&b).contains("levels = nuq, norm = minmax"));
+    let uniform = parse_scheme(&text.replace(", levels = nuq, norm = minmax", ""))
+        .unwrap()
+        .with_shape(Heads::Mqa(4), 256)
+        .unwrap();
+    assert_eq!(
+        layout::bytes_per_token_per_head(&b),
+        layout::bytes_per_token_per_head(&uniform)
+    );
+    assert_ne!(scheme_hash(&b), scheme_hash(&uniform));
+    for (bad, why) in [
+        (
+            text.replace("levels = nuq, norm = minmax", "levels = lloyd_max, norm = minmax"),
+            "needs levels = nuq",
+        ),
+        (
+            text.replace(", rope: pre(theta = 10000, style = half)", ""),
+            "rope: pre",
+        ),
+        (
+            text.replace("axis = channel, group = 64", "axis = token, group = 64"),
+            "channel-axis keys",
+        ),
+        (
+            "M { key: quant(bits = 2, axis = channel, group = 64), \
+             value: quant(bits = 2, axis = channel, group = 32, levels = nuq, norm = minmax), \
+             rope: pre(theta = 10000, style = half) }"
+                .to_string(),
+            "channel-axis keys",
+        ),
+    ] {
+        let e = parse_scheme(&bad).unwrap_err().to_string();
+        assert!(e.contains(why) && e.contains("minmax"), "{bad}: {e}");
+    }
+    assert!(parse_scheme(&text.replace("norm = minmax", "norm = maxmin")).is_err());
+}
+
 #[test]
 fn codec_presets_fit_their_classes_and_round_trip() {
     for p in presets::pipeline() {
