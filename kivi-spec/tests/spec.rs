@@ -443,7 +443,7 @@ fn study_candidates_parse_and_fit_their_class() {
 fn two_bit_candidates_fit_the_budget_and_match_the_doc() {
     let all = parse_schemes(include_str!("../../eval/schemes/acc2.kivi")).unwrap();
     let diag = parse_schemes(include_str!("../../eval/schemes/acc2-diag.kivi")).unwrap();
-    assert_eq!((all.len(), diag.len()), (12, 3));
+    assert_eq!((all.len(), diag.len()), (15, 3));
     let bits = |s: &Scheme| layout::bits_per_element(&s.with_shape(Heads::Mqa(4), 256).unwrap());
     for s in &all {
         assert!(bits(s) <= 2.0, "{} has {} bits", s.name, bits(s));
@@ -460,6 +460,9 @@ fn two_bit_candidates_fit_the_budget_and_match_the_doc() {
         ("pk40_v1nuq", 1.9312),
         ("pk36_v1nuq", 1.9757),
         ("pk32_v8x256", 2.0),
+        ("pk64mm_v1nuq_o2", 1.90625),
+        ("pk48mm_v1nuq_o2", 1.9896),
+        ("pk128mm_v1nuq_o2", 1.78125),
     ];
     for (name, want) in doc {
         let s = all.iter().find(|s| s.name == name).unwrap();
