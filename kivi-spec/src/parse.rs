@@ -17,7 +17,7 @@
 //!           | query: int8(group = INT)
 //!           | low_rank: pca(rank = INT, apply = tensors)
 //! codec    := full | quant(bits = INT, axis = channel|token, group = INT
-//!                          [, scale = f16|f32] [, levels = uniform|lloyd_max|nuq] [, norm = rms|l2])
+//!                          [, scale = f16|f32] [, levels = uniform|lloyd_max|nuq] [, norm = rms|l2|minmax])
 //!           | vq(dim = INT, entries = INT [, codebook = NAME])
 //! tensors  := [key] | [value] | [key, value]
 //! heads    := mha(INT) | gqa(q = INT, kv = INT) | mqa(q = INT)
