@@ -204,6 +204,8 @@ pub fn codec_short(s: &Scheme, t: Tensor) -> String {
         Levels::LloydMax(kivi_spec::Norm::L2) => o += "·lm2",
         Levels::Nuq(kivi_spec::Norm::Rms) => o += "·nuq",
         Levels::Nuq(kivi_spec::Norm::L2) => o += "·nuq2",
+        // A table over [0, 1] with a zero point (norm = minmax).
+        Levels::LloydMax(kivi_spec::Norm::MinMax) | Levels::Nuq(kivi_spec::Norm::MinMax) => o += "·nuqz",
     }
     if let Some(r) = s.rotation_of(t) {
         o += &format!("·H{}{}", r.block, if r.signs.is_some() { "s" } else { "" });

@@ -45,7 +45,7 @@
 //! ```
 
 use crate::quant::{channel_mean, fixed_levels, round_to_dtype, round_to_scale, TensorCodec};
-use kivi_spec::{fnv1a64, lloyd_max_levels, Axis, Heads, Levels, Scheme, Tensor};
+use kivi_spec::{fnv1a64, lloyd_max_levels, Axis, Heads, Levels, Norm, Scheme, Tensor};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
@@ -875,7 +875,17 @@ impl Calibration {
                 }
                 let bits = scheme.codec(t).quant().map_or(1, |q| q.bits);
                 let table = kmeans_1d(&mut pts, 1 << bits, opts.iterations);
-                let lm = lloyd_max_levels(bits).unwrap_or(&[]);
+                // The report's fixed table: Lloyd-Max's, or for a table over
+                // [0, 1] (minmax) the uniform levels it replaces.
+                let uniform: Vec<f32> = (0..1u32 << bits)
+                    .map(|c| c as f32 / ((1u32 << bits) - 1) as f32)
+                    .collect();
+                let minmax = scheme.codec(t).quant().and_then(|q| q.levels.norm()) == Some(Norm::MinMax);
+                let lm = if minmax {
+                    &uniform[..]
+                } else {
+                    lloyd_max_levels(bits).unwrap_or(&[])
+                };
                 reports.push(FitReport {
                     layer,
                     tensor: t,
@@ -1014,6 +1024,21 @@ fn normalised_values(
             .collect();
         let w = &weights[head * d..(head + 1) * d];
         let mut push = |vals: &[f32], chans: &mut dyn Iterator<Item = usize>| {
+            if q.levels.norm() == Some(Norm::MinMax) {
+                // `(x - z) / s` with the group's stored `s`, `z` (the
+                // oracle's own, `quant::minmax_group_in`). The error in `x`
+                // is `s` times the error in `y`, so each value also weighs
+                // `s^2`: the fit minimises the error the cache makes.
+                let (p, _, _) = crate::quant::minmax_group_in(vals, &q, &[], &mut vec![0; vals.len()]);
+                if p.scale == 0.0 || !p.scale.is_finite() || !p.zero.is_finite() {
+                    return;
+                }
+                let s2 = p.scale * p.scale;
+                for (v, c) in vals.iter().zip(chans) {
+                    out.push(((v - p.zero) / p.scale, w[c] * s2));
+                }
+                return;
+            }
             let ss: f64 = vals.iter().map(|v| (*v as f64) * (*v as f64)).sum();
             let rms = round_to_scale((ss / vals.len() as f64).sqrt() as f32, q.scale);
             if rms == 0.0 || !rms.is_finite() {

@@ -52,6 +52,10 @@ pub fn storable_limit_in(q: &Quant, levels: &[f32]) -> f32 {
     if q.levels == Levels::Uniform {
         return max.min(max * (q.max_code() as f32 / 2.0)).min(f32::MAX / 2.0);
     }
+    if q.levels.norm() == Some(Norm::MinMax) {
+        // `z = lo` and `s = hi - lo`: uniform levels' bound at one step.
+        return (max / 2.0).min(f32::MAX / 2.0);
+    }
     if q.levels.norm() != Some(Norm::L2) || levels.len() < 2 {
         // rms(x) <= max|x|, and its rounding to the scale dtype stays
         // finite below the dtype's largest value. (An empty `nuq` table
@@ -563,7 +567,9 @@ pub fn lloyd_group_in(values: &[f32], q: &Quant, levels: &[f32], codes: &mut [u3
         };
     }
     match norm {
-        Norm::Rms => rms,
+        // `quantize_group_in` codes minmax groups itself ([`minmax_group_in`]);
+        // here (a caller asking for one norm) the RMS is the nearest meaning.
+        Norm::Rms | Norm::MinMax => rms,
         Norm::L2 => {
             let lc: f64 = codes.iter().map(|c| (levels[*c as usize] as f64).powi(2)).sum();
             if lc == 0.0 || ss == 0.0 {
@@ -573,6 +579,28 @@ pub fn lloyd_group_in(values: &[f32], q: &Quant, levels: &[f32], codes: &mut [u3
             }
         }
     }
+}
+
+/// A `nuq` group with `norm = minmax`: `s = hi - lo` and `z = lo`, each
+/// rounded to the scale dtype (as uniform levels store them), then the
+/// code of `(x - z) / s` against the ascending table `levels` over `[0, 1]`
+/// (thresholds at midpoints, ties to the lower level, as
+/// [`lloyd_encode`]); all codes 0 when `s == 0` or the table is empty.
+/// Decoding is `z + s * L[c]` ([`dequantize_in`]).
+pub fn minmax_group_in(values: &[f32], q: &Quant, levels: &[f32], codes: &mut [u32]) -> (GroupParams, f32, f32) {
+    let (lo, hi) = group_lo_hi(values.iter().copied());
+    let p = GroupParams {
+        scale: round_to_scale(hi - lo, q.scale),
+        zero: round_to_scale(lo, q.scale),
+    };
+    for (c, x) in codes.iter_mut().zip(values) {
+        *c = if p.scale == 0.0 || levels.is_empty() {
+            0
+        } else {
+            lloyd_encode((x - p.zero) / p.scale, levels)
+        };
+    }
+    (p, lo, hi)
 }
 
 /// `x^ = s * L[c]`, in f32.
@@ -600,6 +628,7 @@ pub fn quantize_group_in(values: &[f32], q: &Quant, levels: &[f32], codes: &mut 
             }
             (p, lo, hi)
         }
+        Levels::Nuq(Norm::MinMax) => minmax_group_in(values, q, levels, codes),
         Levels::LloydMax(_) | Levels::Nuq(_) => {
             let s = lloyd_group_in(values, q, levels, codes);
             let lo = values.iter().copied().fold(f32::INFINITY, f32::min);
@@ -621,6 +650,8 @@ pub fn dequantize(c: u32, p: GroupParams, q: &Quant) -> f32 {
 pub fn dequantize_in(c: u32, p: GroupParams, q: &Quant, levels: &[f32]) -> f32 {
     match q.levels {
         Levels::Uniform => decode(c, p),
+        // `z + s L[c]`: two roundings, like `decode`.
+        Levels::Nuq(Norm::MinMax) => levels.get(c as usize).map_or(p.zero, |l| p.scale * l + p.zero),
         Levels::LloydMax(_) | Levels::Nuq(_) => levels.get(c as usize).map_or(0.0, |l| p.scale * l),
     }
 }

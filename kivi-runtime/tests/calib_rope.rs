@@ -15,7 +15,11 @@
 //!   codebook, bit for bit, and the reference backend and the CPU backend
 //!   (both RoPE strategies, every instruction set) decode like the oracle
 //!   at lengths 1, 31, 33, 127, 1000 on MHA / GQA / MQA, both RoPE bases of
-//!   Gemma 3 and both pair conventions.
+//!   Gemma 3 and both pair conventions; the same for `norm = minmax` keys
+//!   (a table over [0, 1] with a zero point per group);
+//! - a minmax group codes like uniform levels when its table is the
+//!   uniform one, and a minmax fit learns a table in [0, 1] no worse than
+//!   the uniform levels on what it was fitted on.
 
 use kivi_runtime::calib::*;
 use kivi_runtime::cpu::Isa;
@@ -46,6 +50,13 @@ const SCHEMES: [&str; 4] = [
               value: quant(bits = 2, axis = token, group = 32, levels = nuq, norm = l2),
               residual: 16, sinks: 4, rope: pre(theta = 10000, style = half) }",
 ];
+
+/// Keys with a learned table over [0, 1] and a zero point per group
+/// (`norm = minmax`), KVQuant's per-channel offset before the table; only
+/// pre-RoPE channel-axis keys take it (validation).
+const MINMAX: &str = "pre_mm { key: quant(bits = 2, axis = channel, group = 32, levels = nuq, norm = minmax),
+              value: quant(bits = 1, axis = token, group = 32, levels = nuq, norm = l2),
+              residual: 16, sinks: 4, rope: pre(theta = 10000, style = half) }";
 
 fn model(layers: u32, kv: u32, d: u32) -> ModelId {
     ModelId {
@@ -273,7 +284,7 @@ fn layouts() -> [Heads; 3] {
 fn calibrated_pre_rope_caches_match_the_oracle_odd_lengths_and_layouts() {
     let d = 32;
     let mut case = 0u64;
-    for text in SCHEMES {
+    for text in SCHEMES.into_iter().chain([MINMAX]) {
         let s0 = parse_scheme(text).unwrap();
         for heads in layouts() {
             for theta in [10_000.0, 1_000_000.0] {
@@ -368,5 +379,88 @@ fn calibrated_pre_rope_caches_match_the_oracle_odd_lengths_and_layouts() {
                 }
             }
         }
+    }
+}
+
+/// The oracle's minmax group: with the uniform table `c / (2^b - 1)` it
+/// decodes what uniform levels decode, up to the rounding of one f16 scale
+/// (`s = hi - lo` against `(hi - lo) / 3`); a constant group decodes
+/// exactly; the stored parameters are uniform levels' zero and span.
+#[test]
+fn minmax_groups_code_like_uniform_levels_with_the_uniform_table() {
+    use kivi_runtime::quant::{dequantize_in, minmax_group_in, quantize_group_in};
+    let s = parse_scheme(MINMAX).unwrap();
+    let q = *s.key.quant().unwrap();
+    let u = kivi_spec::Quant {
+        levels: kivi_spec::Levels::Uniform,
+        ..q
+    };
+    let table = [0.0, 1.0 / 3.0, 2.0 / 3.0, 1.0];
+    let mut rng = Rng::new(3);
+    for n in [1usize, 31, 33, 127] {
+        let x: Vec<f32> = (0..n).map(|_| 5.0 + 3.0 * rng.normal()).collect();
+        let (mut cm, mut cu) = (vec![0u32; n], vec![0u32; n]);
+        let (pm, lo, hi) = quantize_group_in(&x, &q, &table, &mut cm);
+        let (pu, _, _) = quantize_group_in(&x, &u, &[], &mut cu);
+        assert_eq!(pm.zero, pu.zero, "len {n}");
+        assert_eq!(minmax_group_in(&x, &q, &table, &mut vec![0; n]).0, pm);
+        let tol = 2e-3 * (hi - lo) + 1e-6;
+        for i in 0..n {
+            let a = dequantize_in(cm[i], pm, &q, &table);
+            let b = dequantize_in(cu[i], pu, &u, &[]);
+            assert!((a - b).abs() <= tol, "len {n} [{i}]: {a} vs {b}");
+            // Nearest level: no decode is further from x than half a step
+            // (plus the roundings, the f16 zero point's included).
+            let zr = x[i].abs() * 2f32.powi(-10);
+            assert!(
+                (a - x[i]).abs() <= (hi - lo) / 6.0 + tol + zr,
+                "len {n} [{i}]: {a} vs {}",
+                x[i]
+            );
+        }
+    }
+    let c = vec![1.25f32; 7];
+    let mut codes = vec![9u32; 7];
+    let (p, _, _) = quantize_group_in(&c, &q, &table, &mut codes);
+    assert_eq!((p.scale, codes), (0.0, vec![0; 7]));
+    assert_eq!(dequantize_in(0, p, &q, &table), 1.25);
+}
+
+/// A minmax key fit learns an ascending table inside [0, 1] that is at
+/// least as good as the uniform levels it replaces on its own samples
+/// (the report's comparison), and differs from them on keys with a
+/// Gaussian spread inside each group.
+#[test]
+fn minmax_fits_learn_a_table_in_the_unit_interval() {
+    let heads = Heads::Gqa { q: 4, kv: 2 };
+    let s = parse_scheme(MINMAX).unwrap().with_shape(heads, 32).unwrap();
+    let xs = samples(&s, heads, 32, 1, 9);
+    for weighted in [false, true] {
+        let mut c = Calibration::new(model(1, 2, 32), "test draws");
+        let reports = c
+            .fit_codebooks(
+                &s,
+                &xs,
+                FitOptions {
+                    weighted,
+                    ..FitOptions::default()
+                },
+            )
+            .unwrap();
+        let t = c.codebook(&s, Tensor::Key, 0).unwrap();
+        assert_eq!(t.len(), 4);
+        assert!(t.windows(2).all(|w| w[0] <= w[1]), "{t:?}");
+        assert!(t.iter().all(|x| (0.0..=1.0).contains(x)), "{t:?}");
+        let r = reports.iter().find(|r| r.tensor == Tensor::Key).unwrap();
+        assert!(
+            r.mse <= r.mse_lloyd_max,
+            "{weighted}: {} vs uniform {}",
+            r.mse,
+            r.mse_lloyd_max
+        );
+        assert!(
+            r.mse < 0.95 * r.mse_lloyd_max,
+            "{weighted}: a Gaussian group gains little? {t:?}"
+        );
     }
 }

@@ -103,9 +103,10 @@ impl Quant {
         (1u32 << self.bits) - 1
     }
 
-    /// Whether each group stores a zero point (uniform levels only).
+    /// Whether each group stores a zero point: uniform levels, and a
+    /// `nuq` table over `[0, 1]` (`norm = minmax`).
     pub fn has_zeros(&self) -> bool {
-        self.levels == Levels::Uniform
+        matches!(self.levels, Levels::Uniform | Levels::Nuq(Norm::MinMax))
     }
 }
 
@@ -154,6 +155,14 @@ pub enum Norm {
     /// group keep the input's L2 norm: `s = ||x|| / ||L[c]||` (the norm
     /// correction of TurboQuant-style codecs).
     L2,
+    /// A scale and a zero point, as uniform levels store them: `s = hi -
+    /// lo`, `z = lo`, codes of `(x - z) / s` against a table over `[0,
+    /// 1]`, decoded `z + s L[c]` (KVQuant's per-channel offset before its
+    /// non-uniform table). Pre-RoPE keys carry large per-channel offsets
+    /// that a symmetric norm spends its levels on. Only `levels = nuq`
+    /// (the fixed Lloyd–Max table is a Gaussian's), on channel-axis keys
+    /// with `rope: pre(...)` for now (validate.rs says why).
+    MinMax,
 }
 
 impl Norm {
@@ -161,6 +170,7 @@ impl Norm {
         match self {
             Norm::Rms => "rms",
             Norm::L2 => "l2",
+            Norm::MinMax => "minmax",
         }
     }
 }

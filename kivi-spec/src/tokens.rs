@@ -35,6 +35,8 @@ fn codec(c: &Codec) -> TokenStream {
                 Levels::LloydMax(Norm::L2) => quote!(::kivi::spec::Levels::LloydMax(::kivi::spec::Norm::L2)),
                 Levels::Nuq(Norm::Rms) => quote!(::kivi::spec::Levels::Nuq(::kivi::spec::Norm::Rms)),
                 Levels::Nuq(Norm::L2) => quote!(::kivi::spec::Levels::Nuq(::kivi::spec::Norm::L2)),
+                Levels::LloydMax(Norm::MinMax) => quote!(::kivi::spec::Levels::LloydMax(::kivi::spec::Norm::MinMax)),
+                Levels::Nuq(Norm::MinMax) => quote!(::kivi::spec::Levels::Nuq(::kivi::spec::Norm::MinMax)),
             };
             quote!(::kivi::spec::Codec::Quant(::kivi::spec::Quant {
                 bits: #bits, axis: #axis, group: #group, scale: #scale, levels: #levels

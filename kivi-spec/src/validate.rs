@@ -143,6 +143,7 @@ pub fn validate(s: &Scheme) -> Result<(), Invalid> {
                     ),
                 ));
             }
+            validate_minmax(s, t, q)?;
             // A low-rank tensor's token groups split its R coordinates.
             let width = s.low_rank.map(|l| l.rank).or(s.head_dim);
             if let (Axis::Token, Some(d)) = (q.axis, width) {
@@ -410,6 +411,32 @@ fn validate_query(s: &Scheme) -> Result<(), Invalid> {
         }
     }
     Ok(())
+}
+
+/// `norm = minmax` (a `nuq` table over `[0, 1]` with a scale and a zero
+/// point per group): only where every kernel that can read it adds the
+/// zero point. The fixed Lloyd–Max table is a unit Gaussian's, not one over
+/// `[0, 1]`; the fused codec loops (`cpu/codec.rs`, token-axis writes,
+/// the CUDA templates) store and fold a norm with no zero, while pre-RoPE
+/// channel-axis keys are decoded by `cpu/rope.rs` (vector path and row
+/// reader alike), which adds it.
+fn validate_minmax(s: &Scheme, t: Tensor, q: &crate::Quant) -> Result<(), Invalid> {
+    let Some(crate::Norm::MinMax) = q.levels.norm() else {
+        return Ok(());
+    };
+    let n = t.name();
+    let why = if !matches!(q.levels, Levels::Nuq(_)) {
+        "norm = minmax needs levels = nuq (a learned table over [0, 1]; the Lloyd-Max table is a Gaussian's)"
+    } else if t != Tensor::Key || q.axis != Axis::Channel || s.rope.is_none() {
+        "norm = minmax is only supported on channel-axis keys with rope: pre(...) yet (the other kernels store no zero point for table codes)"
+    } else if s.rotation_of(t).is_some() || s.center_of(t).is_some() || s.outliers_of(t) > 0 {
+        "norm = minmax does not combine with a rotation, centering or outliers yet"
+    } else if s.low_rank.is_some() || matches!(s.heads, Some(Heads::Mla(_))) {
+        "norm = minmax does not apply to low-rank or mla caches yet"
+    } else {
+        return Ok(());
+    };
+    Err(Invalid::new(Field::Norm(t), format!("{n}: {why}")))
 }
 
 /// `rope: pre(...)`: a usable base and factor, pairs that fit the head, and

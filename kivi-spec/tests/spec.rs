@@ -434,6 +434,109 @@ fn study_candidates_parse_and_fit_their_class() {
     }
 }
 
+/// eval/schemes/acc2.kivi (docs/accuracy.md, "Two bits all-in"): every
+/// candidate is at most 2.0 bits per element all-in at Gemma 3's shape, and
+/// the bits the doc's tables print are the layout's (vq codes pack
+/// `floor(32 / b)` to a word, one outlier costs two slots' words), so a
+/// change to either shows up here rather than as a wrong table.
+#[test]
+fn two_bit_candidates_fit_the_budget_and_match_the_doc() {
+    let all = parse_schemes(include_str!("../../eval/schemes/acc2.kivi")).unwrap();
+    let diag = parse_schemes(include_str!("../../eval/schemes/acc2-diag.kivi")).unwrap();
+    assert_eq!((all.len(), diag.len()), (15, 3));
+    let bits = |s: &Scheme| layout::bits_per_element(&s.with_shape(Heads::Mqa(4), 256).unwrap());
+    for s in &all {
+        assert!(bits(s) <= 2.0, "{} has {} bits", s.name, bits(s));
+        assert_eq!(s.sinks, 4, "{}: the doc's runs used 4 sinks throughout", s.name);
+    }
+    let doc = [
+        ("pre_k64_u", 1.90625),
+        ("pk128_v4x64", 1.9375),
+        ("pk256_v4x64", 1.875),
+        ("pk64_v8x256", 1.75),
+        ("vk4x256_v4x64", 1.8125),
+        ("pk48_v1nuq_o2", 1.9896),
+        ("pk96_v4x64", 1.9792),
+        ("pk40_v1nuq", 1.9312),
+        ("pk36_v1nuq", 1.9757),
+        ("pk32_v8x256", 2.0),
+        ("pk64mm_v1nuq_o2", 1.90625),
+        ("pk48mm_v1nuq_o2", 1.9896),
+        ("pk128mm_v1nuq_o2", 1.78125),
+    ];
+    for (name, want) in doc {
+        let s = all.iter().find(|s| s.name == name).unwrap();
+        assert!(
+            (bits(s) - want).abs() < 1e-4,
+            "{name}: {} bits, the doc says {want}",
+            bits(s)
+        );
+    }
+    // A 2c40 key with one value outlier would be over budget (why the
+    // scheme file skips it).
+    let o1 = parse_scheme(
+        "o1 { key: quant(bits = 2, axis = channel, group = 40), \
+         value: quant(bits = 1, axis = token, group = 256, levels = nuq, norm = l2), \
+         rotation: hadamard(block = 256, apply = [value]), outliers: sparse(per_token = 1, apply = [value]), \
+         residual: 128, sinks: 4, rope: pre(theta = 10000, style = half) }",
+    )
+    .unwrap();
+    assert!((bits(&o1) - 2.05625).abs() < 1e-9, "{}", bits(&o1));
+    for s in &diag {
+        assert!(s.name.starts_with("diag_") && bits(s) > 8.0, "{}", s.name);
+    }
+}
+
+/// `norm = minmax` (a nuq table over [0, 1] with a zero point): parsed,
+/// printed back, priced like uniform levels (a scale and a zero per
+/// group), and refused by name wherever a kernel would not add the zero.
+#[test]
+fn minmax_nuq_parses_prices_and_refuses_where_unsupported() {
+    let text = "M { key: quant(bits = 2, axis = channel, group = 64, levels = nuq, norm = minmax), \
+                value: quant(bits = 2, axis = token, group = 32), rope: pre(theta = 10000, style = half) }";
+    let s = parse_scheme(text).unwrap();
+    let q = *s.key.quant().unwrap();
+    assert_eq!(q.levels, Levels::Nuq(Norm::MinMax));
+    assert!(q.has_zeros());
+    let b = s.with_shape(Heads::Mqa(4), 256).unwrap();
+    assert_eq!(parse_scheme(&canonical(&b)).unwrap(), b);
+    assert!(canonical(&b).contains("levels = nuq, norm = minmax"));
+    let uniform = parse_scheme(&text.replace(", levels = nuq, norm = minmax", ""))
+        .unwrap()
+        .with_shape(Heads::Mqa(4), 256)
+        .unwrap();
+    assert_eq!(
+        layout::bytes_per_token_per_head(&b),
+        layout::bytes_per_token_per_head(&uniform)
+    );
+    assert_ne!(scheme_hash(&b), scheme_hash(&uniform));
+    for (bad, why) in [
+        (
+            text.replace("levels = nuq, norm = minmax", "levels = lloyd_max, norm = minmax"),
+            "needs levels = nuq",
+        ),
+        (
+            text.replace(", rope: pre(theta = 10000, style = half)", ""),
+            "rope: pre",
+        ),
+        (
+            text.replace("axis = channel, group = 64", "axis = token, group = 64"),
+            "channel-axis keys",
+        ),
+        (
+            "M { key: quant(bits = 2, axis = channel, group = 64), \
+             value: quant(bits = 2, axis = channel, group = 32, levels = nuq, norm = minmax), \
+             rope: pre(theta = 10000, style = half) }"
+                .to_string(),
+            "channel-axis keys",
+        ),
+    ] {
+        let e = parse_scheme(&bad).unwrap_err().to_string();
+        assert!(e.contains(why) && e.contains("minmax"), "{bad}: {e}");
+    }
+    assert!(parse_scheme(&text.replace("norm = minmax", "norm = maxmin")).is_err());
+}
+
 #[test]
 fn codec_presets_fit_their_classes_and_round_trip() {
     for p in presets::pipeline() {

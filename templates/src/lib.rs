@@ -462,6 +462,24 @@ fn check_codecs(scheme: &Scheme) -> Result<(), GenError> {
             field: kivi_spec::Field::Heads,
         });
     }
+    // A `nuq` table over [0, 1] with a zero point per group (`norm =
+    // minmax`): the table-code templates fold a norm and no zero point, so
+    // they would decode it wrongly; refused by name until they add it.
+    for t in [kivi_spec::Tensor::Key, kivi_spec::Tensor::Value] {
+        if scheme
+            .codec(t)
+            .quant()
+            .is_some_and(|q| q.levels.norm() == Some(kivi_spec::Norm::MinMax))
+        {
+            return Err(GenError::Unsupported {
+                what: format!(
+                    "{} norm = minmax (a nuq table with a zero point; the CPU backend decodes it)",
+                    t.name()
+                ),
+                field: kivi_spec::Field::Norm(t),
+            });
+        }
+    }
     if scheme.has_vq() {
         check_vq(scheme)?;
     }

@@ -220,3 +220,22 @@ fn pipeline_sources_carry_their_steps_and_tables() {
     assert!(g.name.starts_with("S-k.c.g32.b2-v.t.g32.b2.h64x9-r32/"), "{}", g.name);
     assert!(g.source.contains("SEED = 9;"));
 }
+
+/// `norm = minmax` (a nuq table with a zero point per group) has no
+/// template: refused by name, by every entry point, never generated as a
+/// zero-less table code.
+#[test]
+fn minmax_nuq_is_refused_by_name() {
+    let s = parse_scheme(
+        "m { key: quant(bits = 2, axis = channel, group = 32, levels = nuq, norm = minmax), \
+         value: quant(bits = 2, axis = token, group = 32), residual: 32, \
+         rope: pre(theta = 10000, style = half) }",
+    )
+    .unwrap()
+    .with_shape(Heads::Mqa(4), 128)
+    .unwrap();
+    let e = check_supported(&s).unwrap_err().to_string();
+    assert!(e.contains("norm = minmax"), "{e}");
+    let e = generate(&s, Kernel::Decode, &default_variant(&s, Kernel::Decode)).unwrap_err();
+    assert!(e.to_string().contains("norm = minmax"), "{e}");
+}

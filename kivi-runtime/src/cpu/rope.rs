@@ -501,11 +501,16 @@ impl RopeKeys {
                         // side: eight widened per instruction (exact, as
                         // `params_at`'s one at a time, which cost a division
                         // per channel: a tenth of the path).
-                        // Table levels have no zero point (`s * table[c]`).
+                        // Table levels have no zero point (`s * table[c]`)
+                        // unless their norm is `minmax` (`s * table[c] + z`).
                         let i0 = tl.param_index(off, 0);
                         let halves = |at: usize| part.get(at..).filter(|w| 2 * w.len() >= i0 + d);
                         let run = qz.scale == ScaleDtype::F16 && tl.param_index(off, d - 1) == i0 + d - 1;
-                        let zw = if table { None } else { halves(tl.zeros_offset) };
+                        let zw = if table && !qz.has_zeros() {
+                            None
+                        } else {
+                            halves(tl.zeros_offset)
+                        };
                         match (halves(tl.scales_offset), zw) {
                             (Some(sw), Some(zw)) if run && qz.has_zeros() => {
                                 // SAFETY: AVX2 + F16C checked by `vector`;
@@ -525,7 +530,7 @@ impl RopeKeys {
                                 for c in 0..d {
                                     let gp = params_at(tl, part, qz, off, c);
                                     sc.scales[c] = gp.scale;
-                                    sc.zeros[c] = if table { 0.0 } else { gp.zero };
+                                    sc.zeros[c] = if table && !qz.has_zeros() { 0.0 } else { gp.zero };
                                 }
                             }
                         }
