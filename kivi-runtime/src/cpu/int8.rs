@@ -1046,8 +1046,8 @@ mod tests {
     fn check_head(f: &FoldCase, h: usize, qd: &[i32], a: &[f32], cst: f32) {
         let (d, nb) = (f.d, f.d / f.group);
         let (mut w, mut qi, mut ra, mut rqd) = (vec![0f32; d], vec![0i8; d], vec![0f32; nb], vec![0i32; d / 4]);
-        for c in 0..d {
-            w[c] = f.qs[h * d + c] * f.s[c];
+        for (c, x) in w.iter_mut().enumerate() {
+            *x = f.qs[h * d + c] * f.s[c];
         }
         quantize_query(&w, f.group, &mut qi, &mut ra);
         pack_slots(&qi, f.bits, &mut rqd);
