@@ -85,6 +85,45 @@ fn grid(m: &Module, name: &str, batch: usize) -> Result<[u32; 3]> {
     Ok(el.grid(b, 0))
 }
 
+/// The two per-tensor inputs of the decode kernel after the rings: a plain
+/// scheme's centering means, or a vq scheme's codebooks
+/// (`templates/cuda/kivi_vq_decode.cuh`). One argument list serves both
+/// kernel families, so the shared parts are checked and passed once.
+pub enum DecodeInputs<'a> {
+    /// `means_k` / `means_v`: per-channel centering means, `[batch][Hkv][D]`
+    /// act (a one-element buffer for a tensor that is not centered: the
+    /// kernel never reads it).
+    Means { k: &'a Buffer, v: &'a Buffer },
+    /// `book_k` / `book_v`: product codebooks, f32 `[D / M][E][M]`, holding
+    /// at least `len[0]` / `len[1]` floats (the sizes the scheme implies; 0
+    /// and a one-element buffer, never read, for a tensor that is not vq).
+    /// A codebook the two tensors share by name may be one buffer passed
+    /// twice.
+    Books {
+        k: &'a Buffer,
+        v: &'a Buffer,
+        len: [usize; 2],
+    },
+}
+
+impl<'a> DecodeInputs<'a> {
+    fn is_books(&self) -> bool {
+        matches!(self, DecodeInputs::Books { .. })
+    }
+
+    /// The buffers as kernel arguments, after checking the codebooks' sizes.
+    fn args(self) -> Result<[KernelArg<'a>; 2]> {
+        match self {
+            DecodeInputs::Means { k, v } => Ok([KernelArg::In(k), KernelArg::In(v)]),
+            DecodeInputs::Books { k, v, len } => {
+                at_least(k, len[0], "book_k")?;
+                at_least(v, len[1], "book_v")?;
+                Ok([KernelArg::In(k), KernelArg::In(v)])
+            }
+        }
+    }
+}
+
 /// `kivi_decode`: one split of the flash-decoding pass per block.
 pub struct DecodeArgs<'a> {
     pub batch: usize,
@@ -97,10 +136,8 @@ pub struct DecodeArgs<'a> {
     pub sinks_v: &'a Buffer,
     pub ring_k: &'a Buffer,
     pub ring_v: &'a Buffer,
-    /// Per-channel centering means, `[batch][Hkv][D]` act (a one-element
-    /// buffer for a tensor that is not centered: the kernel never reads it).
-    pub means_k: &'a Buffer,
-    pub means_v: &'a Buffer,
+    /// Centering means or codebooks.
+    pub inputs: DecodeInputs<'a>,
     pub sm_scale: f32,
     pub window: Window,
     pub part_ml: &'a mut Buffer,
@@ -109,31 +146,42 @@ pub struct DecodeArgs<'a> {
 
 impl DecodeArgs<'_> {
     pub const ENTRY: &'static str = "kivi_decode";
-    pub const PARAMS: [&'static str; 15] = [
-        "pool",
-        "tables",
-        "table_stride",
-        "seq_lens",
-        "q",
-        "sinks_k",
-        "sinks_v",
-        "ring_k",
-        "ring_v",
-        "means_k",
-        "means_v",
-        "sm_scale",
-        "window",
-        "part_ml",
-        "part_acc",
-    ];
+
+    /// The kernel's parameter names, in order: with the codebooks of a vq
+    /// scheme (`books`) or the centering means.
+    pub fn params(books: bool) -> [&'static str; 15] {
+        let [k, v] = if books {
+            ["book_k", "book_v"]
+        } else {
+            ["means_k", "means_v"]
+        };
+        [
+            "pool",
+            "tables",
+            "table_stride",
+            "seq_lens",
+            "q",
+            "sinks_k",
+            "sinks_v",
+            "ring_k",
+            "ring_v",
+            k,
+            v,
+            "sm_scale",
+            "window",
+            "part_ml",
+            "part_acc",
+        ]
+    }
 
     pub fn launch(self, dev: &dyn Device, m: &Module) -> Result<()> {
-        check_names(m, Self::ENTRY, &Self::PARAMS)?;
+        check_names(m, Self::ENTRY, &Self::params(self.inputs.is_books()))?;
         let li = &m.generated.launch;
         let (hq, d) = (li.q_heads as usize, li.head_dim as usize);
         let stride = table_stride(self.tables, self.batch, self.table_stride)?;
         at_least(self.seq_lens, self.batch, "seq_lens")?;
         at_least(self.q, self.batch * hq * d, "q")?;
+        let [ik, iv] = self.inputs.args()?;
         at_least(self.part_ml, li.part_ml_len(self.batch), "part_ml")?;
         at_least(self.part_acc, li.part_acc_len(self.batch), "part_acc")?;
         let g = grid(m, Self::ENTRY, self.batch)?;
@@ -151,92 +199,8 @@ impl DecodeArgs<'_> {
                 KernelArg::In(self.sinks_v),
                 KernelArg::In(self.ring_k),
                 KernelArg::In(self.ring_v),
-                KernelArg::In(self.means_k),
-                KernelArg::In(self.means_v),
-                KernelArg::F32(self.sm_scale),
-                KernelArg::I32(self.window.raw()),
-                KernelArg::Out(self.part_ml),
-                KernelArg::Out(self.part_acc),
-            ],
-        )
-    }
-}
-
-/// `kivi_decode` of a scheme with `vq(...)` codecs
-/// (`templates/cuda/kivi_vq_decode.cuh`): [`DecodeArgs`] without the
-/// centering means (vq schemes have none) and with the codebooks.
-pub struct VqDecodeArgs<'a> {
-    pub batch: usize,
-    pub pool: &'a Buffer,
-    pub tables: &'a Buffer,
-    pub table_stride: usize,
-    pub seq_lens: &'a Buffer,
-    pub q: &'a Buffer,
-    pub sinks_k: &'a Buffer,
-    pub sinks_v: &'a Buffer,
-    pub ring_k: &'a Buffer,
-    pub ring_v: &'a Buffer,
-    /// Product codebooks, f32 `[D / M][E][M]`, of a vq key / value (a
-    /// one-element buffer for a tensor that is not vq: never read). A
-    /// codebook the two tensors share by name may be one buffer passed twice.
-    pub book_k: &'a Buffer,
-    pub book_v: &'a Buffer,
-    pub sm_scale: f32,
-    pub window: Window,
-    pub part_ml: &'a mut Buffer,
-    pub part_acc: &'a mut Buffer,
-}
-
-impl VqDecodeArgs<'_> {
-    pub const ENTRY: &'static str = "kivi_decode";
-    pub const PARAMS: [&'static str; 15] = [
-        "pool",
-        "tables",
-        "table_stride",
-        "seq_lens",
-        "q",
-        "sinks_k",
-        "sinks_v",
-        "ring_k",
-        "ring_v",
-        "book_k",
-        "book_v",
-        "sm_scale",
-        "window",
-        "part_ml",
-        "part_acc",
-    ];
-
-    /// `book_k` / `book_v` must hold `book_len[0]` / `book_len[1]` floats
-    /// (the codebook sizes the scheme implies; 0 for a tensor that is not vq).
-    pub fn launch(self, dev: &dyn Device, m: &Module, book_len: [usize; 2]) -> Result<()> {
-        check_names(m, Self::ENTRY, &Self::PARAMS)?;
-        let li = &m.generated.launch;
-        let (hq, d) = (li.q_heads as usize, li.head_dim as usize);
-        let stride = table_stride(self.tables, self.batch, self.table_stride)?;
-        at_least(self.seq_lens, self.batch, "seq_lens")?;
-        at_least(self.q, self.batch * hq * d, "q")?;
-        at_least(self.book_k, book_len[0], "book_k")?;
-        at_least(self.book_v, book_len[1], "book_v")?;
-        at_least(self.part_ml, li.part_ml_len(self.batch), "part_ml")?;
-        at_least(self.part_acc, li.part_acc_len(self.batch), "part_acc")?;
-        let g = grid(m, Self::ENTRY, self.batch)?;
-        dev.launch(
-            m,
-            Self::ENTRY,
-            g,
-            &mut [
-                KernelArg::In(self.pool),
-                KernelArg::In(self.tables),
-                KernelArg::I32(stride),
-                KernelArg::In(self.seq_lens),
-                KernelArg::In(self.q),
-                KernelArg::In(self.sinks_k),
-                KernelArg::In(self.sinks_v),
-                KernelArg::In(self.ring_k),
-                KernelArg::In(self.ring_v),
-                KernelArg::In(self.book_k),
-                KernelArg::In(self.book_v),
+                ik,
+                iv,
                 KernelArg::F32(self.sm_scale),
                 KernelArg::I32(self.window.raw()),
                 KernelArg::Out(self.part_ml),
@@ -278,6 +242,40 @@ impl CombineArgs<'_> {
     }
 }
 
+/// The two per-tensor inputs of the prefill/append kernels after the
+/// rings: a plain scheme's centering means (written when the first `N`
+/// tokens arrive), or a vq scheme's codebooks, which
+/// `templates/cuda/kivi_vq_extend.cuh` codes the vq tensors with.
+pub enum ExtendInputs<'a> {
+    /// `means_k` / `means_v`: centering means, `[batch][Hkv][D]` act (one
+    /// element for a tensor that is not centered).
+    Means { k: &'a mut Buffer, v: &'a mut Buffer },
+    /// `book_k` / `book_v`: as in [`DecodeInputs::Books`].
+    Books {
+        k: &'a Buffer,
+        v: &'a Buffer,
+        len: [usize; 2],
+    },
+}
+
+impl<'a> ExtendInputs<'a> {
+    fn is_books(&self) -> bool {
+        matches!(self, ExtendInputs::Books { .. })
+    }
+
+    /// The buffers as kernel arguments, after checking the codebooks' sizes.
+    fn args(self) -> Result<[KernelArg<'a>; 2]> {
+        match self {
+            ExtendInputs::Means { k, v } => Ok([KernelArg::Out(k), KernelArg::Out(v)]),
+            ExtendInputs::Books { k, v, len } => {
+                at_least(k, len[0], "book_k")?;
+                at_least(v, len[1], "book_v")?;
+                Ok([KernelArg::In(k), KernelArg::In(v)])
+            }
+        }
+    }
+}
+
 /// `kivi_prefill` / `kivi_append`: adds `new_counts[b]` tokens to sequence `b`.
 pub struct ExtendArgs<'a> {
     pub batch: usize,
@@ -294,10 +292,8 @@ pub struct ExtendArgs<'a> {
     pub sinks_v: &'a mut Buffer,
     pub ring_k: &'a mut Buffer,
     pub ring_v: &'a mut Buffer,
-    /// Centering means, `[batch][Hkv][D]` act, written when the first `N`
-    /// tokens arrive (one element for a tensor that is not centered).
-    pub means_k: &'a mut Buffer,
-    pub means_v: &'a mut Buffer,
+    /// Centering means or codebooks.
+    pub inputs: ExtendInputs<'a>,
     /// Codec-pipeline scratch: `batch * 2 * Hkv` regions of
     /// [`kivi_templates::extend_work_floats`] f32 (one element without a pipeline).
     pub work: &'a mut Buffer,
@@ -306,24 +302,33 @@ pub struct ExtendArgs<'a> {
 }
 
 impl ExtendArgs<'_> {
-    pub const PARAMS: [&'static str; 16] = [
-        "pool",
-        "tables",
-        "table_stride",
-        "old_lens",
-        "new_counts",
-        "k_new",
-        "v_new",
-        "max_new",
-        "sinks_k",
-        "sinks_v",
-        "ring_k",
-        "ring_v",
-        "means_k",
-        "means_v",
-        "work",
-        "status",
-    ];
+    /// The kernels' parameter names, in order: with the codebooks of a vq
+    /// scheme (`books`) or the centering means.
+    pub fn params(books: bool) -> [&'static str; 16] {
+        let [k, v] = if books {
+            ["book_k", "book_v"]
+        } else {
+            ["means_k", "means_v"]
+        };
+        [
+            "pool",
+            "tables",
+            "table_stride",
+            "old_lens",
+            "new_counts",
+            "k_new",
+            "v_new",
+            "max_new",
+            "sinks_k",
+            "sinks_v",
+            "ring_k",
+            "ring_v",
+            k,
+            v,
+            "work",
+            "status",
+        ]
+    }
 
     /// Launches the module's entry point (`kivi_prefill` or `kivi_append`).
     pub fn launch(self, dev: &dyn Device, m: &Module) -> Result<()> {
@@ -340,7 +345,7 @@ impl ExtendArgs<'_> {
                 self.max_new
             )));
         }
-        check_names(m, &entry, &Self::PARAMS)?;
+        check_names(m, &entry, &Self::params(self.inputs.is_books()))?;
         let row = m.generated.launch.head_dim as usize;
         let stride = table_stride(self.tables, self.batch, self.table_stride)?;
         at_least(self.old_lens, self.batch, "old_lens")?;
@@ -348,6 +353,7 @@ impl ExtendArgs<'_> {
         at_least(self.k_new, self.batch * self.max_new * row, "k_new")?;
         at_least(self.v_new, self.batch * self.max_new * row, "v_new")?;
         at_least(self.status, self.batch, "status")?;
+        let [ik, iv] = self.inputs.args()?;
         let max_new = i32::try_from(self.max_new).map_err(|_| Error::Config(format!("{} new tokens", self.max_new)))?;
         let g = grid(m, &entry, self.batch)?;
         dev.launch(
@@ -367,8 +373,8 @@ impl ExtendArgs<'_> {
                 KernelArg::Out(self.sinks_v),
                 KernelArg::Out(self.ring_k),
                 KernelArg::Out(self.ring_v),
-                KernelArg::Out(self.means_k),
-                KernelArg::Out(self.means_v),
+                ik,
+                iv,
                 KernelArg::Out(self.work),
                 KernelArg::Out(self.status),
             ],
@@ -486,106 +492,6 @@ impl BlockArgs<'_> {
     }
 }
 
-/// `kivi_prefill` / `kivi_append` of a scheme with `vq(...)` codecs
-/// (`templates/cuda/kivi_vq_extend.cuh`): [`ExtendArgs`] without the
-/// centering means (vq schemes have none) and with the codebooks the vq
-/// tensors are coded with (`[D / M][E][M]` f32; one element otherwise).
-pub struct VqExtendArgs<'a> {
-    pub batch: usize,
-    pub pool: &'a mut Buffer,
-    pub tables: &'a Buffer,
-    pub table_stride: usize,
-    pub old_lens: &'a Buffer,
-    pub new_counts: &'a Buffer,
-    /// `[batch][max_new][Hkv][D]`, already rounded to the activation dtype.
-    pub k_new: &'a Buffer,
-    pub v_new: &'a Buffer,
-    pub max_new: usize,
-    pub sinks_k: &'a mut Buffer,
-    pub sinks_v: &'a mut Buffer,
-    pub ring_k: &'a mut Buffer,
-    pub ring_v: &'a mut Buffer,
-    pub book_k: &'a Buffer,
-    pub book_v: &'a Buffer,
-    pub work: &'a mut Buffer,
-    /// Per sequence: 0 = stored; see [`super::cache::status_message`].
-    pub status: &'a mut Buffer,
-}
-
-impl VqExtendArgs<'_> {
-    pub const PARAMS: [&'static str; 16] = [
-        "pool",
-        "tables",
-        "table_stride",
-        "old_lens",
-        "new_counts",
-        "k_new",
-        "v_new",
-        "max_new",
-        "sinks_k",
-        "sinks_v",
-        "ring_k",
-        "ring_v",
-        "book_k",
-        "book_v",
-        "work",
-        "status",
-    ];
-
-    /// Launches the module's entry point (`kivi_prefill` or `kivi_append`);
-    /// `book_len` as for [`VqDecodeArgs::launch`].
-    pub fn launch(self, dev: &dyn Device, m: &Module, book_len: [usize; 2]) -> Result<()> {
-        let entry = m
-            .generated
-            .entry_points
-            .first()
-            .filter(|e| matches!(e.as_str(), "kivi_prefill" | "kivi_append"))
-            .cloned()
-            .ok_or_else(|| Error::Config(format!("`{}` is not a prefill or append kernel", m.generated.name)))?;
-        if entry == "kivi_append" && self.max_new > 1 {
-            return Err(Error::Config(format!(
-                "the append kernel adds one token per sequence, not {}",
-                self.max_new
-            )));
-        }
-        check_names(m, &entry, &Self::PARAMS)?;
-        let row = m.generated.launch.head_dim as usize;
-        let stride = table_stride(self.tables, self.batch, self.table_stride)?;
-        at_least(self.old_lens, self.batch, "old_lens")?;
-        at_least(self.new_counts, self.batch, "new_counts")?;
-        at_least(self.k_new, self.batch * self.max_new * row, "k_new")?;
-        at_least(self.v_new, self.batch * self.max_new * row, "v_new")?;
-        at_least(self.book_k, book_len[0], "book_k")?;
-        at_least(self.book_v, book_len[1], "book_v")?;
-        at_least(self.status, self.batch, "status")?;
-        let max_new = i32::try_from(self.max_new).map_err(|_| Error::Config(format!("{} new tokens", self.max_new)))?;
-        let g = grid(m, &entry, self.batch)?;
-        dev.launch(
-            m,
-            &entry,
-            g,
-            &mut [
-                KernelArg::Out(self.pool),
-                KernelArg::In(self.tables),
-                KernelArg::I32(stride),
-                KernelArg::In(self.old_lens),
-                KernelArg::In(self.new_counts),
-                KernelArg::In(self.k_new),
-                KernelArg::In(self.v_new),
-                KernelArg::I32(max_new),
-                KernelArg::Out(self.sinks_k),
-                KernelArg::Out(self.sinks_v),
-                KernelArg::Out(self.ring_k),
-                KernelArg::Out(self.ring_v),
-                KernelArg::In(self.book_k),
-                KernelArg::In(self.book_v),
-                KernelArg::Out(self.work),
-                KernelArg::Out(self.status),
-            ],
-        )
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -603,19 +509,25 @@ mod tests {
         assert_eq!(Window::of(Some(usize::MAX)).unwrap().raw(), i32::MAX);
     }
 
-    /// The parameter lists here are the generator's, for every preset and kernel.
+    /// The parameter lists here are the generator's, for every preset and
+    /// kernel, and for a vq scheme (codebooks in place of the means).
     #[test]
     fn params_match_the_generator() {
-        for p in presets::listed() {
+        let vq = kivi_spec::parse_scheme(
+            "vqp { key: vq(dim = 8, entries = 16), value: quant(bits = 2, axis = token, group = 32), residual: 32 }",
+        )
+        .unwrap();
+        for p in presets::listed().into_iter().chain([vq]) {
             let s = p.with_shape(Heads::Gqa { q: 8, kv: 2 }, 256).unwrap();
+            let books = s.has_vq();
             for k in Kernel::ALL {
                 let g = generate(&s, k, &default_variant(&s, k)).unwrap();
                 for e in &g.launch.entries {
                     let names: Vec<&str> = e.params.iter().map(|p| p.name).collect();
                     let want: &[&str] = match e.entry.as_str() {
-                        "kivi_decode" => &DecodeArgs::PARAMS,
+                        "kivi_decode" => &DecodeArgs::params(books),
                         "kivi_combine" => &CombineArgs::PARAMS,
-                        _ => &ExtendArgs::PARAMS,
+                        _ => &ExtendArgs::params(books),
                     };
                     assert_eq!(names, want, "{} {}", g.name, e.entry);
                     assert_eq!(e.grid(3, 0)[2], 3, "grid z is the batch");

@@ -7,7 +7,7 @@
 //! the device by the generated prefill/append kernels, and compared word for
 //! word. [`DeviceBackend`] implements [`Backend`] on top of it.
 
-use super::args::{CombineArgs, DecodeArgs, ExtendArgs, VqDecodeArgs, VqExtendArgs, Window};
+use super::args::{CombineArgs, DecodeArgs, DecodeInputs, ExtendArgs, ExtendInputs, Window};
 use super::{download, upload, Buffer, Device, DeviceKind, Elem, Module, Timing};
 use crate::backend::{check_batch, check_window, Backend, NewTokens};
 use crate::cache::{CacheConfig, PagedCache, RawRows, SeqId};
@@ -802,35 +802,19 @@ impl DeviceCache {
             let mut status_d = dev.alloc(Elem::I32, self.batch)?;
             let [sk, sv] = &mut self.sinks;
             let [rk, rv] = &mut self.rings;
-            if self.scheme.has_vq() {
+            let inputs = if self.scheme.has_vq() {
                 // kivi_vq_extend.cuh codes the vq tensors with the codebooks.
                 let d = self.shape.head_dim;
                 let len = |t: Tensor| self.scheme.codec(t).vq().map_or(0, |v| v.codebook_len(d));
-                VqExtendArgs {
-                    batch: self.batch,
-                    pool: &mut self.pool,
-                    tables: &self.tables,
-                    table_stride: self.table_stride,
-                    old_lens: &old_d,
-                    new_counts: &cnt_d,
-                    k_new: &k_d,
-                    v_new: &v_d,
-                    max_new,
-                    sinks_k: sk,
-                    sinks_v: sv,
-                    ring_k: rk,
-                    ring_v: rv,
-                    book_k: &self.books[0],
-                    book_v: &self.books[1],
-                    work: &mut self.work,
-                    status: &mut status_d,
+                ExtendInputs::Books {
+                    k: &self.books[0],
+                    v: &self.books[1],
+                    len: [len(Tensor::Key), len(Tensor::Value)],
                 }
-                .launch(dev.as_ref(), module, [len(Tensor::Key), len(Tensor::Value)])?;
-                let status = download::<i32>(dev.as_ref(), &status_d)?;
-                dev.sync()?;
-                return Ok(status);
-            }
-            let [mk, mv] = &mut self.means;
+            } else {
+                let [mk, mv] = &mut self.means;
+                ExtendInputs::Means { k: mk, v: mv }
+            };
             ExtendArgs {
                 batch: self.batch,
                 pool: &mut self.pool,
@@ -845,8 +829,7 @@ impl DeviceCache {
                 sinks_v: sv,
                 ring_k: rk,
                 ring_v: rv,
-                means_k: mk,
-                means_v: mv,
+                inputs,
                 work: &mut self.work,
                 status: &mut status_d,
             }
@@ -1028,36 +1011,20 @@ impl DecodeRun<'_> {
     pub fn launch(&mut self) -> Result<()> {
         let c = self.cache;
         let dev = c.dev.as_ref();
-        if c.scheme.has_vq() {
+        let inputs = if c.scheme.has_vq() {
             let d = c.shape.head_dim;
             let len = |t: Tensor| c.scheme.codec(t).vq().map_or(0, |v| v.codebook_len(d));
-            VqDecodeArgs {
-                batch: c.batch,
-                pool: &c.pool,
-                tables: &c.tables,
-                table_stride: c.table_stride,
-                seq_lens: &c.seq_lens,
-                q: &self.q,
-                sinks_k: &c.sinks[0],
-                sinks_v: &c.sinks[1],
-                ring_k: &c.rings[0],
-                ring_v: &c.rings[1],
-                book_k: &c.books[0],
-                book_v: &c.books[1],
-                sm_scale: self.sm_scale,
-                window: self.window,
-                part_ml: &mut self.part_ml,
-                part_acc: &mut self.part_acc,
+            DecodeInputs::Books {
+                k: &c.books[0],
+                v: &c.books[1],
+                len: [len(Tensor::Key), len(Tensor::Value)],
             }
-            .launch(dev, self.module, [len(Tensor::Key), len(Tensor::Value)])?;
-            return CombineArgs {
-                batch: c.batch,
-                part_ml: &self.part_ml,
-                part_acc: &self.part_acc,
-                out: &mut self.out,
+        } else {
+            DecodeInputs::Means {
+                k: &c.means[0],
+                v: &c.means[1],
             }
-            .launch(dev, self.module);
-        }
+        };
         DecodeArgs {
             batch: c.batch,
             pool: &c.pool,
@@ -1069,8 +1036,7 @@ impl DecodeRun<'_> {
             sinks_v: &c.sinks[1],
             ring_k: &c.rings[0],
             ring_v: &c.rings[1],
-            means_k: &c.means[0],
-            means_v: &c.means[1],
+            inputs,
             sm_scale: self.sm_scale,
             window: self.window,
             part_ml: &mut self.part_ml,

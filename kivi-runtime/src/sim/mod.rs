@@ -36,7 +36,7 @@ pub use compile::{
 
 use crate::backend::{check_batch, check_window, Backend};
 use crate::cache::{PagedCache, RawRows, SeqId};
-use crate::device::args::ExtendArgs;
+use crate::device::args::{ExtendArgs, ExtendInputs};
 use crate::device::{download, upload, Buffer, DeviceCache, Elem, Module, SimDevice};
 use crate::error::{Error, Result};
 use crate::quant::{round_to_dtype, to_bits_16};
@@ -458,8 +458,7 @@ impl SimExtend {
                 sinks_v: sv,
                 ring_k: rk,
                 ring_v: rv,
-                means_k: mk,
-                means_v: mv,
+                inputs: ExtendInputs::Means { k: mk, v: mv },
                 work: &mut work_d,
                 status: &mut status_d,
             }
