@@ -12,7 +12,7 @@
 //! one small impl and is fused into the arithmetic (no f32 copy of the tile).
 
 #[cfg(target_arch = "x86_64")]
-use super::width::{Avx2, Avx512};
+use super::width::{Avx2, Avx512, Width};
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
@@ -114,19 +114,20 @@ pub(crate) trait Rows {
     unsafe fn get16(&self, i: usize, c: usize) -> __m512;
 }
 
-/// Rows stored as f16 bits, `stride` elements apart.
-pub(crate) struct F16Rows<'a> {
+/// Rows stored as 16-bit floats, `stride` elements apart: f16 bits, or
+/// bf16 bits where `BF16` (a constant, so each kind compiles to its own
+/// conversion).
+pub(crate) struct HalfRows<'a, const BF16: bool> {
     pub data: &'a [u16],
     pub base: usize,
     pub stride: usize,
 }
 
+/// Rows stored as f16 bits.
+pub(crate) type F16Rows<'a> = HalfRows<'a, false>;
+
 /// Rows stored as bf16 bits.
-pub(crate) struct Bf16Rows<'a> {
-    pub data: &'a [u16],
-    pub base: usize,
-    pub stride: usize,
-}
+pub(crate) type Bf16Rows<'a> = HalfRows<'a, true>;
 
 /// Rows stored as f32.
 pub(crate) struct F32Rows<'a> {
@@ -166,49 +167,38 @@ fn span_fits(len: usize, base: usize, stride: usize, n: usize, width: usize) -> 
     n == 0 || base + (n - 1) * stride + width <= len
 }
 
-impl Rows for F16Rows<'_> {
+impl<const BF16: bool> Rows for HalfRows<'_, BF16> {
     fn fits(&self, n: usize, d: usize) -> bool {
         span_fits(self.data.len(), self.base, self.stride, n, d)
     }
     #[inline(always)]
     fn get(&self, i: usize, k: usize) -> f32 {
-        half::f16::from_bits(self.data[self.base + i * self.stride + k]).to_f32()
+        let b = self.data[self.base + i * self.stride + k];
+        if BF16 {
+            half::bf16::from_bits(b).to_f32()
+        } else {
+            half::f16::from_bits(b).to_f32()
+        }
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn get8(&self, i: usize, c: usize) -> __m256 {
-        let p = self.data.as_ptr().add(self.base + i * self.stride + 8 * c);
-        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+        let h = _mm_loadu_si128(self.data.as_ptr().add(self.base + i * self.stride + 8 * c) as *const __m128i);
+        if BF16 {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        } else {
+            _mm256_cvtph_ps(h)
+        }
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn get16(&self, i: usize, c: usize) -> __m512 {
-        let p = self.data.as_ptr().add(self.base + i * self.stride + 16 * c);
-        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
-    }
-}
-
-impl Rows for Bf16Rows<'_> {
-    fn fits(&self, n: usize, d: usize) -> bool {
-        span_fits(self.data.len(), self.base, self.stride, n, d)
-    }
-    #[inline(always)]
-    fn get(&self, i: usize, k: usize) -> f32 {
-        half::bf16::from_bits(self.data[self.base + i * self.stride + k]).to_f32()
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn get8(&self, i: usize, c: usize) -> __m256 {
-        let p = self.data.as_ptr().add(self.base + i * self.stride + 8 * c);
-        let w = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
-        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w))
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn get16(&self, i: usize, c: usize) -> __m512 {
-        let p = self.data.as_ptr().add(self.base + i * self.stride + 16 * c);
-        let w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
-        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w))
+        let h = _mm256_loadu_si256(self.data.as_ptr().add(self.base + i * self.stride + 16 * c) as *const __m256i);
+        if BF16 {
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        } else {
+            _mm512_cvtph_ps(h)
+        }
     }
 }
 
@@ -398,33 +388,19 @@ pub(crate) fn dot<R: Rows>(
         return;
     }
     assert!(r.fits(n, d) && q.len() >= heads * d && out.len() >= (n - 1) * ostride + heads);
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => {
-            assert!(d.is_multiple_of(8) && avx2_available());
-            // SAFETY: features checked above; `fits` and the length asserts
-            // bound every read and write.
-            unsafe { dot_heads::<Avx2, R>(r, n, d, q, heads, out, ostride) }
-        }
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => {
-            assert!(d.is_multiple_of(16) && avx512_available());
-            // SAFETY: as for AVX2.
-            unsafe { dot_heads::<Avx512, R>(r, n, d, q, heads, out, ostride) }
-        }
-        _ => {
-            for i in 0..n {
-                for h in 0..heads {
-                    let qh = &q[h * d..(h + 1) * d];
-                    let mut s = 0f32;
-                    for (k, x) in qh.iter().enumerate() {
-                        s += x * r.get(i, k);
-                    }
-                    out[i * ostride + h] = s;
-                }
-            }
-        }
-    }
+    by_heads(
+        isa,
+        d,
+        &mut Dot {
+            r,
+            n,
+            d,
+            q,
+            heads,
+            out,
+            ostride,
+        },
+    );
 }
 
 /// `acc[h * d + k] += p[i * pstride + h] * row_i[k]` for `heads` query heads
@@ -444,156 +420,152 @@ pub(crate) fn axpy<R: Rows>(
         return;
     }
     assert!(r.fits(n, d) && acc.len() >= heads * d && p.len() >= (n - 1) * pstride + heads);
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => {
-            assert!(d.is_multiple_of(8) && avx2_available());
-            // SAFETY: as in `dot`.
-            unsafe { axpy_heads::<Avx2, R>(r, n, d, p, pstride, heads, acc) }
+    by_heads(
+        isa,
+        d,
+        &mut Axpy {
+            r,
+            n,
+            d,
+            p,
+            pstride,
+            heads,
+            acc,
+        },
+    );
+}
+
+/// [`dot`]'s arguments, checked.
+struct Dot<'a, R> {
+    r: &'a R,
+    n: usize,
+    d: usize,
+    q: &'a [f32],
+    heads: usize,
+    out: &'a mut [f32],
+    ostride: usize,
+}
+
+/// [`axpy`]'s arguments, checked.
+struct Axpy<'a, R> {
+    r: &'a R,
+    n: usize,
+    d: usize,
+    p: &'a [f32],
+    pstride: usize,
+    heads: usize,
+    acc: &'a mut [f32],
+}
+
+/// What [`dot`] and [`axpy`] do over the query heads, so that the ISA
+/// dispatch, the `#[target_feature]` entry points and the loop over blocks
+/// of heads ([`by_heads`]) are written once for both.
+trait Heads {
+    fn heads(&self) -> usize;
+    /// Heads `h0..h0 + NH` on width `V`; returns `NH`.
+    ///
+    /// # Safety
+    /// `V`'s features are available and the caller's asserts hold.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn block<V: Width, const NH: usize>(&mut self, h0: usize) -> usize;
+    /// Every head, portable code.
+    fn scalar(&mut self);
+}
+
+impl<R: Rows> Heads for Dot<'_, R> {
+    fn heads(&self) -> usize {
+        self.heads
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn block<V: Width, const NH: usize>(&mut self, h0: usize) -> usize {
+        let (q, out) = (self.q.as_ptr().add(h0 * self.d), self.out.as_mut_ptr().add(h0));
+        wide::dot::<V, R, NH>(self.r, self.n, self.d, q, out, self.ostride)
+    }
+    fn scalar(&mut self) {
+        let d = self.d;
+        for i in 0..self.n {
+            for h in 0..self.heads {
+                let qh = &self.q[h * d..(h + 1) * d];
+                let mut s = 0f32;
+                for (k, x) in qh.iter().enumerate() {
+                    s += x * self.r.get(i, k);
+                }
+                self.out[i * self.ostride + h] = s;
+            }
         }
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => {
-            assert!(d.is_multiple_of(16) && avx512_available());
-            // SAFETY: as in `dot`.
-            unsafe { axpy_heads::<Avx512, R>(r, n, d, p, pstride, heads, acc) }
-        }
-        _ => {
-            for i in 0..n {
-                for h in 0..heads {
-                    let w = p[i * pstride + h];
-                    for (k, a) in acc[h * d..(h + 1) * d].iter_mut().enumerate() {
-                        *a += w * r.get(i, k);
-                    }
+    }
+}
+
+impl<R: Rows> Heads for Axpy<'_, R> {
+    fn heads(&self) -> usize {
+        self.heads
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn block<V: Width, const NH: usize>(&mut self, h0: usize) -> usize {
+        let (p, acc) = (self.p.as_ptr().add(h0), self.acc.as_mut_ptr().add(h0 * self.d));
+        wide::axpy::<V, R, NH>(self.r, self.n, self.d, p, self.pstride, acc)
+    }
+    fn scalar(&mut self) {
+        let d = self.d;
+        for i in 0..self.n {
+            for h in 0..self.heads {
+                let w = self.p[i * self.pstride + h];
+                for (k, a) in self.acc[h * d..(h + 1) * d].iter_mut().enumerate() {
+                    *a += w * self.r.get(i, k);
                 }
             }
         }
     }
 }
 
-/// The `#[target_feature]` entry points of one width (`avx2`, `avx512`
-/// below), so that the loop over blocks of heads is written once.
-#[cfg(target_arch = "x86_64")]
-trait Entry {
-    unsafe fn dot<R: Rows, const NH: usize>(
-        r: &R,
-        n: usize,
-        d: usize,
-        q: *const f32,
-        out: *mut f32,
-        os: usize,
-    ) -> usize;
-    unsafe fn axpy<R: Rows, const NH: usize>(
-        r: &R,
-        n: usize,
-        d: usize,
-        p: *const f32,
-        ps: usize,
-        acc: *mut f32,
-    ) -> usize;
-}
-
-#[cfg(target_arch = "x86_64")]
-impl Entry for Avx2 {
-    unsafe fn dot<R: Rows, const NH: usize>(
-        r: &R,
-        n: usize,
-        d: usize,
-        q: *const f32,
-        out: *mut f32,
-        os: usize,
-    ) -> usize {
-        avx2::dot::<R, NH>(r, n, d, q, out, os)
-    }
-    unsafe fn axpy<R: Rows, const NH: usize>(
-        r: &R,
-        n: usize,
-        d: usize,
-        p: *const f32,
-        ps: usize,
-        acc: *mut f32,
-    ) -> usize {
-        avx2::axpy::<R, NH>(r, n, d, p, ps, acc)
+/// Runs `b` on `isa` (rows of `d` values, a multiple of its width).
+fn by_heads<H: Heads>(isa: Isa, d: usize, b: &mut H) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => {
+            assert!(d.is_multiple_of(8) && avx2_available());
+            // SAFETY: features checked above; the callers' asserts bound
+            // every read and write.
+            unsafe { heads_avx2(b) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => {
+            assert!(d.is_multiple_of(16) && avx512_available());
+            // SAFETY: as for AVX2.
+            unsafe { heads_avx512(b) }
+        }
+        _ => b.scalar(),
     }
 }
 
+/// [`blocks`] on AVX2.
 #[cfg(target_arch = "x86_64")]
-impl Entry for Avx512 {
-    unsafe fn dot<R: Rows, const NH: usize>(
-        r: &R,
-        n: usize,
-        d: usize,
-        q: *const f32,
-        out: *mut f32,
-        os: usize,
-    ) -> usize {
-        avx512::dot::<R, NH>(r, n, d, q, out, os)
-    }
-    unsafe fn axpy<R: Rows, const NH: usize>(
-        r: &R,
-        n: usize,
-        d: usize,
-        p: *const f32,
-        ps: usize,
-        acc: *mut f32,
-    ) -> usize {
-        avx512::axpy::<R, NH>(r, n, d, p, ps, acc)
-    }
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn heads_avx2<H: Heads>(b: &mut H) {
+    blocks::<Avx2, H>(b)
 }
 
-/// [`dot`] in blocks of four, two or one heads on width `E`.
-///
-/// # Safety
-/// `E`'s features are available and [`dot`]'s asserts hold.
+/// [`blocks`] on AVX-512.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn dot_heads<E: Entry, R: Rows>(
-    r: &R,
-    n: usize,
-    d: usize,
-    q: &[f32],
-    heads: usize,
-    out: &mut [f32],
-    ostride: usize,
-) {
+#[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
+unsafe fn heads_avx512<H: Heads>(b: &mut H) {
+    blocks::<Avx512, H>(b)
+}
+
+/// Every head in blocks of four, two or one (a constant per block, so that
+/// the block's accumulators stay in registers), inlined into the entry point.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn blocks<V: Width, H: Heads>(b: &mut H) {
+    let heads = b.heads();
     let mut h0 = 0;
     while h0 < heads {
-        let rem = heads - h0;
-        let (qp, op) = (q[h0 * d..].as_ptr(), out[h0..].as_mut_ptr());
-        h0 += if rem >= 4 {
-            E::dot::<R, 4>(r, n, d, qp, op, ostride)
-        } else if rem >= 2 {
-            E::dot::<R, 2>(r, n, d, qp, op, ostride)
-        } else {
-            E::dot::<R, 1>(r, n, d, qp, op, ostride)
-        };
-    }
-}
-
-/// [`axpy`] in blocks of four, two or one heads on width `E`.
-///
-/// # Safety
-/// `E`'s features are available and [`axpy`]'s asserts hold.
-#[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn axpy_heads<E: Entry, R: Rows>(
-    r: &R,
-    n: usize,
-    d: usize,
-    p: &[f32],
-    pstride: usize,
-    heads: usize,
-    acc: &mut [f32],
-) {
-    let mut h0 = 0;
-    while h0 < heads {
-        let rem = heads - h0;
-        let (pp, ap) = (p[h0..].as_ptr(), acc[h0 * d..].as_mut_ptr());
-        h0 += if rem >= 4 {
-            E::axpy::<R, 4>(r, n, d, pp, pstride, ap)
-        } else if rem >= 2 {
-            E::axpy::<R, 2>(r, n, d, pp, pstride, ap)
-        } else {
-            E::axpy::<R, 1>(r, n, d, pp, pstride, ap)
+        h0 += match heads - h0 {
+            1 => b.block::<V, 1>(h0),
+            2 | 3 => b.block::<V, 2>(h0),
+            _ => b.block::<V, 4>(h0),
         };
     }
 }
@@ -655,8 +627,8 @@ fn exp_body(x: &mut [f32]) {
 
 /// The AVX2 and AVX-512 loops, written once over the vector width
 /// ([`super::width::Width`]) and instantiated by the `#[target_feature]`
-/// wrappers in `avx2` and `avx512` below (everything here is inlined into
-/// them).
+/// entry points `heads_avx2` and `heads_avx512` (and `avx512::axpy4`):
+/// everything here is inlined into them.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)] // indexes walk arrays of registers in step
 pub(crate) mod wide {
@@ -781,35 +753,7 @@ pub(crate) mod wide {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::Rows;
-    use crate::cpu::width::Avx2;
     use std::arch::x86_64::*;
-
-    /// [`super::wide::dot`] on AVX2.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot<R: Rows, const NH: usize>(
-        r: &R,
-        n: usize,
-        d: usize,
-        q: *const f32,
-        out: *mut f32,
-        ostride: usize,
-    ) -> usize {
-        super::wide::dot::<Avx2, R, NH>(r, n, d, q, out, ostride)
-    }
-
-    /// [`super::wide::axpy`] on AVX2.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn axpy<R: Rows, const NH: usize>(
-        r: &R,
-        n: usize,
-        d: usize,
-        p: *const f32,
-        pstride: usize,
-        acc: *mut f32,
-    ) -> usize {
-        super::wide::axpy::<Avx2, R, NH>(r, n, d, p, pstride, acc)
-    }
 
     /// Converts whole chunks of 8; returns how many values it converted.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -832,32 +776,6 @@ mod avx2 {
 pub(crate) mod avx512 {
     use super::Rows;
     use crate::cpu::width::Avx512;
-
-    /// [`super::wide::dot`] on AVX-512.
-    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
-    pub unsafe fn dot<R: Rows, const NH: usize>(
-        r: &R,
-        n: usize,
-        d: usize,
-        q: *const f32,
-        out: *mut f32,
-        ostride: usize,
-    ) -> usize {
-        super::wide::dot::<Avx512, R, NH>(r, n, d, q, out, ostride)
-    }
-
-    /// [`super::wide::axpy`] on AVX-512.
-    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
-    pub unsafe fn axpy<R: Rows, const NH: usize>(
-        r: &R,
-        n: usize,
-        d: usize,
-        p: *const f32,
-        pstride: usize,
-        acc: *mut f32,
-    ) -> usize {
-        super::wide::axpy::<Avx512, R, NH>(r, n, d, p, pstride, acc)
-    }
 
     /// Four chunks of `NH` heads at a time (`dense.rs`: AVX-512 has the
     /// registers for 16 accumulators); `d` a multiple of 64.
