@@ -643,7 +643,7 @@ fn simd_ok() -> bool {
 /// each function names.
 #[cfg(target_arch = "x86_64")]
 mod vecs {
-    use super::super::width::{Avx2, Avx512, Width};
+    use super::super::width::{Avx2, Avx512, Lanes, Width};
 
     /// The expanded table of tokens `p0..p0 + n` from the cosines and sines
     /// of `p0`'s angles (`bc`, `bs`, `[half]`) and of `r * f_i` (`sc`, `ss`,

@@ -1,8 +1,12 @@
-//! The vector width the fused path (`fused.rs`) is written over, once:
-//! [`Width`] names the handful of operations its body needs (arithmetic,
-//! code unpacking, the transposes that turn rows into lanes), and two
-//! zero-sized types implement it, [`Avx512`] (16 lanes) and [`Avx2`] (8
-//! lanes, AVX2 + FMA + F16C).
+//! The vector width the CPU loops are written over, once: [`Lanes`] is the
+//! f32 arithmetic every body needs, [`Width`] adds what only the vector
+//! widths do (code unpacking, the transposes that turn rows into lanes,
+//! lookups), and zero-sized types implement them: [`Avx512`] (16 lanes),
+//! [`Avx2`] (8 lanes, AVX2 + FMA + F16C) and, for [`Lanes`] only,
+//! [`Scalar`] (one lane, the portable path). The fused path (`fused.rs`),
+//! the generic tile loops (`simd.rs`), the cache writes (`write.rs`) and the
+//! integer scores (`int8.rs`) are bodies over these types; a module with
+//! needs of its own extends the traits rather than declaring another width.
 //!
 //! How it compiles: every method is `#[inline(always)]` and has no
 //! `#[target_feature]` of its own; the body is generic and `#[inline(always)]`
@@ -28,17 +32,96 @@ use super::simd::Rows;
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+/// `LANES` f32 lanes and the arithmetic every body needs, written once
+/// for the two vector widths and for [`Scalar`] (one lane: the portable
+/// path of a body that has one, such as the cache writes of `write.rs`).
+/// [`Width`] adds what only the vector widths do; other modules extend
+/// either with their own few operations (`write.rs`, `int8.rs`). Every
+/// method is unsafe for [`Width`]'s reasons.
+pub(crate) trait Lanes {
+    /// f32 lanes.
+    type F: Copy;
+    /// Lanes per vector.
+    const LANES: usize;
+    unsafe fn zero() -> Self::F;
+    unsafe fn splat(x: f32) -> Self::F;
+    unsafe fn load(p: *const f32) -> Self::F;
+    unsafe fn store(p: *mut f32, v: Self::F);
+    unsafe fn add(a: Self::F, b: Self::F) -> Self::F;
+    unsafe fn sub(a: Self::F, b: Self::F) -> Self::F;
+    unsafe fn mul(a: Self::F, b: Self::F) -> Self::F;
+    /// An IEEE division in every lane (correctly rounded, as the scalar `/`).
+    unsafe fn div(a: Self::F, b: Self::F) -> Self::F;
+    unsafe fn min(a: Self::F, b: Self::F) -> Self::F;
+    unsafe fn max(a: Self::F, b: Self::F) -> Self::F;
+    unsafe fn reduce_min(v: Self::F) -> f32;
+    unsafe fn reduce_max(v: Self::F) -> f32;
+}
+
+/// One lane of plain f32 arithmetic.
+#[derive(Clone, Copy)]
+pub(crate) struct Scalar;
+
+impl Lanes for Scalar {
+    type F = f32;
+    const LANES: usize = 1;
+    #[inline(always)]
+    unsafe fn zero() -> f32 {
+        0.0
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> f32 {
+        x
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> f32 {
+        *p
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: f32) {
+        *p = v
+    }
+    #[inline(always)]
+    unsafe fn add(a: f32, b: f32) -> f32 {
+        a + b
+    }
+    #[inline(always)]
+    unsafe fn sub(a: f32, b: f32) -> f32 {
+        a - b
+    }
+    #[inline(always)]
+    unsafe fn mul(a: f32, b: f32) -> f32 {
+        a * b
+    }
+    #[inline(always)]
+    unsafe fn div(a: f32, b: f32) -> f32 {
+        a / b
+    }
+    #[inline(always)]
+    unsafe fn min(a: f32, b: f32) -> f32 {
+        a.min(b)
+    }
+    #[inline(always)]
+    unsafe fn max(a: f32, b: f32) -> f32 {
+        a.max(b)
+    }
+    #[inline(always)]
+    unsafe fn reduce_min(v: f32) -> f32 {
+        v
+    }
+    #[inline(always)]
+    unsafe fn reduce_max(v: f32) -> f32 {
+        v
+    }
+}
+
 /// One vector width. Every method is unsafe: it needs the ISA's features
 /// (checked once at the entry point) and, where it takes pointers, that they
 /// point inside the caller's buffers for the lanes it reads or writes.
 #[cfg(target_arch = "x86_64")]
-pub(crate) trait Width {
-    /// f32 lanes.
-    type F: Copy;
+pub(crate) trait Width: Lanes {
     /// i32 lanes.
     type I: Copy;
-    /// Lanes per vector.
-    const LANES: usize;
     /// Enough registers for four value vectors of four heads per pass.
     const WIDE: bool;
 
@@ -50,22 +133,13 @@ pub(crate) trait Width {
     /// Value vector `v` of the row at `row`, in storage order.
     unsafe fn unpack<const BITS: u32>(row: *const u32, v: usize) -> Self::F;
 
-    unsafe fn zero() -> Self::F;
-    unsafe fn splat(x: f32) -> Self::F;
-    unsafe fn load(p: *const f32) -> Self::F;
-    unsafe fn store(p: *mut f32, v: Self::F);
     /// `LANES` f16 values to f32.
     unsafe fn load_f16(p: *const u16) -> Self::F;
-    unsafe fn add(a: Self::F, b: Self::F) -> Self::F;
-    unsafe fn sub(a: Self::F, b: Self::F) -> Self::F;
-    unsafe fn mul(a: Self::F, b: Self::F) -> Self::F;
-    unsafe fn max(a: Self::F, b: Self::F) -> Self::F;
     /// `a * b + c`.
     unsafe fn fmadd(a: Self::F, b: Self::F, c: Self::F) -> Self::F;
     /// `c - a * b`.
     unsafe fn fnmadd(a: Self::F, b: Self::F, c: Self::F) -> Self::F;
     unsafe fn reduce_add(v: Self::F) -> f32;
-    unsafe fn reduce_max(v: Self::F) -> f32;
     /// The four horizontal sums of `v`, as one 128-bit vector.
     unsafe fn sum4(v: [Self::F; 4]) -> __m128;
     /// The horizontal sums of `v[4 r + h]` (four rows by four heads) to
@@ -118,6 +192,7 @@ pub(crate) trait Width {
     }
 
     unsafe fn splat_i(x: i32) -> Self::I;
+    unsafe fn add_i(a: Self::I, b: Self::I) -> Self::I;
     unsafe fn and_i(a: Self::I, b: Self::I) -> Self::I;
     /// Logical right shift of every lane by `n` (a constant after inlining).
     unsafe fn srl_i(a: Self::I, n: i32) -> Self::I;
@@ -170,11 +245,63 @@ fn lane512(bits: u32, j: usize) -> (usize, f32) {
 }
 
 #[cfg(target_arch = "x86_64")]
+impl Lanes for Avx512 {
+    type F = __m512;
+    const LANES: usize = 16;
+    #[inline(always)]
+    unsafe fn zero() -> __m512 {
+        _mm512_setzero_ps()
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> __m512 {
+        _mm512_set1_ps(x)
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> __m512 {
+        _mm512_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: __m512) {
+        _mm512_storeu_ps(p, v)
+    }
+    #[inline(always)]
+    unsafe fn add(a: __m512, b: __m512) -> __m512 {
+        _mm512_add_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn sub(a: __m512, b: __m512) -> __m512 {
+        _mm512_sub_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+        _mm512_mul_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn max(a: __m512, b: __m512) -> __m512 {
+        _mm512_max_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn reduce_max(v: __m512) -> f32 {
+        _mm512_reduce_max_ps(v)
+    }
+    #[inline(always)]
+    unsafe fn div(a: __m512, b: __m512) -> __m512 {
+        _mm512_div_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn min(a: __m512, b: __m512) -> __m512 {
+        _mm512_min_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn reduce_min(v: __m512) -> f32 {
+        _mm512_reduce_min_ps(v)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)] // indexes walk arrays of registers in step
 impl Width for Avx512 {
-    type F = __m512;
     type I = __m512i;
-    const LANES: usize = 16;
     const WIDE: bool = true;
 
     fn value_span(_bits: u32) -> usize {
@@ -237,40 +364,8 @@ impl Width for Avx512 {
     }
 
     #[inline(always)]
-    unsafe fn zero() -> __m512 {
-        _mm512_setzero_ps()
-    }
-    #[inline(always)]
-    unsafe fn splat(x: f32) -> __m512 {
-        _mm512_set1_ps(x)
-    }
-    #[inline(always)]
-    unsafe fn load(p: *const f32) -> __m512 {
-        _mm512_loadu_ps(p)
-    }
-    #[inline(always)]
-    unsafe fn store(p: *mut f32, v: __m512) {
-        _mm512_storeu_ps(p, v)
-    }
-    #[inline(always)]
     unsafe fn load_f16(p: *const u16) -> __m512 {
         _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
-    }
-    #[inline(always)]
-    unsafe fn add(a: __m512, b: __m512) -> __m512 {
-        _mm512_add_ps(a, b)
-    }
-    #[inline(always)]
-    unsafe fn sub(a: __m512, b: __m512) -> __m512 {
-        _mm512_sub_ps(a, b)
-    }
-    #[inline(always)]
-    unsafe fn mul(a: __m512, b: __m512) -> __m512 {
-        _mm512_mul_ps(a, b)
-    }
-    #[inline(always)]
-    unsafe fn max(a: __m512, b: __m512) -> __m512 {
-        _mm512_max_ps(a, b)
     }
     #[inline(always)]
     unsafe fn fmadd(a: __m512, b: __m512, c: __m512) -> __m512 {
@@ -283,10 +378,6 @@ impl Width for Avx512 {
     #[inline(always)]
     unsafe fn reduce_add(v: __m512) -> f32 {
         _mm512_reduce_add_ps(v)
-    }
-    #[inline(always)]
-    unsafe fn reduce_max(v: __m512) -> f32 {
-        _mm512_reduce_max_ps(v)
     }
     #[inline(always)]
     unsafe fn sum4(v: [__m512; 4]) -> __m128 {
@@ -343,6 +434,10 @@ impl Width for Avx512 {
     #[inline(always)]
     unsafe fn splat_i(x: i32) -> __m512i {
         _mm512_set1_epi32(x)
+    }
+    #[inline(always)]
+    unsafe fn add_i(a: __m512i, b: __m512i) -> __m512i {
+        _mm512_add_epi32(a, b)
     }
     #[inline(always)]
     unsafe fn and_i(a: __m512i, b: __m512i) -> __m512i {
@@ -585,10 +680,66 @@ pub(crate) fn transpose_indices() -> &'static [[i32; 16]; 24] {
 }
 
 #[cfg(target_arch = "x86_64")]
-impl Width for Avx2 {
+impl Lanes for Avx2 {
     type F = __m256;
-    type I = __m256i;
     const LANES: usize = 8;
+    #[inline(always)]
+    unsafe fn zero() -> __m256 {
+        _mm256_setzero_ps()
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> __m256 {
+        _mm256_set1_ps(x)
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> __m256 {
+        _mm256_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: __m256) {
+        _mm256_storeu_ps(p, v)
+    }
+    #[inline(always)]
+    unsafe fn add(a: __m256, b: __m256) -> __m256 {
+        _mm256_add_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn sub(a: __m256, b: __m256) -> __m256 {
+        _mm256_sub_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+        _mm256_mul_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn max(a: __m256, b: __m256) -> __m256 {
+        _mm256_max_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn reduce_max(v: __m256) -> f32 {
+        let s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)))
+    }
+    #[inline(always)]
+    unsafe fn div(a: __m256, b: __m256) -> __m256 {
+        _mm256_div_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn min(a: __m256, b: __m256) -> __m256 {
+        _mm256_min_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn reduce_min(v: __m256) -> f32 {
+        let s = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_min_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_min_ss(s, _mm_movehdup_ps(s)))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Width for Avx2 {
+    type I = __m256i;
     const WIDE: bool = false;
 
     /// 2-bit: eight bytes (32 channels) per load, one code slot per
@@ -627,40 +778,8 @@ impl Width for Avx2 {
     }
 
     #[inline(always)]
-    unsafe fn zero() -> __m256 {
-        _mm256_setzero_ps()
-    }
-    #[inline(always)]
-    unsafe fn splat(x: f32) -> __m256 {
-        _mm256_set1_ps(x)
-    }
-    #[inline(always)]
-    unsafe fn load(p: *const f32) -> __m256 {
-        _mm256_loadu_ps(p)
-    }
-    #[inline(always)]
-    unsafe fn store(p: *mut f32, v: __m256) {
-        _mm256_storeu_ps(p, v)
-    }
-    #[inline(always)]
     unsafe fn load_f16(p: *const u16) -> __m256 {
         _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
-    }
-    #[inline(always)]
-    unsafe fn add(a: __m256, b: __m256) -> __m256 {
-        _mm256_add_ps(a, b)
-    }
-    #[inline(always)]
-    unsafe fn sub(a: __m256, b: __m256) -> __m256 {
-        _mm256_sub_ps(a, b)
-    }
-    #[inline(always)]
-    unsafe fn mul(a: __m256, b: __m256) -> __m256 {
-        _mm256_mul_ps(a, b)
-    }
-    #[inline(always)]
-    unsafe fn max(a: __m256, b: __m256) -> __m256 {
-        _mm256_max_ps(a, b)
     }
     #[inline(always)]
     unsafe fn fmadd(a: __m256, b: __m256, c: __m256) -> __m256 {
@@ -676,12 +795,6 @@ impl Width for Avx2 {
         let sh = _mm_movehdup_ps(s);
         let s2 = _mm_add_ps(s, sh);
         _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehl_ps(sh, s2)))
-    }
-    #[inline(always)]
-    unsafe fn reduce_max(v: __m256) -> f32 {
-        let s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-        _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)))
     }
     #[inline(always)]
     unsafe fn sum4(v: [__m256; 4]) -> __m128 {
@@ -709,6 +822,10 @@ impl Width for Avx2 {
     #[inline(always)]
     unsafe fn splat_i(x: i32) -> __m256i {
         _mm256_set1_epi32(x)
+    }
+    #[inline(always)]
+    unsafe fn add_i(a: __m256i, b: __m256i) -> __m256i {
+        _mm256_add_epi32(a, b)
     }
     #[inline(always)]
     unsafe fn and_i(a: __m256i, b: __m256i) -> __m256i {

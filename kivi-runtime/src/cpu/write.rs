@@ -27,7 +27,7 @@
 //! row that pass was half the write's memory traffic (the input is read
 //! twice, from DRAM for a long prefill), so these rows take the check on
 //! the vectors they store ([`store_row_words`], the same
-//! [`Lanes::and_within`]) and the input is read once. A row that fails
+//! [`Writes::and_within`]) and the input is read once. A row that fails
 //! ends its job; the cache then zeroes every row of the write's range
 //! (`cache.rs`, `clear_blocks`, via [`clear_rows`]), gives back the blocks
 //! it took, and the reference path reports the error. Why this keeps
@@ -47,11 +47,15 @@
 //! Codes are made one byte each and packed into words afterwards
 //! ([`pack_bytes`]), so one packer serves every instruction set.
 //!
-//! The kernels are written once, generic over [`Lanes`] (16 lanes with
-//! AVX-512, 8 with AVX2 + F16C, 1 with plain scalar code), and instantiated
-//! under each instruction set's `#[target_feature]`.
+//! The kernels are written once, generic over [`Writes`]: the width's
+//! [`Lanes`] (16 lanes with AVX-512, 8 with AVX2 + F16C, 1 with plain scalar
+//! code, the types of `width.rs`) and the few operations only a write needs,
+//! instantiated under each instruction set's `#[target_feature]`.
 
 use super::simd::Isa;
+#[cfg(target_arch = "x86_64")]
+use super::width::{Avx2, Avx512};
+use super::width::{Lanes, Scalar};
 use crate::cache::RawRows;
 use crate::quant::{self, GroupParams, TensorCodec};
 use kivi_spec::layout::TensorLayout;
@@ -236,7 +240,7 @@ thread_local! {
 }
 
 #[inline(always)]
-fn job_body<L: Lanes>(plan: &Plan, rows: &Rows, job: &mut Job) -> bool {
+fn job_body<L: Writes>(plan: &Plan, rows: &Rows, job: &mut Job) -> bool {
     let tl = plan.tl;
     let bt = tl.block_tokens;
     let wpt = tl.words_per_token;
@@ -295,7 +299,7 @@ fn job_body<L: Lanes>(plan: &Plan, rows: &Rows, job: &mut Job) -> bool {
 /// groups' parameters into `part` (and, if given, into `params`, one a
 /// group). `false`: a parameter overflows.
 #[inline(always)]
-fn token_row<L: Lanes>(
+fn token_row<L: Writes>(
     plan: &Plan,
     q: &Quant,
     src: Src,
@@ -311,16 +315,16 @@ fn token_row<L: Lanes>(
         // SAFETY: `tensor_isa` made the lane count divide `g` and `d`, so
         // every load stays inside the row, every store inside `codes`.
         let p = unsafe {
-            let mut lo = L::load(src, c0, plan.dtype);
+            let mut lo = L::read(src, c0, plan.dtype);
             let mut hi = lo;
-            let mut c = c0 + L::N;
+            let mut c = c0 + L::LANES;
             while c < c0 + g {
-                let x = L::load(src, c, plan.dtype);
+                let x = L::read(src, c, plan.dtype);
                 lo = L::min(lo, x);
                 hi = L::max(hi, x);
-                c += L::N;
+                c += L::LANES;
             }
-            let (mut lo, mut hi) = (L::hmin(lo), L::hmax(hi));
+            let (mut lo, mut hi) = (L::reduce_min(lo), L::reduce_max(hi));
             if lo == 0.0 || hi == 0.0 {
                 (lo, hi) = quant::group_lo_hi((c0..c0 + g).map(|i| scalar_at(src, i, plan.dtype)));
             }
@@ -334,8 +338,8 @@ fn token_row<L: Lanes>(
             let (vs, vz) = (L::splat(p.scale), L::splat(p.zero));
             let mut c = c0;
             while c < c0 + g {
-                L::encode(L::load(src, c, plan.dtype), vz, vs, maxc, codes.as_mut_ptr().add(c));
-                c += L::N;
+                L::encode(L::read(src, c, plan.dtype), vz, vs, maxc, codes.as_mut_ptr().add(c));
+                c += L::LANES;
             }
             p
         };
@@ -354,7 +358,7 @@ fn token_row<L: Lanes>(
 /// in `cache.rs`) on a row in per-thread scratch. `false`: a parameter or
 /// an outlier's correction overflows (the reference path then says which).
 #[inline(always)]
-fn pipeline_rows<L: Lanes>(
+fn pipeline_rows<L: Writes>(
     plan: &Plan,
     pipe: &Pipeline,
     q: &Quant,
@@ -385,7 +389,7 @@ thread_local! {
 }
 
 #[inline(always)]
-fn pipeline_body<L: Lanes>(
+fn pipeline_body<L: Writes>(
     plan: &Plan,
     pipe: &Pipeline,
     q: &Quant,
@@ -450,7 +454,7 @@ fn pipeline_body<L: Lanes>(
     true
 }
 
-/// `TensorCodec::take_outliers_small`, the same selection, [`Lanes::N`]
+/// `TensorCodec::take_outliers_small`, the same selection, [`Lanes::LANES`]
 /// values at a time: a value enters the kept `k` only when its magnitude
 /// is above the k-th best's (ties go to the lower channel, met first), and
 /// that bar only rises, so the lanes not above it when their vector is
@@ -458,7 +462,7 @@ fn pipeline_body<L: Lanes>(
 /// one by one, in channel order. For magnitudes (sign bit clear, NaN
 /// included) `total_cmp` is the order of the bits as integers.
 #[inline(always)]
-fn take_outliers<L: Lanes>(
+fn take_outliers<L: Writes>(
     codec: &TensorCodec,
     row: &mut [f32],
     idx: &mut [usize; quant::TOP_K_SMALL],
@@ -466,7 +470,7 @@ fn take_outliers<L: Lanes>(
 ) -> usize {
     let k = codec.outliers.min(quant::TOP_K_SMALL);
     let d = row.len();
-    if k == 0 || d < k + L::N || L::N == 1 {
+    if k == 0 || d < k + L::LANES || L::LANES == 1 {
         return codec.take_outliers_small(row, idx, vals);
     }
     // (magnitude bits, channel), best first.
@@ -483,7 +487,7 @@ fn take_outliers<L: Lanes>(
     };
     let mut c = 0;
     while c < d {
-        if len == k && c + L::N <= d {
+        if len == k && c + L::LANES <= d {
             // SAFETY: `c + N <= d`.
             let mut m = unsafe { L::above(row.as_ptr().add(c), best[len - 1].0) };
             while m != 0 {
@@ -491,7 +495,7 @@ fn take_outliers<L: Lanes>(
                 offer(&mut best, &mut len, row[i].to_bits() & 0x7fff_ffff, i);
                 m &= m - 1;
             }
-            c += L::N;
+            c += L::LANES;
         } else {
             offer(&mut best, &mut len, row[c].to_bits() & 0x7fff_ffff, c);
             c += 1;
@@ -530,7 +534,7 @@ fn take_outliers<L: Lanes>(
 /// The codes depend only on the stored `rms` (`y = x / rms`, an IEEE
 /// division in every lane, compared with the thresholds exactly).
 #[inline(always)]
-fn lloyd_group<L: Lanes>(q: &Quant, levels: &[f32], x: &[f32], codes: &mut [u8]) -> f32 {
+fn lloyd_group<L: Writes>(q: &Quant, levels: &[f32], x: &[f32], codes: &mut [u8]) -> f32 {
     let Some(norm) = q.levels.norm() else {
         unreachable!("lloyd_group on uniform levels")
     };
@@ -562,10 +566,10 @@ fn lloyd_group<L: Lanes>(q: &Quant, levels: &[f32], x: &[f32], codes: &mut [u8])
         rms_of(exact)
     };
     let mut c = 0;
-    while c + L::N <= g {
+    while c + L::LANES <= g {
         // SAFETY: `c + N <= g` values in the group and codes.
         unsafe { L::lloyd_codes(x.as_ptr().add(c), rms, &thresholds[..nt], codes.as_mut_ptr().add(c)) };
-        c += L::N;
+        c += L::LANES;
     }
     for i in c..g {
         let y = if rms == 0.0 { 0.0 } else { x[i] / rms };
@@ -627,13 +631,13 @@ fn sum_squares(x: &[f32]) -> f64 {
 
 /// A row rounded to the activation dtype, as f32.
 #[inline(always)]
-fn load_row<L: Lanes>(src: Src, dtype: Dtype, out: &mut [f32]) {
+fn load_row<L: Writes>(src: Src, dtype: Dtype, out: &mut [f32]) {
     let d = out.len();
     let mut c = 0;
-    while c + L::N <= d {
+    while c + L::LANES <= d {
         // SAFETY: `c + N <= d` values in the row and in `out`.
-        unsafe { L::store(L::load(src, c, dtype), out.as_mut_ptr().add(c)) };
-        c += L::N;
+        unsafe { L::store(out.as_mut_ptr().add(c), L::read(src, c, dtype)) };
+        c += L::LANES;
     }
     for (i, o) in out.iter_mut().enumerate().skip(c) {
         *o = scalar_at(src, i, dtype);
@@ -645,7 +649,7 @@ fn load_row<L: Lanes>(src: Src, dtype: Dtype, out: &mut [f32]) {
 /// token in turn: a pass for `lo`/`hi` per (head, channel), the parameters,
 /// then a pass that encodes and packs each row. `scratch`: `2 x Hkv x D`.
 #[inline(always)]
-fn channel_groups<L: Lanes>(
+fn channel_groups<L: Writes>(
     plan: &Plan,
     q: &Quant,
     rows: &Rows,
@@ -666,20 +670,20 @@ fn channel_groups<L: Lanes>(
             for hh in 0..h {
                 let src = rows.row(j0 + k, hh);
                 let (lo, hi) = (&mut a[hh * d..(hh + 1) * d], &mut b[hh * d..(hh + 1) * d]);
-                for c in (0..d).step_by(L::N) {
+                for c in (0..d).step_by(L::LANES) {
                     // SAFETY: the lane count divides `d` (`tensor_isa`).
                     unsafe {
-                        let x = L::load(src, c, plan.dtype);
+                        let x = L::read(src, c, plan.dtype);
                         let (l, u) = if k == 0 {
                             (x, x)
                         } else {
                             (
-                                L::min(L::load_f32(lo.as_ptr().add(c)), x),
-                                L::max(L::load_f32(hi.as_ptr().add(c)), x),
+                                L::min(L::load(lo.as_ptr().add(c)), x),
+                                L::max(L::load(hi.as_ptr().add(c)), x),
                             )
                         };
-                        L::store(l, lo.as_mut_ptr().add(c));
-                        L::store(u, hi.as_mut_ptr().add(c));
+                        L::store(lo.as_mut_ptr().add(c), l);
+                        L::store(hi.as_mut_ptr().add(c), u);
                     }
                 }
             }
@@ -693,18 +697,18 @@ fn channel_groups<L: Lanes>(
                     (lo[c], hi[c]) = quant::group_lo_hi((0..g).map(|k| scalar_at(rows.row(j0 + k, hh), c, plan.dtype)));
                 }
             }
-            for c in (0..d).step_by(L::N) {
+            for c in (0..d).step_by(L::LANES) {
                 // SAFETY: as above; `lo`/`hi` become scale/zero here.
                 unsafe {
-                    let l = L::load_f32(lo.as_ptr().add(c));
-                    let u = L::load_f32(hi.as_ptr().add(c));
+                    let l = L::load(lo.as_ptr().add(c));
+                    let u = L::load(hi.as_ptr().add(c));
                     let s = L::round_scale(L::div(L::sub(u, l), L::splat(maxc)), q.scale);
                     let z = L::round_scale(l, q.scale);
                     if !L::all_finite(s) || !L::all_finite(z) {
                         return false;
                     }
-                    L::store(s, lo.as_mut_ptr().add(c));
-                    L::store(z, hi.as_mut_ptr().add(c));
+                    L::store(lo.as_mut_ptr().add(c), s);
+                    L::store(hi.as_mut_ptr().add(c), z);
                 }
             }
             let part = &mut job.block[hh * plan.head_words + plan.offset..][..tl.words];
@@ -719,12 +723,12 @@ fn channel_groups<L: Lanes>(
             for hh in 0..h {
                 let src = rows.row(j0 + k, hh);
                 let (s, z) = (&a[hh * d..(hh + 1) * d], &b[hh * d..(hh + 1) * d]);
-                for c in (0..d).step_by(L::N) {
+                for c in (0..d).step_by(L::LANES) {
                     // SAFETY: as above.
                     unsafe {
-                        let sv = L::load_f32(s.as_ptr().add(c));
-                        let zv = L::load_f32(z.as_ptr().add(c));
-                        L::encode(L::load(src, c, plan.dtype), zv, sv, maxc, codes.as_mut_ptr().add(c));
+                        let sv = L::load(s.as_ptr().add(c));
+                        let zv = L::load(z.as_ptr().add(c));
+                        L::encode(L::read(src, c, plan.dtype), zv, sv, maxc, codes.as_mut_ptr().add(c));
                     }
                 }
                 codes[d..padded].fill(0);
@@ -748,7 +752,7 @@ fn scalar_at(src: Src, i: usize, dtype: Dtype) -> f32 {
 
 /// `quant::round_to_scale` of one value.
 #[inline(always)]
-fn round_scale1<L: Lanes>(x: f32, dtype: ScaleDtype) -> f32 {
+fn round_scale1<L: Writes>(x: f32, dtype: ScaleDtype) -> f32 {
     match dtype {
         // SAFETY: the caller runs under `L`'s instruction set.
         ScaleDtype::F16 => unsafe { L::f16_round(x) },
@@ -758,7 +762,7 @@ fn round_scale1<L: Lanes>(x: f32, dtype: ScaleDtype) -> f32 {
 
 /// Same as the cache's `write_param` (f16 halves share a word).
 #[inline(always)]
-fn write_param<L: Lanes>(words: &mut [u32], i: usize, x: f32, dtype: ScaleDtype) {
+fn write_param<L: Writes>(words: &mut [u32], i: usize, x: f32, dtype: ScaleDtype) {
     match dtype {
         ScaleDtype::F16 => {
             let shift = 16 * (i % 2);
@@ -773,10 +777,10 @@ fn write_param<L: Lanes>(words: &mut [u32], i: usize, x: f32, dtype: ScaleDtype)
 /// A raw row (activation dtype) of a `full` tensor: two 16-bit values per
 /// word, the lower half first, or one f32 per word. Returns whether every
 /// value, rounded to `dtype`, is finite: the check of [`inputs_ok`] (the
-/// same [`Lanes::and_within`] on the same vectors), made on the values as
+/// same [`Writes::and_within`] on the same vectors), made on the values as
 /// they are stored, so that the input is read once.
 #[inline(always)]
-fn store_row_words<L: Lanes>(src: Src, dtype: Dtype, words: &mut [u32]) -> bool {
+fn store_row_words<L: Writes>(src: Src, dtype: Dtype, words: &mut [u32]) -> bool {
     let d = src.len();
     let mut finite = true;
     match dtype {
@@ -797,10 +801,10 @@ fn store_row_words<L: Lanes>(src: Src, dtype: Dtype, words: &mut [u32]) -> bool 
                 // halves in `words`.
                 unsafe {
                     let mut ok = L::all_true();
-                    while c + L::N <= d && c + L::N <= 2 * words.len() {
+                    while c + L::LANES <= d && c + L::LANES <= 2 * words.len() {
                         ok = L::and_within(ok, src, c, dtype, f32::MAX);
                         L::store16(load_for_store16::<L>(src, c, dtype), halves.add(c), dtype);
-                        c += L::N;
+                        c += L::LANES;
                     }
                     finite = L::is_all_true(ok);
                 }
@@ -839,17 +843,17 @@ pub(crate) fn clear_rows(plan: &Plan, heads: usize, job: &mut Job) {
     }
 }
 
-/// Values `i..i + N` of `src` for [`Lanes::store16`]: f16 stores round
+/// Values `i..i + N` of `src` for [`Writes::store16`]: f16 stores round
 /// f32 input themselves (rounding twice gives the same bits), so the input
 /// goes in as it is; other dtypes are rounded first.
 ///
 /// # Safety
-/// As [`Lanes::load`].
+/// As [`Writes::read`].
 #[inline(always)]
-unsafe fn load_for_store16<L: Lanes>(src: Src, i: usize, dtype: Dtype) -> L::F {
+unsafe fn load_for_store16<L: Writes>(src: Src, i: usize, dtype: Dtype) -> L::F {
     match (src, dtype) {
-        (Src::Input(x), Dtype::F16) => L::load_f32(x.as_ptr().add(i)),
-        _ => L::load(src, i, dtype),
+        (Src::Input(x), Dtype::F16) => L::load(x.as_ptr().add(i)),
+        _ => L::read(src, i, dtype),
     }
 }
 
@@ -880,10 +884,10 @@ unsafe fn round_into_bits_avx2(src: &[f32], dst: &mut [u16], dtype: Dtype) {
 }
 
 #[inline(always)]
-fn round_into_bits_body<L: Lanes>(src: &[f32], dst: &mut [u16], dtype: Dtype) {
+fn round_into_bits_body<L: Writes>(src: &[f32], dst: &mut [u16], dtype: Dtype) {
     let n = src.len().min(dst.len());
     let mut c = 0;
-    while c + L::N <= n {
+    while c + L::LANES <= n {
         // SAFETY: `c + N <= n` on both sides.
         unsafe {
             L::store16(
@@ -892,7 +896,7 @@ fn round_into_bits_body<L: Lanes>(src: &[f32], dst: &mut [u16], dtype: Dtype) {
                 dtype,
             )
         };
-        c += L::N;
+        c += L::LANES;
     }
     for i in c..n {
         dst[i] = quant::to_bits_16(src[i], dtype);
@@ -928,21 +932,21 @@ unsafe fn inputs_ok_avx2(x: &[f32], dtype: Dtype, from: usize, limit: f32) -> bo
 }
 
 #[inline(always)]
-fn inputs_ok_body<L: Lanes>(x: &[f32], dtype: Dtype, from: usize, limit: f32) -> bool {
+fn inputs_ok_body<L: Writes>(x: &[f32], dtype: Dtype, from: usize, limit: f32) -> bool {
     within::<L>(&x[..from], dtype, f32::MAX) && within::<L>(&x[from..], dtype, limit)
 }
 
 /// No closures here: a closure does not inherit its function's target
 /// features, and the intrinsics would not be inlined into it.
 #[inline(always)]
-fn within<L: Lanes>(x: &[f32], dtype: Dtype, limit: f32) -> bool {
+fn within<L: Writes>(x: &[f32], dtype: Dtype, limit: f32) -> bool {
     let mut c = 0;
     // SAFETY: `c + N <= len`.
     unsafe {
         let mut ok = L::all_true();
-        while c + L::N <= x.len() {
+        while c + L::LANES <= x.len() {
             ok = L::and_within(ok, Src::Input(x), c, dtype, limit);
-            c += L::N;
+            c += L::LANES;
         }
         if !L::is_all_true(ok) {
             return false;
@@ -1011,26 +1015,49 @@ pub(crate) fn pack_bytes(codes: &[u8], bits: u32, out: &mut [u32]) {
     }
 }
 
-/// `N` f32 lanes and the few operations a write needs. Every method is
+/// What a write needs beyond the width's [`Lanes`]: reading a row in its
+/// dtype, rounding, coding, and the finiteness checks. Every method is
 /// `unsafe`: the caller has the instruction set (the `#[target_feature]`
-/// entry points above) and keeps pointers `N` elements inside their slices.
-trait Lanes {
-    const N: usize;
-    type F: Copy;
+/// entry points above) and keeps pointers `LANES` elements inside their
+/// slices.
+trait Writes: Lanes {
     type M: Copy;
-    /// Values `i..i + N` of a row, rounded to `dtype`.
-    unsafe fn load(src: Src, i: usize, dtype: Dtype) -> Self::F;
-    unsafe fn load_f32(p: *const f32) -> Self::F;
-    unsafe fn store(x: Self::F, p: *mut f32);
-    unsafe fn splat(x: f32) -> Self::F;
-    unsafe fn min(a: Self::F, b: Self::F) -> Self::F;
-    unsafe fn max(a: Self::F, b: Self::F) -> Self::F;
-    unsafe fn hmin(a: Self::F) -> f32;
-    unsafe fn hmax(a: Self::F) -> f32;
-    unsafe fn sub(a: Self::F, b: Self::F) -> Self::F;
-    unsafe fn div(a: Self::F, b: Self::F) -> Self::F;
-    /// Rounded to the scale dtype.
-    unsafe fn round_scale(x: Self::F, dtype: ScaleDtype) -> Self::F;
+    /// Rounded to f16 (to nearest even, as `half`) and widened back.
+    unsafe fn round_f16(x: Self::F) -> Self::F;
+    /// Rounded to bf16 (to nearest even, finite values) and widened back.
+    unsafe fn round_bf16(x: Self::F) -> Self::F;
+    /// `LANES` f16 values to f32.
+    unsafe fn widen_f16(p: *const u16) -> Self::F;
+    /// `LANES` bf16 values to f32.
+    unsafe fn widen_bf16(p: *const u16) -> Self::F;
+    /// Values `i..i + LANES` of a row, rounded to `dtype` (for one lane,
+    /// [`scalar_at`]).
+    #[inline(always)]
+    unsafe fn read(src: Src, i: usize, dtype: Dtype) -> Self::F {
+        match src {
+            Src::Input(x) => {
+                let v = Self::load(x.as_ptr().add(i));
+                match dtype {
+                    Dtype::F16 => Self::round_f16(v),
+                    Dtype::Bf16 => Self::round_bf16(v),
+                    Dtype::F32 => v,
+                }
+            }
+            Src::Bits(b) => match dtype {
+                Dtype::Bf16 => Self::widen_bf16(b.as_ptr().add(i)),
+                _ => Self::widen_f16(b.as_ptr().add(i)),
+            },
+            Src::Stored(f) => Self::load(f.as_ptr().add(i)),
+        }
+    }
+    /// Rounded to the scale dtype (`quant::round_to_scale`).
+    #[inline(always)]
+    unsafe fn round_scale(x: Self::F, dtype: ScaleDtype) -> Self::F {
+        match dtype {
+            ScaleDtype::F16 => Self::round_f16(x),
+            ScaleDtype::F32 => x,
+        }
+    }
     unsafe fn all_finite(x: Self::F) -> bool;
     /// One value rounded to f16 and widened back, and its f16 bits
     /// (`half`'s conversions, inline: a group's parameters are converted
@@ -1040,8 +1067,8 @@ trait Lanes {
     unsafe fn f16_bits(x: f32) -> u16;
     /// `encode` of every lane, one code a byte at `out`.
     unsafe fn encode(x: Self::F, zero: Self::F, scale: Self::F, max_code: f32, out: *mut u8);
-    /// Lloyd–Max codes of the `N` values at `x`, one a byte at `out`: the
-    /// number of `thresholds` below `x / rms` (`0` when `rms == 0`).
+    /// Lloyd–Max codes of the `LANES` values at `x`, one a byte at `out`:
+    /// the number of `thresholds` below `x / rms` (`0` when `rms == 0`).
     unsafe fn lloyd_codes(x: *const f32, rms: f32, thresholds: &[f32], out: *mut u8);
     /// Bit `i` set where the magnitude of value `i` at `x` (its bits, sign
     /// cleared, as an integer) is above `bar`.
@@ -1049,62 +1076,30 @@ trait Lanes {
     /// 16-bit storage of values already representable in `dtype`.
     unsafe fn store16(x: Self::F, out: *mut u16, dtype: Dtype);
     unsafe fn all_true() -> Self::M;
-    /// `ok` and, lane by lane, values `i..i + N` of `src` rounded to `dtype`
-    /// are not NaN and at most `limit` in magnitude.
+    /// `ok` and, lane by lane, values `i..i + LANES` of `src` rounded to
+    /// `dtype` are not NaN and at most `limit` in magnitude.
     unsafe fn and_within(ok: Self::M, src: Src, i: usize, dtype: Dtype, limit: f32) -> Self::M;
     unsafe fn is_all_true(ok: Self::M) -> bool;
 }
 
 /// One lane: `quant.rs` itself.
-struct Scalar;
-
-impl Lanes for Scalar {
-    const N: usize = 1;
-    type F = f32;
+impl Writes for Scalar {
     type M = bool;
     #[inline(always)]
-    unsafe fn load(src: Src, i: usize, dtype: Dtype) -> f32 {
-        scalar_at(src, i, dtype)
+    unsafe fn round_f16(x: f32) -> f32 {
+        half::f16::from_f32(x).to_f32()
     }
     #[inline(always)]
-    unsafe fn load_f32(p: *const f32) -> f32 {
-        *p
+    unsafe fn round_bf16(x: f32) -> f32 {
+        half::bf16::from_f32(x).to_f32()
     }
     #[inline(always)]
-    unsafe fn store(x: f32, p: *mut f32) {
-        *p = x
+    unsafe fn widen_f16(p: *const u16) -> f32 {
+        half::f16::from_bits(*p).to_f32()
     }
     #[inline(always)]
-    unsafe fn splat(x: f32) -> f32 {
-        x
-    }
-    #[inline(always)]
-    unsafe fn min(a: f32, b: f32) -> f32 {
-        a.min(b)
-    }
-    #[inline(always)]
-    unsafe fn max(a: f32, b: f32) -> f32 {
-        a.max(b)
-    }
-    #[inline(always)]
-    unsafe fn hmin(a: f32) -> f32 {
-        a
-    }
-    #[inline(always)]
-    unsafe fn hmax(a: f32) -> f32 {
-        a
-    }
-    #[inline(always)]
-    unsafe fn sub(a: f32, b: f32) -> f32 {
-        a - b
-    }
-    #[inline(always)]
-    unsafe fn div(a: f32, b: f32) -> f32 {
-        a / b
-    }
-    #[inline(always)]
-    unsafe fn round_scale(x: f32, dtype: ScaleDtype) -> f32 {
-        quant::round_to_scale(x, dtype)
+    unsafe fn widen_bf16(p: *const u16) -> f32 {
+        half::bf16::from_bits(*p).to_f32()
     }
     #[inline(always)]
     unsafe fn all_finite(x: f32) -> bool {
@@ -1154,11 +1149,34 @@ impl Lanes for Scalar {
     }
 }
 
+/// Round to nearest even, no exceptions (the `round_ties_even` of `encode`).
 #[cfg(target_arch = "x86_64")]
-struct Avx512;
+const RNE: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+/// The f16 conversions' rounding: to nearest even (as `half`).
+#[cfg(target_arch = "x86_64")]
+const HALF: i32 = _MM_FROUND_TO_NEAREST_INT;
+
+/// One value rounded to f16 and back (F16C on one lane).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn f16_round_x86(x: f32) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph::<HALF>(_mm_set_ss(x))))
+}
+
+/// The f16 bits of one value (F16C on one lane).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn f16_bits_x86(x: f32) -> u16 {
+    _mm_extract_epi16::<0>(_mm_cvtps_ph::<HALF>(_mm_set_ss(x))) as u16
+}
 
 #[cfg(target_arch = "x86_64")]
-impl Avx512 {
+impl Writes for Avx512 {
+    type M = u16;
+    #[inline(always)]
+    unsafe fn round_f16(x: __m512) -> __m512 {
+        _mm512_cvtph_ps(_mm512_cvtps_ph::<HALF>(x))
+    }
     /// bf16 round-to-nearest-even of finite values (the integer form of
     /// `half::bf16::from_f32`), the result widened back to f32.
     #[inline(always)]
@@ -1168,91 +1186,23 @@ impl Avx512 {
         let r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb);
         _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(0xffff_0000u32 as i32)))
     }
-}
-
-/// Round to nearest even, no exceptions (the `round_ties_even` of `encode`).
-#[cfg(target_arch = "x86_64")]
-const RNE: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-/// The f16 conversions' rounding: to nearest even (as `half`).
-#[cfg(target_arch = "x86_64")]
-const HALF: i32 = _MM_FROUND_TO_NEAREST_INT;
-
-#[cfg(target_arch = "x86_64")]
-impl Lanes for Avx512 {
-    const N: usize = 16;
-    type F = __m512;
-    type M = u16;
     #[inline(always)]
-    unsafe fn load(src: Src, i: usize, dtype: Dtype) -> __m512 {
-        match src {
-            Src::Input(x) => {
-                let v = _mm512_loadu_ps(x.as_ptr().add(i));
-                match dtype {
-                    Dtype::F16 => _mm512_cvtph_ps(_mm512_cvtps_ph::<HALF>(v)),
-                    Dtype::Bf16 => Self::round_bf16(v),
-                    Dtype::F32 => v,
-                }
-            }
-            Src::Bits(b) => {
-                let h = _mm256_loadu_si256(b.as_ptr().add(i) as *const __m256i);
-                match dtype {
-                    Dtype::Bf16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h))),
-                    _ => _mm512_cvtph_ps(h),
-                }
-            }
-            Src::Stored(f) => _mm512_loadu_ps(f.as_ptr().add(i)),
-        }
+    unsafe fn widen_f16(p: *const u16) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
     }
     #[inline(always)]
-    unsafe fn load_f32(p: *const f32) -> __m512 {
-        _mm512_loadu_ps(p)
-    }
-    #[inline(always)]
-    unsafe fn store(x: __m512, p: *mut f32) {
-        _mm512_storeu_ps(p, x)
-    }
-    #[inline(always)]
-    unsafe fn splat(x: f32) -> __m512 {
-        _mm512_set1_ps(x)
-    }
-    #[inline(always)]
-    unsafe fn min(a: __m512, b: __m512) -> __m512 {
-        _mm512_min_ps(a, b)
-    }
-    #[inline(always)]
-    unsafe fn max(a: __m512, b: __m512) -> __m512 {
-        _mm512_max_ps(a, b)
-    }
-    #[inline(always)]
-    unsafe fn hmin(a: __m512) -> f32 {
-        _mm512_reduce_min_ps(a)
-    }
-    #[inline(always)]
-    unsafe fn hmax(a: __m512) -> f32 {
-        _mm512_reduce_max_ps(a)
-    }
-    #[inline(always)]
-    unsafe fn sub(a: __m512, b: __m512) -> __m512 {
-        _mm512_sub_ps(a, b)
-    }
-    #[inline(always)]
-    unsafe fn div(a: __m512, b: __m512) -> __m512 {
-        _mm512_div_ps(a, b)
-    }
-    #[inline(always)]
-    unsafe fn round_scale(x: __m512, dtype: ScaleDtype) -> __m512 {
-        match dtype {
-            ScaleDtype::F16 => _mm512_cvtph_ps(_mm512_cvtps_ph::<HALF>(x)),
-            ScaleDtype::F32 => x,
-        }
+    unsafe fn widen_bf16(p: *const u16) -> __m512 {
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+            p as *const __m256i,
+        ))))
     }
     #[inline(always)]
     unsafe fn f16_round(x: f32) -> f32 {
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph::<HALF>(_mm_set_ss(x))))
+        f16_round_x86(x)
     }
     #[inline(always)]
     unsafe fn f16_bits(x: f32) -> u16 {
-        _mm_extract_epi16::<0>(_mm_cvtps_ph::<HALF>(_mm_set_ss(x))) as u16
+        f16_bits_x86(x)
     }
     #[inline(always)]
     unsafe fn all_finite(x: __m512) -> bool {
@@ -1309,7 +1259,7 @@ impl Lanes for Avx512 {
             Src::Input(x) => _mm512_loadu_ps(x.as_ptr().add(i)),
             _ => _mm512_setzero_ps(),
         };
-        let a = _mm512_abs_ps(Self::load(src, i, dtype));
+        let a = _mm512_abs_ps(Self::read(src, i, dtype));
         let within = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(a, _mm512_set1_ps(limit));
         ok & within & _mm512_cmp_ps_mask::<_CMP_ORD_Q>(raw, raw)
     }
@@ -1320,10 +1270,12 @@ impl Lanes for Avx512 {
 }
 
 #[cfg(target_arch = "x86_64")]
-struct Avx2;
-
-#[cfg(target_arch = "x86_64")]
-impl Avx2 {
+impl Writes for Avx2 {
+    type M = __m256;
+    #[inline(always)]
+    unsafe fn round_f16(x: __m256) -> __m256 {
+        _mm256_cvtph_ps(_mm256_cvtps_ph::<HALF>(x))
+    }
     #[inline(always)]
     unsafe fn round_bf16(x: __m256) -> __m256 {
         let b = _mm256_castps_si256(x);
@@ -1331,88 +1283,23 @@ impl Avx2 {
         let r = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb);
         _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(0xffff_0000u32 as i32)))
     }
-}
-
-#[cfg(target_arch = "x86_64")]
-impl Lanes for Avx2 {
-    const N: usize = 8;
-    type F = __m256;
-    type M = __m256;
     #[inline(always)]
-    unsafe fn load(src: Src, i: usize, dtype: Dtype) -> __m256 {
-        match src {
-            Src::Input(x) => {
-                let v = _mm256_loadu_ps(x.as_ptr().add(i));
-                match dtype {
-                    Dtype::F16 => _mm256_cvtph_ps(_mm256_cvtps_ph::<HALF>(v)),
-                    Dtype::Bf16 => Self::round_bf16(v),
-                    Dtype::F32 => v,
-                }
-            }
-            Src::Bits(b) => {
-                let h = _mm_loadu_si128(b.as_ptr().add(i) as *const __m128i);
-                match dtype {
-                    Dtype::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h))),
-                    _ => _mm256_cvtph_ps(h),
-                }
-            }
-            Src::Stored(f) => _mm256_loadu_ps(f.as_ptr().add(i)),
-        }
+    unsafe fn widen_f16(p: *const u16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
     }
     #[inline(always)]
-    unsafe fn load_f32(p: *const f32) -> __m256 {
-        _mm256_loadu_ps(p)
-    }
-    #[inline(always)]
-    unsafe fn store(x: __m256, p: *mut f32) {
-        _mm256_storeu_ps(p, x)
-    }
-    #[inline(always)]
-    unsafe fn splat(x: f32) -> __m256 {
-        _mm256_set1_ps(x)
-    }
-    #[inline(always)]
-    unsafe fn min(a: __m256, b: __m256) -> __m256 {
-        _mm256_min_ps(a, b)
-    }
-    #[inline(always)]
-    unsafe fn max(a: __m256, b: __m256) -> __m256 {
-        _mm256_max_ps(a, b)
-    }
-    #[inline(always)]
-    unsafe fn hmin(a: __m256) -> f32 {
-        let x = _mm_min_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
-        let x = _mm_min_ps(x, _mm_movehl_ps(x, x));
-        _mm_cvtss_f32(_mm_min_ps(x, _mm_movehdup_ps(x)))
-    }
-    #[inline(always)]
-    unsafe fn hmax(a: __m256) -> f32 {
-        let x = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
-        let x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-        _mm_cvtss_f32(_mm_max_ps(x, _mm_movehdup_ps(x)))
-    }
-    #[inline(always)]
-    unsafe fn sub(a: __m256, b: __m256) -> __m256 {
-        _mm256_sub_ps(a, b)
-    }
-    #[inline(always)]
-    unsafe fn div(a: __m256, b: __m256) -> __m256 {
-        _mm256_div_ps(a, b)
-    }
-    #[inline(always)]
-    unsafe fn round_scale(x: __m256, dtype: ScaleDtype) -> __m256 {
-        match dtype {
-            ScaleDtype::F16 => _mm256_cvtph_ps(_mm256_cvtps_ph::<HALF>(x)),
-            ScaleDtype::F32 => x,
-        }
+    unsafe fn widen_bf16(p: *const u16) -> __m256 {
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+            p as *const __m128i,
+        ))))
     }
     #[inline(always)]
     unsafe fn f16_round(x: f32) -> f32 {
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph::<HALF>(_mm_set_ss(x))))
+        f16_round_x86(x)
     }
     #[inline(always)]
     unsafe fn f16_bits(x: f32) -> u16 {
-        _mm_extract_epi16::<0>(_mm_cvtps_ph::<HALF>(_mm_set_ss(x))) as u16
+        f16_bits_x86(x)
     }
     #[inline(always)]
     unsafe fn all_finite(x: __m256) -> bool {
@@ -1474,7 +1361,7 @@ impl Lanes for Avx2 {
             Src::Input(x) => _mm256_loadu_ps(x.as_ptr().add(i)),
             _ => _mm256_setzero_ps(),
         };
-        let a = _mm256_andnot_ps(_mm256_set1_ps(-0.0), Self::load(src, i, dtype));
+        let a = _mm256_andnot_ps(_mm256_set1_ps(-0.0), Self::read(src, i, dtype));
         let within = _mm256_cmp_ps::<_CMP_LE_OQ>(a, _mm256_set1_ps(limit));
         _mm256_and_ps(ok, _mm256_and_ps(within, _mm256_cmp_ps::<_CMP_ORD_Q>(raw, raw)))
     }
