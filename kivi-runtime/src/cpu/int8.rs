@@ -380,7 +380,7 @@ fn read(isa: Isa, section: &[u32], dtype: ScaleDtype, i0: usize, out: &mut [f32]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 mod x86 {
     use super::{Ahead, Int8Keys};
-    use crate::cpu::width::transpose_indices;
+    use crate::cpu::width::{transpose_indices, Avx2, Avx512, Width};
     use std::arch::x86_64::*;
 
     /// Byte shuffles from channel order to slot order within sixteen
@@ -673,169 +673,69 @@ mod x86 {
         )
     }
 
-    /// What differs between the two integer widths (everything else in
-    /// [`dot`] is written once): how many rows a vector holds, how the
-    /// words of those rows are gathered, and how four u8 x i8 products are
-    /// added into a lane's 32-bit sum. Every method is `#[inline(always)]`
-    /// without features of its own, so the generic body is compiled inside
-    /// each ISA's `#[target_feature]` entry point ([`vnni`], [`avx2`]), as
-    /// `width.rs` does for the f32 path.
-    trait Lanes {
-        type I: Copy;
-        type F: Copy;
-        /// Rows (= lanes) per vector.
-        const ROWS: usize;
+    /// What the integer loop adds to [`Width`] (everything else in [`dot`]
+    /// is written once over it): how the words of a vector's rows (lane =
+    /// row) are brought in, and how four u8 x i8 products are added into a
+    /// lane's 32-bit sum. Every method is `#[inline(always)]` without
+    /// features of its own, so the generic body is compiled inside each
+    /// ISA's `#[target_feature]` entry point ([`vnni`], [`avx2`]), as the
+    /// f32 path is.
+    trait IntDot: Width {
         /// Independent sum chains per head (1 or 2): `vpdpbusd`'s latency
         /// needs two in flight; AVX2's three-instruction product does not.
         const CHAINS: usize;
-        unsafe fn zero_i() -> Self::I;
-        unsafe fn zero_f() -> Self::F;
-        unsafe fn splat_i(x: i32) -> Self::I;
-        /// Lane `r` = `r * wpt`: the offset of row `r`'s first word.
-        unsafe fn row_offsets(wpt: usize) -> Self::I;
-        /// Word `idx[r]` of `rows` into lane `r`.
-        unsafe fn gather(rows: *const i32, idx: Self::I) -> Self::I;
-        /// Words `wb..wb + 8` of the rows (lane `r` = row `r`, `idx` from
-        /// [`Self::row_offsets`]), one vector a word; words past `wpt`
-        /// are left zero. Where a row is a multiple of eight words this is
-        /// the f32 path's in-register transpose (`Width::transpose8`):
-        /// sixteen gathers of one word each took the loads' latency into
-        /// the dot products, and issue at about one lane per cycle.
-        #[inline(always)]
-        unsafe fn words8<const PF: bool>(rows: *const i32, wpt: usize, wb: usize, idx: Self::I) -> [Self::I; 8] {
-            let mut zs = [Self::zero_i(); 8];
-            for (j, z) in zs.iter_mut().enumerate().take((wpt - wb).min(8)) {
-                *z = Self::gather(rows, Self::add_i(idx, Self::splat_i((wb + j) as i32)));
-            }
-            zs
-        }
-        unsafe fn add_i(a: Self::I, b: Self::I) -> Self::I;
-        /// `(z >> shift) & mask` per lane.
-        unsafe fn codes(z: Self::I, shift: i32, mask: Self::I) -> Self::I;
+        /// Words `wb..wb + 8` of the rows, one vector a word; words past
+        /// `wpt` are left zero. Where a row is a multiple of eight words
+        /// this is an in-register transpose (the f32 path's
+        /// `Width::transpose8`, or a copy in plain loops): sixteen gathers of
+        /// one word each took the loads' latency into the dot products, and
+        /// issue at about one lane per cycle.
+        unsafe fn words8<const PF: bool>(rows: *const i32, wpt: usize, wb: usize) -> [Self::I; 8];
         /// `acc` + the four u8 (`v`) x i8 (`q`) products of each lane.
         unsafe fn dot(acc: Self::I, v: Self::I, q: Self::I) -> Self::I;
-        /// `acc + f32(sum) * a`.
-        unsafe fn scale_add(sum: Self::I, a: f32, acc: Self::F) -> Self::F;
-        /// `v + c` into `out[..ROWS]`.
-        unsafe fn store_plus(out: *mut f32, v: Self::F, c: f32);
+    }
+
+    /// Words `wb..wb + 8` of rows of any length, one gather a word.
+    #[inline(always)]
+    unsafe fn gathered<V: Width>(rows: *const i32, wpt: usize, wb: usize) -> [V::I; 8] {
+        let mut zs = [V::splat_i(0); 8];
+        for (j, z) in zs.iter_mut().enumerate().take((wpt - wb).min(8)) {
+            *z = V::gather_word(rows, wpt, wb + j);
+        }
+        zs
     }
 
     /// AVX-512F + VNNI: sixteen rows, `vpdpbusd`.
-    struct Vnni512;
-
-    impl Lanes for Vnni512 {
-        type I = __m512i;
-        type F = __m512;
-        const ROWS: usize = 16;
+    impl IntDot for Avx512 {
         const CHAINS: usize = 2;
         #[inline(always)]
-        unsafe fn zero_i() -> __m512i {
-            _mm512_setzero_si512()
-        }
-        #[inline(always)]
-        unsafe fn zero_f() -> __m512 {
-            _mm512_setzero_ps()
-        }
-        #[inline(always)]
-        unsafe fn splat_i(x: i32) -> __m512i {
-            _mm512_set1_epi32(x)
-        }
-        #[inline(always)]
-        unsafe fn row_offsets(wpt: usize) -> __m512i {
-            _mm512_mullo_epi32(
-                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                _mm512_set1_epi32(wpt as i32),
-            )
-        }
-        #[inline(always)]
-        unsafe fn gather(rows: *const i32, idx: __m512i) -> __m512i {
-            _mm512_i32gather_epi32::<4>(idx, rows)
-        }
-        #[inline(always)]
-        unsafe fn words8<const PF: bool>(rows: *const i32, wpt: usize, wb: usize, idx: __m512i) -> [__m512i; 8] {
+        unsafe fn words8<const PF: bool>(rows: *const i32, wpt: usize, wb: usize) -> [__m512i; 8] {
             if wpt.is_multiple_of(8) && !PF {
                 // Inlined into the loop without the prefetch, width.rs's
                 // transpose measured ~8% cheaper (GQA d128) than the copy below.
-                <crate::cpu::width::Avx512 as crate::cpu::width::Width>::transpose8(rows, wpt, wb)
+                Avx512::transpose8(rows, wpt, wb)
             } else if wpt.is_multiple_of(8) {
                 transpose16x8(rows, wpt, wb)
             } else {
-                let mut zs = [_mm512_setzero_si512(); 8];
-                for (j, z) in zs.iter_mut().enumerate().take((wpt - wb).min(8)) {
-                    *z = _mm512_i32gather_epi32::<4>(_mm512_add_epi32(idx, _mm512_set1_epi32((wb + j) as i32)), rows);
-                }
-                zs
+                gathered::<Self>(rows, wpt, wb)
             }
-        }
-        #[inline(always)]
-        unsafe fn add_i(a: __m512i, b: __m512i) -> __m512i {
-            _mm512_add_epi32(a, b)
-        }
-        #[inline(always)]
-        unsafe fn codes(z: __m512i, shift: i32, mask: __m512i) -> __m512i {
-            _mm512_and_si512(_mm512_srlv_epi32(z, _mm512_set1_epi32(shift)), mask)
         }
         #[inline(always)]
         unsafe fn dot(acc: __m512i, v: __m512i, q: __m512i) -> __m512i {
             _mm512_dpbusd_epi32(acc, v, q)
         }
-        #[inline(always)]
-        unsafe fn scale_add(sum: __m512i, a: f32, acc: __m512) -> __m512 {
-            _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(a), acc)
-        }
-        #[inline(always)]
-        unsafe fn store_plus(out: *mut f32, v: __m512, c: f32) {
-            _mm512_storeu_ps(out, _mm512_add_ps(v, _mm512_set1_ps(c)))
-        }
     }
 
     /// AVX2: eight rows, `vpmaddubsw` + `vpmaddwd`.
-    struct Avx2;
-
-    impl Lanes for Avx2 {
-        type I = __m256i;
-        type F = __m256;
-        const ROWS: usize = 8;
+    impl IntDot for Avx2 {
         const CHAINS: usize = 1;
         #[inline(always)]
-        unsafe fn zero_i() -> __m256i {
-            _mm256_setzero_si256()
-        }
-        #[inline(always)]
-        unsafe fn zero_f() -> __m256 {
-            _mm256_setzero_ps()
-        }
-        #[inline(always)]
-        unsafe fn splat_i(x: i32) -> __m256i {
-            _mm256_set1_epi32(x)
-        }
-        #[inline(always)]
-        unsafe fn row_offsets(wpt: usize) -> __m256i {
-            _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(wpt as i32))
-        }
-        #[inline(always)]
-        unsafe fn gather(rows: *const i32, idx: __m256i) -> __m256i {
-            _mm256_i32gather_epi32::<4>(rows, idx)
-        }
-        #[inline(always)]
-        unsafe fn words8<const PF: bool>(rows: *const i32, wpt: usize, wb: usize, idx: __m256i) -> [__m256i; 8] {
+        unsafe fn words8<const PF: bool>(rows: *const i32, wpt: usize, wb: usize) -> [__m256i; 8] {
             if wpt.is_multiple_of(8) {
                 transpose8x8(rows, wpt, wb)
             } else {
-                let mut zs = [_mm256_setzero_si256(); 8];
-                for (j, z) in zs.iter_mut().enumerate().take((wpt - wb).min(8)) {
-                    *z = _mm256_i32gather_epi32::<4>(rows, _mm256_add_epi32(idx, _mm256_set1_epi32((wb + j) as i32)));
-                }
-                zs
+                gathered::<Self>(rows, wpt, wb)
             }
-        }
-        #[inline(always)]
-        unsafe fn add_i(a: __m256i, b: __m256i) -> __m256i {
-            _mm256_add_epi32(a, b)
-        }
-        #[inline(always)]
-        unsafe fn codes(z: __m256i, shift: i32, mask: __m256i) -> __m256i {
-            _mm256_and_si256(_mm256_srlv_epi32(z, _mm256_set1_epi32(shift)), mask)
         }
         #[inline(always)]
         unsafe fn dot(acc: __m256i, v: __m256i, q: __m256i) -> __m256i {
@@ -843,14 +743,6 @@ mod x86 {
             // of i16 into the i32 sums.
             let p = _mm256_madd_epi16(_mm256_maddubs_epi16(v, q), _mm256_set1_epi16(1));
             _mm256_add_epi32(acc, p)
-        }
-        #[inline(always)]
-        unsafe fn scale_add(sum: __m256i, a: f32, acc: __m256) -> __m256 {
-            _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(a), acc)
-        }
-        #[inline(always)]
-        unsafe fn store_plus(out: *mut f32, v: __m256, c: f32) {
-            _mm256_storeu_ps(out, _mm256_add_ps(v, _mm256_set1_ps(c)))
         }
     }
 
@@ -867,7 +759,7 @@ mod x86 {
         hs: usize,
         ahead: Option<Ahead>,
     ) {
-        dot::<Vnni512, BITS, NH, PF>(k, rows, wpt, h0, out, rs, hs, ahead)
+        dot::<Avx512, BITS, NH, PF>(k, rows, wpt, h0, out, rs, hs, ahead)
     }
 
     /// Eight rows, heads `h0..h0 + NH`, `vpmaddubsw` + `vpmaddwd`.
@@ -885,10 +777,10 @@ mod x86 {
         dot::<Avx2, BITS, NH, PF>(k, rows, wpt, h0, out, rs, hs, ahead)
     }
 
-    /// The one body of [`vnni`] and [`avx2`]: `L::ROWS` rows, heads
+    /// The one body of [`vnni`] and [`avx2`]: `V::LANES` rows, heads
     /// `h0..h0 + NH`.
     #[inline(always)]
-    unsafe fn dot<L: Lanes, const BITS: u32, const NH: usize, const PF: bool>(
+    unsafe fn dot<V: IntDot, const BITS: u32, const NH: usize, const PF: bool>(
         k: &Int8Keys,
         rows: *const i32,
         wpt: usize,
@@ -901,17 +793,16 @@ mod x86 {
         let per = (32 / BITS) as usize;
         let slots = per / 4;
         let (wpg, nb) = (k.qgroup / per, k.d / k.qgroup);
-        let idx = L::row_offsets(wpt);
-        let mask = L::splat_i(if BITS == 2 { 0x0303_0303 } else { 0x0f0f_0f0f });
+        let mask = V::splat_i(if BITS == 2 { 0x0303_0303 } else { 0x0f0f_0f0f });
         let qd = k.qd.as_ptr().add(h0 * wpt * slots);
         let qa = k.a.as_ptr().add(h0 * nb);
-        // Sums by chain (`L::CHAINS` of the two: even and odd slots), so
+        // Sums by chain (`V::CHAINS` of the two: even and odd slots), so
         // that more dot products are in flight where the ISA wants it.
-        let mut ia = [[L::zero_i(); NH]; 2];
-        let mut sa = [L::zero_f(); NH];
+        let mut ia = [[V::splat_i(0); NH]; 2];
+        let mut sa = [V::zero(); NH];
         // The gathers of up to eight words issued together, ahead of their
         // use: one at a time, each stalled the dot products on its loads.
-        let mut zs = [L::zero_i(); 8];
+        let mut zs = [V::splat_i(0); 8];
         for w in 0..wpt {
             if PF {
                 if let Some(a) = &ahead {
@@ -919,26 +810,26 @@ mod x86 {
                 }
             }
             if w % 8 == 0 {
-                zs = L::words8::<PF>(rows, wpt, w, idx);
+                zs = V::words8::<PF>(rows, wpt, w);
             }
             let z = zs[w % 8];
             for s in 0..slots {
-                let v = L::codes(z, (BITS as usize * s) as i32, mask);
+                let v = V::and_i(V::srl_i(z, (BITS as usize * s) as i32), mask);
                 for h in 0..NH {
-                    let q = L::splat_i(*qd.add((h * wpt + w) * slots + s));
-                    ia[s % L::CHAINS][h] = L::dot(ia[s % L::CHAINS][h], v, q);
+                    let q = V::splat_i(*qd.add((h * wpt + w) * slots + s));
+                    ia[s % V::CHAINS][h] = V::dot(ia[s % V::CHAINS][h], v, q);
                 }
             }
             if (w + 1).is_multiple_of(wpg) {
                 for h in 0..NH {
-                    let sum = if L::CHAINS == 2 {
-                        L::add_i(ia[0][h], ia[1][h])
+                    let sum = if V::CHAINS == 2 {
+                        V::add_i(ia[0][h], ia[1][h])
                     } else {
                         ia[0][h]
                     };
-                    sa[h] = L::scale_add(sum, *qa.add(h * nb + w / wpg), sa[h]);
-                    ia[0][h] = L::zero_i();
-                    ia[1][h] = L::zero_i();
+                    sa[h] = V::fmadd(V::cvt_i(sum), V::splat(*qa.add(h * nb + w / wpg)), sa[h]);
+                    ia[0][h] = V::splat_i(0);
+                    ia[1][h] = V::splat_i(0);
                 }
             }
         }
@@ -947,12 +838,12 @@ mod x86 {
             if rs == 1 {
                 // Rows contiguous per head (the fused tile's `[g][n]`): one
                 // store, not sixteen scalar ones. `scores` bounded
-                // `(ROWS - 1) + h * hs` by `out.len()`.
-                L::store_plus(out.as_mut_ptr().add(h * hs), sa[h], k.cst[h0 + h]);
+                // `(LANES - 1) + h * hs` by `out.len()`.
+                V::store(out.as_mut_ptr().add(h * hs), V::add(sa[h], V::splat(k.cst[h0 + h])));
                 continue;
             }
-            L::store_plus(tmp.as_mut_ptr(), sa[h], k.cst[h0 + h]);
-            for (r, x) in tmp[..L::ROWS].iter().enumerate() {
+            V::store(tmp.as_mut_ptr(), V::add(sa[h], V::splat(k.cst[h0 + h])));
+            for (r, x) in tmp[..V::LANES].iter().enumerate() {
                 *out.get_unchecked_mut(r * rs + h * hs) = *x;
             }
         }
