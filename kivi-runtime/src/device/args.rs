@@ -85,20 +85,23 @@ fn grid(m: &Module, name: &str, batch: usize) -> Result<[u32; 3]> {
     Ok(el.grid(b, 0))
 }
 
-/// The two per-tensor inputs of the decode kernel after the rings: a plain
-/// scheme's centering means, or a vq scheme's codebooks
-/// (`templates/cuda/kivi_vq_decode.cuh`). One argument list serves both
-/// kernel families, so the shared parts are checked and passed once.
-pub enum DecodeInputs<'a> {
+/// The two per-tensor inputs of the decode and extend kernels after the
+/// rings: a plain scheme's centering means, or a vq scheme's codebooks
+/// (`templates/cuda/kivi_vq_decode.cuh`, `kivi_vq_extend.cuh`). One argument
+/// list serves both kernel families, so the shared parts are checked and
+/// passed once. `M` is how the means are passed: read (`&Buffer`, decode)
+/// or written (`&mut Buffer`: prefill/append write them when the first `N`
+/// tokens arrive).
+pub enum Inputs<'a, M> {
     /// `means_k` / `means_v`: per-channel centering means, `[batch][Hkv][D]`
     /// act (a one-element buffer for a tensor that is not centered: the
-    /// kernel never reads it).
-    Means { k: &'a Buffer, v: &'a Buffer },
+    /// kernel never touches it).
+    Means { k: M, v: M },
     /// `book_k` / `book_v`: product codebooks, f32 `[D / M][E][M]`, holding
     /// at least `len[0]` / `len[1]` floats (the sizes the scheme implies; 0
     /// and a one-element buffer, never read, for a tensor that is not vq).
     /// A codebook the two tensors share by name may be one buffer passed
-    /// twice.
+    /// twice. Read by every kernel.
     Books {
         k: &'a Buffer,
         v: &'a Buffer,
@@ -106,16 +109,48 @@ pub enum DecodeInputs<'a> {
     },
 }
 
-impl<'a> DecodeInputs<'a> {
+/// [`Inputs`] of `kivi_decode`: the means are read.
+pub type DecodeInputs<'a> = Inputs<'a, &'a Buffer>;
+
+/// [`Inputs`] of `kivi_prefill` / `kivi_append`: the means are written.
+pub type ExtendInputs<'a> = Inputs<'a, &'a mut Buffer>;
+
+/// A buffer as a kernel argument: read if shared, written if mutable.
+pub trait AsArg<'a> {
+    fn arg(self) -> KernelArg<'a>;
+}
+
+impl<'a> AsArg<'a> for &'a Buffer {
+    fn arg(self) -> KernelArg<'a> {
+        KernelArg::In(self)
+    }
+}
+
+impl<'a> AsArg<'a> for &'a mut Buffer {
+    fn arg(self) -> KernelArg<'a> {
+        KernelArg::Out(self)
+    }
+}
+
+/// The parameter names of [`Inputs`]: the codebooks (`books`) or the means.
+fn input_names(books: bool) -> [&'static str; 2] {
+    if books {
+        ["book_k", "book_v"]
+    } else {
+        ["means_k", "means_v"]
+    }
+}
+
+impl<'a, M: AsArg<'a>> Inputs<'a, M> {
     fn is_books(&self) -> bool {
-        matches!(self, DecodeInputs::Books { .. })
+        matches!(self, Inputs::Books { .. })
     }
 
     /// The buffers as kernel arguments, after checking the codebooks' sizes.
     fn args(self) -> Result<[KernelArg<'a>; 2]> {
         match self {
-            DecodeInputs::Means { k, v } => Ok([KernelArg::In(k), KernelArg::In(v)]),
-            DecodeInputs::Books { k, v, len } => {
+            Inputs::Means { k, v } => Ok([k.arg(), v.arg()]),
+            Inputs::Books { k, v, len } => {
                 at_least(k, len[0], "book_k")?;
                 at_least(v, len[1], "book_v")?;
                 Ok([KernelArg::In(k), KernelArg::In(v)])
@@ -150,11 +185,7 @@ impl DecodeArgs<'_> {
     /// The kernel's parameter names, in order: with the codebooks of a vq
     /// scheme (`books`) or the centering means.
     pub fn params(books: bool) -> [&'static str; 15] {
-        let [k, v] = if books {
-            ["book_k", "book_v"]
-        } else {
-            ["means_k", "means_v"]
-        };
+        let [k, v] = input_names(books);
         [
             "pool",
             "tables",
@@ -242,40 +273,6 @@ impl CombineArgs<'_> {
     }
 }
 
-/// The two per-tensor inputs of the prefill/append kernels after the
-/// rings: a plain scheme's centering means (written when the first `N`
-/// tokens arrive), or a vq scheme's codebooks, which
-/// `templates/cuda/kivi_vq_extend.cuh` codes the vq tensors with.
-pub enum ExtendInputs<'a> {
-    /// `means_k` / `means_v`: centering means, `[batch][Hkv][D]` act (one
-    /// element for a tensor that is not centered).
-    Means { k: &'a mut Buffer, v: &'a mut Buffer },
-    /// `book_k` / `book_v`: as in [`DecodeInputs::Books`].
-    Books {
-        k: &'a Buffer,
-        v: &'a Buffer,
-        len: [usize; 2],
-    },
-}
-
-impl<'a> ExtendInputs<'a> {
-    fn is_books(&self) -> bool {
-        matches!(self, ExtendInputs::Books { .. })
-    }
-
-    /// The buffers as kernel arguments, after checking the codebooks' sizes.
-    fn args(self) -> Result<[KernelArg<'a>; 2]> {
-        match self {
-            ExtendInputs::Means { k, v } => Ok([KernelArg::Out(k), KernelArg::Out(v)]),
-            ExtendInputs::Books { k, v, len } => {
-                at_least(k, len[0], "book_k")?;
-                at_least(v, len[1], "book_v")?;
-                Ok([KernelArg::In(k), KernelArg::In(v)])
-            }
-        }
-    }
-}
-
 /// `kivi_prefill` / `kivi_append`: adds `new_counts[b]` tokens to sequence `b`.
 pub struct ExtendArgs<'a> {
     pub batch: usize,
@@ -305,11 +302,7 @@ impl ExtendArgs<'_> {
     /// The kernels' parameter names, in order: with the codebooks of a vq
     /// scheme (`books`) or the centering means.
     pub fn params(books: bool) -> [&'static str; 16] {
-        let [k, v] = if books {
-            ["book_k", "book_v"]
-        } else {
-            ["means_k", "means_v"]
-        };
+        let [k, v] = input_names(books);
         [
             "pool",
             "tables",
