@@ -133,6 +133,23 @@ pub(crate) fn scheme_tag(s: &Scheme, block_tokens: Option<usize>) -> String {
     t
 }
 
+/// Writes members of a generated `Cfg` struct, one a line:
+/// `static constexpr TY FIELD = VALUE;`, padded, then `// what`.
+pub(crate) struct Members<'a>(pub &'a mut String);
+
+impl Members<'_> {
+    pub fn put(&mut self, ty: &str, field: &str, value: impl std::fmt::Display, what: &str) {
+        let decl = format!("static constexpr {ty} {field} = {value};");
+        let _ = writeln!(self.0, "  {decl:<44} // {what}");
+    }
+    pub fn int(&mut self, field: &str, value: impl std::fmt::Display, what: &str) {
+        self.put("int", field, value, what)
+    }
+    pub fn flag(&mut self, field: &str, value: bool, what: &str) {
+        self.put("bool", field, value, what)
+    }
+}
+
 pub(crate) fn tensor_cfg(
     o: &mut String,
     name: &str,
@@ -200,161 +217,65 @@ pub(crate) fn tensor_cfg(
         (Tensor::Key, Some(q)) => q.group,
         _ => 0,
     };
-    let rows: [(&str, &str, String, &str); 14] = [
-        (
-            "bool",
-            "QUANT",
-            quant.to_string(),
-            "false: rows stored raw in the activation dtype",
-        ),
-        ("int", "BITS", bits.to_string(), "code width"),
-        (
-            "bool",
-            "TOKEN_AXIS",
-            token_axis.to_string(),
-            "groups of G channels (else G tokens of a channel)",
-        ),
-        ("int", "GROUP", group.to_string(), "G"),
-        (
-            "int",
-            "QGROUP",
-            qgroup.to_string(),
-            "int8 query blocks of the key (0: f32 query)",
-        ),
-        (
-            "bool",
-            "SCALE_F32",
-            scale_f32.to_string(),
-            "scales and zero points in f32 (else f16 pairs)",
-        ),
-        ("int", "WPT", tl.words_per_token.to_string(), "words per token row"),
-        ("int", "CPW", cpw.to_string(), "values per word"),
-        (
-            "int",
-            "PART",
-            part.to_string(),
-            "word offset of this tensor in a KV head's part of a block",
-        ),
-        (
-            "int",
-            "SCALES",
-            tl.scales_offset.to_string(),
-            "word offset of the scales in the tensor's part",
-        ),
-        (
-            "int",
-            "ZEROS",
-            tl.zeros_offset.to_string(),
-            "word offset of the zero points",
-        ),
-        ("int", "RING", ring.to_string(), "slots of the window ring"),
-        ("int", "TEAM", team.size.to_string(), "lanes per row (decode)"),
-        (
-            "int",
-            "STEPS",
-            team.steps.to_string(),
-            "loads per lane per row (decode)",
-        ),
-    ];
-    for (ty, field, value, what) in rows {
-        let decl = format!("static constexpr {ty} {field} = {value};");
-        let _ = writeln!(o, "  {decl:<44} // {what}");
-    }
+    let mut c = Members(o);
+    c.flag("QUANT", quant, "false: rows stored raw in the activation dtype");
+    c.int("BITS", bits, "code width");
+    c.flag(
+        "TOKEN_AXIS",
+        token_axis,
+        "groups of G channels (else G tokens of a channel)",
+    );
+    c.int("GROUP", group, "G");
+    c.int("QGROUP", qgroup, "int8 query blocks of the key (0: f32 query)");
+    c.flag("SCALE_F32", scale_f32, "scales and zero points in f32 (else f16 pairs)");
+    c.int("WPT", tl.words_per_token, "words per token row");
+    c.int("CPW", cpw, "values per word");
+    c.int(
+        "PART",
+        part,
+        "word offset of this tensor in a KV head's part of a block",
+    );
+    c.int(
+        "SCALES",
+        tl.scales_offset,
+        "word offset of the scales in the tensor's part",
+    );
+    c.int("ZEROS", tl.zeros_offset, "word offset of the zero points");
+    c.int("RING", ring, "slots of the window ring");
+    c.int("TEAM", team.size, "lanes per row (decode)");
+    c.int("STEPS", team.steps, "loads per lane per row (decode)");
     let pipe = Pipe::of(s, t, l);
-    let rows: [(&str, &str, String, &str); 16] = [
-        ("bool", "PIPE", pipe.any().to_string(), "any codec pipeline step below"),
-        (
-            "bool",
-            "LLOYD",
-            pipe.lloyd.to_string(),
-            // (also calibrated nuq tables; the text is kept so that every
-            // existing source, and its hash, stays byte for byte the same)
-            "Lloyd–Max levels: x^ = s * level(c)",
-        ),
-        (
-            "bool",
-            "L2",
-            pipe.l2.to_string(),
-            "Lloyd–Max norm corrected to the group's L2 norm",
-        ),
-        (
-            "bool",
-            "ROT",
-            pipe.rot_block.is_some().to_string(),
-            "Hadamard-rotated rows",
-        ),
-        (
-            "int",
-            "ROT_BLOCK",
-            pipe.rot_block.unwrap_or(1).to_string(),
-            "channels per Hadamard block",
-        ),
-        (
-            "bool",
-            "SIGNS",
-            pipe.signs.is_some().to_string(),
-            "seeded sign flip before the Hadamard",
-        ),
-        (
-            "unsigned long long",
-            "SEED",
-            pipe.signs.unwrap_or(0).to_string(),
-            "seed of the sign flip",
-        ),
-        (
-            "bool",
-            "CENTER",
-            pipe.center.is_some().to_string(),
-            "per-channel means subtracted",
-        ),
-        (
-            "int",
-            "CENTER_N",
-            pipe.center.unwrap_or(0).to_string(),
-            "tokens the means are taken over",
-        ),
-        ("int", "OUTL", tl.outliers.to_string(), "sparse outliers per token"),
-        (
-            "int",
-            "OIDX",
-            tl.outlier_idx_offset.to_string(),
-            "word offset of the outlier channels (u16 pairs)",
-        ),
-        (
-            "int",
-            "OIW",
-            tl.outlier_idx_words.to_string(),
-            "words of one token's outlier channels",
-        ),
-        (
-            "int",
-            "OVAL",
-            tl.outlier_val_offset.to_string(),
-            "word offset of the outlier corrections (act)",
-        ),
-        (
-            "int",
-            "OVW",
-            tl.outlier_val_words.to_string(),
-            "words of one token's outlier corrections",
-        ),
-        (
-            "int",
-            "UNIT",
-            pipe.unit.to_string(),
-            "rows an extend pipeline transforms at once",
-        ),
-        (
-            "int",
-            "WORK",
-            pipe.work.to_string(),
-            "floats of extend scratch per (sequence, KV head)",
-        ),
-    ];
-    for (ty, field, value, what) in rows {
-        let decl = format!("static constexpr {ty} {field} = {value};");
-        let _ = writeln!(o, "  {decl:<44} // {what}");
-    }
+    c.flag("PIPE", pipe.any(), "any codec pipeline step below");
+    // (also calibrated nuq tables; the text is kept so that every
+    // existing source, and its hash, stays byte for byte the same)
+    c.flag("LLOYD", pipe.lloyd, "Lloyd–Max levels: x^ = s * level(c)");
+    c.flag("L2", pipe.l2, "Lloyd–Max norm corrected to the group's L2 norm");
+    c.flag("ROT", pipe.rot_block.is_some(), "Hadamard-rotated rows");
+    c.int("ROT_BLOCK", pipe.rot_block.unwrap_or(1), "channels per Hadamard block");
+    c.flag("SIGNS", pipe.signs.is_some(), "seeded sign flip before the Hadamard");
+    c.put(
+        "unsigned long long",
+        "SEED",
+        pipe.signs.unwrap_or(0),
+        "seed of the sign flip",
+    );
+    c.flag("CENTER", pipe.center.is_some(), "per-channel means subtracted");
+    c.int("CENTER_N", pipe.center.unwrap_or(0), "tokens the means are taken over");
+    c.int("OUTL", tl.outliers, "sparse outliers per token");
+    c.int(
+        "OIDX",
+        tl.outlier_idx_offset,
+        "word offset of the outlier channels (u16 pairs)",
+    );
+    c.int("OIW", tl.outlier_idx_words, "words of one token's outlier channels");
+    c.int(
+        "OVAL",
+        tl.outlier_val_offset,
+        "word offset of the outlier corrections (act)",
+    );
+    c.int("OVW", tl.outlier_val_words, "words of one token's outlier corrections");
+    c.int("UNIT", pipe.unit, "rows an extend pipeline transforms at once");
+    c.int("WORK", pipe.work, "floats of extend scratch per (sequence, KV head)");
     if pipe.lloyd {
         let _ = writeln!(
             o,
@@ -368,21 +289,11 @@ pub(crate) fn tensor_cfg(
             _ => (false, 1, 1),
         };
         let d = l.shape.head_dim;
-        let rows: [(&str, &str, String, &str); 4] = [
-            (
-                "bool",
-                "VQ",
-                on.to_string(),
-                "product vector quantized (kivi_vq_decode.cuh)",
-            ),
-            ("int", "VDIM", dim.to_string(), "channels per sub-vector, M"),
-            ("int", "VSUB", (d / dim).to_string(), "sub-vectors per row, D / M"),
-            ("int", "VENT", entries.to_string(), "centroids per codebook, E"),
-        ];
-        for (ty, field, value, what) in rows {
-            let decl = format!("static constexpr {ty} {field} = {value};");
-            let _ = writeln!(o, "  {decl:<44} // {what}");
-        }
+        let mut c = Members(o);
+        c.flag("VQ", on, "product vector quantized (kivi_vq_decode.cuh)");
+        c.int("VDIM", dim, "channels per sub-vector, M");
+        c.int("VSUB", d / dim, "sub-vectors per row, D / M");
+        c.int("VENT", entries, "centroids per codebook, E");
     }
     let _ = writeln!(o, "}};");
 }
@@ -486,8 +397,21 @@ fn p(name: &'static str, ty: ParamTy) -> Param {
     Param { name, ty }
 }
 
-fn decode_params() -> Vec<Param> {
+/// The centering means (of type `means`) or, for a vq scheme, the
+/// codebooks: f32 `[D / M][E][M]` per vq tensor (a one-element buffer for
+/// the other; vq schemes refuse centering).
+fn inputs(vq: bool, means: ParamTy) -> [Param; 2] {
+    if vq {
+        [p("book_k", ParamTy::PtrF32), p("book_v", ParamTy::PtrF32)]
+    } else {
+        [p("means_k", means), p("means_v", means)]
+    }
+}
+
+/// The decode kernel's arguments (`vq`: the lookup-table kernel's).
+fn decode_params(vq: bool) -> Vec<Param> {
     use ParamTy::*;
+    let [k, v] = inputs(vq, PtrAct);
     vec![
         p("pool", PtrU32),
         p("tables", PtrU32),
@@ -498,60 +422,12 @@ fn decode_params() -> Vec<Param> {
         p("sinks_v", PtrAct),
         p("ring_k", PtrAct),
         p("ring_v", PtrAct),
-        p("means_k", PtrAct),
-        p("means_v", PtrAct),
+        k,
+        v,
         p("sm_scale", F32),
         p("window", I32),
         p("part_ml", PtrF32Mut),
         p("part_acc", PtrF32Mut),
-    ]
-}
-
-/// The vq decode kernel's arguments: [`decode_params`] without the
-/// centering means (refused with vq) and with the codebooks, f32
-/// `[D / M][E][M]` per vq tensor (a one-element buffer for the other).
-fn vq_decode_params() -> Vec<Param> {
-    use ParamTy::*;
-    vec![
-        p("pool", PtrU32),
-        p("tables", PtrU32),
-        p("table_stride", I32),
-        p("seq_lens", PtrI32),
-        p("q", PtrAct),
-        p("sinks_k", PtrAct),
-        p("sinks_v", PtrAct),
-        p("ring_k", PtrAct),
-        p("ring_v", PtrAct),
-        p("book_k", PtrF32),
-        p("book_v", PtrF32),
-        p("sm_scale", F32),
-        p("window", I32),
-        p("part_ml", PtrF32Mut),
-        p("part_acc", PtrF32Mut),
-    ]
-}
-
-/// The vq prefill/append kernel's arguments: [`extend_params`] without the
-/// centering means and with the codebooks (as [`vq_decode_params`]).
-fn vq_extend_params() -> Vec<Param> {
-    use ParamTy::*;
-    vec![
-        p("pool", PtrU32Mut),
-        p("tables", PtrU32),
-        p("table_stride", I32),
-        p("old_lens", PtrI32),
-        p("new_counts", PtrI32),
-        p("k_new", PtrAct),
-        p("v_new", PtrAct),
-        p("max_new", I32),
-        p("sinks_k", PtrActMut),
-        p("sinks_v", PtrActMut),
-        p("ring_k", PtrActMut),
-        p("ring_v", PtrActMut),
-        p("book_k", PtrF32),
-        p("book_v", PtrF32),
-        p("work", PtrF32Mut),
-        p("status", PtrI32Mut),
     ]
 }
 
@@ -560,8 +436,11 @@ fn combine_params() -> Vec<Param> {
     vec![p("part_ml", PtrF32), p("part_acc", PtrF32), p("out", PtrF32Mut)]
 }
 
-fn extend_params() -> Vec<Param> {
+/// The prefill/append kernels' arguments (`vq`: the vq tensors coded by
+/// `kivi_vq_extend.cuh`, which reads the codebooks).
+fn extend_params(vq: bool) -> Vec<Param> {
     use ParamTy::*;
+    let [k, v] = inputs(vq, PtrActMut);
     vec![
         p("pool", PtrU32Mut),
         p("tables", PtrU32),
@@ -575,8 +454,8 @@ fn extend_params() -> Vec<Param> {
         p("sinks_v", PtrActMut),
         p("ring_k", PtrActMut),
         p("ring_v", PtrActMut),
-        p("means_k", PtrActMut),
-        p("means_v", PtrActMut),
+        k,
+        v,
         p("work", PtrF32Mut),
         p("status", PtrI32Mut),
     ]
@@ -835,10 +714,11 @@ pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant,
             let h = v.heads_per_block as usize;
             if kernel == Kernel::Decode {
                 // vq schemes: the lookup-table kernel, codebooks as arguments.
-                let (params, body) = if vq {
-                    (vq_decode_params(), "kivi::vq_decode_kernel<Cfg>")
+                let params = decode_params(vq);
+                let body = if vq {
+                    "kivi::vq_decode_kernel<Cfg>"
                 } else {
-                    (decode_params(), "kivi::decode_kernel<Cfg>")
+                    "kivi::decode_kernel<Cfg>"
                 };
                 entry(&mut o, "kivi_decode", v.threads, &params, body, act);
                 entry_points.push("kivi_decode".to_string());
@@ -874,10 +754,11 @@ pub(crate) fn generate(s: &Scheme, l: &BlockLayout, kernel: Kernel, v: &Variant,
                 "kivi_append"
             };
             // vq schemes: the vq tensors are coded by kivi_vq_extend.cuh.
-            let (params, body) = if vq {
-                (vq_extend_params(), "kivi::vq_extend_kernel<Cfg>")
+            let params = extend_params(vq);
+            let body = if vq {
+                "kivi::vq_extend_kernel<Cfg>"
             } else {
-                (extend_params(), "kivi::extend_kernel<Cfg>")
+                "kivi::extend_kernel<Cfg>"
             };
             entry(&mut o, e, v.threads, &params, body, act);
             entry_points.push(e.to_string());
