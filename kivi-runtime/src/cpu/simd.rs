@@ -388,19 +388,27 @@ pub(crate) fn dot<R: Rows>(
         return;
     }
     assert!(r.fits(n, d) && q.len() >= heads * d && out.len() >= (n - 1) * ostride + heads);
-    by_heads(
-        isa,
+    let (qp, op) = (q.as_ptr(), out.as_mut_ptr());
+    let b = Dot {
+        n,
         d,
-        &mut Dot {
-            r,
-            n,
-            d,
-            q,
-            heads,
-            out,
-            ostride,
-        },
-    );
+        q: qp,
+        heads,
+        out: op,
+        ostride,
+    };
+    by_heads(isa, d, r, b, || {
+        for i in 0..n {
+            for h in 0..heads {
+                let qh = &q[h * d..(h + 1) * d];
+                let mut s = 0f32;
+                for (k, x) in qh.iter().enumerate() {
+                    s += x * r.get(i, k);
+                }
+                out[i * ostride + h] = s;
+            }
+        }
+    });
 }
 
 /// `acc[h * d + k] += p[i * pstride + h] * row_i[k]` for `heads` query heads
@@ -420,152 +428,138 @@ pub(crate) fn axpy<R: Rows>(
         return;
     }
     assert!(r.fits(n, d) && acc.len() >= heads * d && p.len() >= (n - 1) * pstride + heads);
-    by_heads(
-        isa,
+    let (pp, ap) = (p.as_ptr(), acc.as_mut_ptr());
+    let b = Axpy {
+        n,
         d,
-        &mut Axpy {
-            r,
-            n,
-            d,
-            p,
-            pstride,
-            heads,
-            acc,
-        },
-    );
+        p: pp,
+        pstride,
+        heads,
+        acc: ap,
+    };
+    by_heads(isa, d, r, b, || {
+        for i in 0..n {
+            for h in 0..heads {
+                let w = p[i * pstride + h];
+                for (k, a) in acc[h * d..(h + 1) * d].iter_mut().enumerate() {
+                    *a += w * r.get(i, k);
+                }
+            }
+        }
+    });
 }
 
-/// [`dot`]'s arguments, checked.
-struct Dot<'a, R> {
-    r: &'a R,
+/// [`dot`]'s arguments, checked; by value, so that the entry point holds
+/// them in registers (the rows travel apart, as a `&R` argument the
+/// compiler knows no store changes).
+#[derive(Clone, Copy)]
+struct Dot {
     n: usize,
     d: usize,
-    q: &'a [f32],
+    q: *const f32,
     heads: usize,
-    out: &'a mut [f32],
+    out: *mut f32,
     ostride: usize,
 }
 
-/// [`axpy`]'s arguments, checked.
-struct Axpy<'a, R> {
-    r: &'a R,
+/// [`axpy`]'s arguments, checked (as [`Dot`]).
+#[derive(Clone, Copy)]
+struct Axpy {
     n: usize,
     d: usize,
-    p: &'a [f32],
+    p: *const f32,
     pstride: usize,
     heads: usize,
-    acc: &'a mut [f32],
+    acc: *mut f32,
 }
 
-/// What [`dot`] and [`axpy`] do over the query heads, so that the ISA
+/// What [`dot`] and [`axpy`] do for a block of query heads, so that the ISA
 /// dispatch, the `#[target_feature]` entry points and the loop over blocks
 /// of heads ([`by_heads`]) are written once for both.
-trait Heads {
-    fn heads(&self) -> usize;
-    /// Heads `h0..h0 + NH` on width `V`; returns `NH`.
+trait Heads: Copy {
+    fn heads(self) -> usize;
+    /// Heads `h0..h0 + NH` of rows `r` on width `V`; returns `NH`.
     ///
     /// # Safety
     /// `V`'s features are available and the caller's asserts hold.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn block<V: Width, const NH: usize>(&mut self, h0: usize) -> usize;
-    /// Every head, portable code.
-    fn scalar(&mut self);
+    unsafe fn block<V: Width, R: Rows, const NH: usize>(self, r: &R, h0: usize) -> usize;
 }
 
-impl<R: Rows> Heads for Dot<'_, R> {
-    fn heads(&self) -> usize {
+impl Heads for Dot {
+    fn heads(self) -> usize {
         self.heads
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn block<V: Width, const NH: usize>(&mut self, h0: usize) -> usize {
-        let (q, out) = (self.q.as_ptr().add(h0 * self.d), self.out.as_mut_ptr().add(h0));
-        wide::dot::<V, R, NH>(self.r, self.n, self.d, q, out, self.ostride)
-    }
-    fn scalar(&mut self) {
-        let d = self.d;
-        for i in 0..self.n {
-            for h in 0..self.heads {
-                let qh = &self.q[h * d..(h + 1) * d];
-                let mut s = 0f32;
-                for (k, x) in qh.iter().enumerate() {
-                    s += x * self.r.get(i, k);
-                }
-                self.out[i * self.ostride + h] = s;
-            }
-        }
+    unsafe fn block<V: Width, R: Rows, const NH: usize>(self, r: &R, h0: usize) -> usize {
+        let (q, out) = (self.q.add(h0 * self.d), self.out.add(h0));
+        wide::dot::<V, R, NH>(r, self.n, self.d, q, out, self.ostride)
     }
 }
 
-impl<R: Rows> Heads for Axpy<'_, R> {
-    fn heads(&self) -> usize {
+impl Heads for Axpy {
+    fn heads(self) -> usize {
         self.heads
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn block<V: Width, const NH: usize>(&mut self, h0: usize) -> usize {
-        let (p, acc) = (self.p.as_ptr().add(h0), self.acc.as_mut_ptr().add(h0 * self.d));
-        wide::axpy::<V, R, NH>(self.r, self.n, self.d, p, self.pstride, acc)
-    }
-    fn scalar(&mut self) {
-        let d = self.d;
-        for i in 0..self.n {
-            for h in 0..self.heads {
-                let w = self.p[i * self.pstride + h];
-                for (k, a) in self.acc[h * d..(h + 1) * d].iter_mut().enumerate() {
-                    *a += w * self.r.get(i, k);
-                }
-            }
-        }
+    unsafe fn block<V: Width, R: Rows, const NH: usize>(self, r: &R, h0: usize) -> usize {
+        let (p, acc) = (self.p.add(h0), self.acc.add(h0 * self.d));
+        wide::axpy::<V, R, NH>(r, self.n, self.d, p, self.pstride, acc)
     }
 }
 
-/// Runs `b` on `isa` (rows of `d` values, a multiple of its width).
-fn by_heads<H: Heads>(isa: Isa, d: usize, b: &mut H) {
+/// Runs `b` over rows `r` (of `d` values, a multiple of the width) on
+/// `isa`, or `scalar` (the portable loops).
+fn by_heads<R: Rows, H: Heads>(isa: Isa, d: usize, r: &R, b: H, scalar: impl FnOnce()) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => {
             assert!(d.is_multiple_of(8) && avx2_available());
             // SAFETY: features checked above; the callers' asserts bound
             // every read and write.
-            unsafe { heads_avx2(b) }
+            unsafe { heads_avx2(r, b) }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => {
             assert!(d.is_multiple_of(16) && avx512_available());
             // SAFETY: as for AVX2.
-            unsafe { heads_avx512(b) }
+            unsafe { heads_avx512(r, b) }
         }
-        _ => b.scalar(),
+        _ => {
+            let _ = (d, r, b);
+            scalar()
+        }
     }
 }
 
 /// [`blocks`] on AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn heads_avx2<H: Heads>(b: &mut H) {
-    blocks::<Avx2, H>(b)
+unsafe fn heads_avx2<R: Rows, H: Heads>(r: &R, b: H) {
+    blocks::<Avx2, R, H>(r, b)
 }
 
 /// [`blocks`] on AVX-512.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
-unsafe fn heads_avx512<H: Heads>(b: &mut H) {
-    blocks::<Avx512, H>(b)
+unsafe fn heads_avx512<R: Rows, H: Heads>(r: &R, b: H) {
+    blocks::<Avx512, R, H>(r, b)
 }
 
 /// Every head in blocks of four, two or one (a constant per block, so that
 /// the block's accumulators stay in registers), inlined into the entry point.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn blocks<V: Width, H: Heads>(b: &mut H) {
+unsafe fn blocks<V: Width, R: Rows, H: Heads>(r: &R, b: H) {
     let heads = b.heads();
     let mut h0 = 0;
     while h0 < heads {
         h0 += match heads - h0 {
-            1 => b.block::<V, 1>(h0),
-            2 | 3 => b.block::<V, 2>(h0),
-            _ => b.block::<V, 4>(h0),
+            1 => b.block::<V, R, 1>(r, h0),
+            2 | 3 => b.block::<V, R, 2>(r, h0),
+            _ => b.block::<V, R, 4>(r, h0),
         };
     }
 }
