@@ -70,7 +70,7 @@ mod vq;
 mod width;
 pub(crate) mod write;
 
-use crate::backend::{check_batch, check_window, evict_after_blocks, Backend, NewTokens};
+use crate::backend::{check_batch, check_skip, check_window, evict_after_blocks, Backend, DecodePartial, NewTokens};
 use crate::cache::{PagedCache, SeqId, SeqView};
 use crate::error::{Error, Result};
 use crate::quant::round_to_dtype;
@@ -284,8 +284,37 @@ impl CpuBackend {
     }
 
     fn run(&self, cache: &PagedCache, seqs: &[SeqId], q: &[f32], attn: AttnParams) -> Result<Vec<f32>> {
+        let d = cache.shape().head_dim;
+        let p = self.partials(cache, seqs, q, attn, None)?;
+        let mut out = p.acc;
+        for (o, (&m, &l)) in out.chunks_exact_mut(d).zip(p.max.iter().zip(&p.sum)) {
+            if m == f32::NEG_INFINITY {
+                continue; // nothing attended: output stays zero
+            }
+            for x in o.iter_mut() {
+                *x /= l;
+            }
+        }
+        Ok(out)
+    }
+
+    /// The split kernel over every (sequence, KV head, split), merged per
+    /// query head but not normalised. With `skip`
+    /// ([`Backend::decode_partial`]), each split is cut around its head's
+    /// skipped positions and the kernel runs on the pieces in between.
+    fn partials(
+        &self,
+        cache: &PagedCache,
+        seqs: &[SeqId],
+        q: &[f32],
+        attn: AttnParams,
+        skip: Option<&[Vec<Vec<usize>>]>,
+    ) -> Result<DecodePartial> {
         let per = check_batch(cache, seqs, q)?;
         check_window(cache, seqs.iter().copied(), attn)?;
+        if let Some(skip) = skip {
+            check_skip(self.name(), cache, seqs, skip)?;
+        }
         let shape = cache.shape();
         let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
         let group = shape.group_size();
@@ -322,30 +351,61 @@ impl CpuBackend {
             self.params.splits
         };
         let plan = kernel::Plan::new(cache, self.params.isa(d), self.params.tile_tokens);
-        let tasks: Vec<(usize, usize, usize)> = (0..seqs.len())
-            .flat_map(|b| (0..hkv).flat_map(move |h| (0..splits).map(move |s| (b, h, s))))
-            .collect();
+        // Tasks `(b, h, a, z)` grouped by (b, h); `first[b * hkv + h]` is
+        // where that group starts.
+        let mut tasks: Vec<(usize, usize, usize, usize)> = Vec::with_capacity(seqs.len() * hkv * splits);
+        let mut first = Vec::with_capacity(seqs.len() * hkv + 1);
+        for (b, &(lo, hi)) in ranges.iter().enumerate() {
+            for h in 0..hkv {
+                first.push(tasks.len());
+                let len = hi - lo;
+                let mut cuts: Vec<usize> = skip.map_or(Vec::new(), |s| {
+                    s[b][h].iter().copied().filter(|p| (lo..hi).contains(p)).collect()
+                });
+                cuts.sort_unstable();
+                cuts.dedup();
+                for s in 0..splits {
+                    let (mut a, z) = (lo + len * s / splits, lo + len * (s + 1) / splits);
+                    if skip.is_none() {
+                        tasks.push((b, h, a, z));
+                        continue;
+                    }
+                    let from = cuts.partition_point(|&p| p < a);
+                    for &p in cuts[from..].iter().take_while(|&&p| p < z) {
+                        if a < p {
+                            tasks.push((b, h, a, p));
+                        }
+                        a = p + 1;
+                    }
+                    if a < z {
+                        tasks.push((b, h, a, z));
+                    }
+                }
+            }
+        }
+        first.push(tasks.len());
         let partials: Vec<Partial> = tasks
             .par_iter()
-            .map(|&(b, h, s)| {
-                let (lo, hi) = ranges[b];
-                let len = hi - lo;
-                let a = lo + len * s / splits;
-                let z = lo + len * (s + 1) / splits;
+            .map(|&(b, h, a, z)| {
                 let qg = &qr[b * per + h * group * d..][..group * d];
                 kernel::split_attention(&plan, &views[b], h, qg, a, z)
             })
             .collect();
-        let mut out = vec![0f32; seqs.len() * hq * d];
+        let mut out = DecodePartial {
+            max: vec![f32::NEG_INFINITY; seqs.len() * hq],
+            sum: vec![0.0; seqs.len() * hq],
+            acc: vec![0.0; seqs.len() * hq * d],
+        };
         for b in 0..seqs.len() {
             for h in 0..hkv {
-                let parts = &partials[(b * hkv + h) * splits..][..splits];
+                let parts = &partials[first[b * hkv + h]..first[b * hkv + h + 1]];
                 for g in 0..group {
                     let m = parts.iter().map(|p| p.m[g]).fold(f32::NEG_INFINITY, f32::max);
                     if m == f32::NEG_INFINITY {
-                        continue; // nothing attended: output stays zero
+                        continue; // nothing attended
                     }
-                    let o = &mut out[(b * hq + h * group + g) * d..][..d];
+                    let at = b * hq + h * group + g;
+                    let o = &mut out.acc[at * d..][..d];
                     let mut l = 0f32;
                     for p in parts {
                         if p.m[g] == f32::NEG_INFINITY {
@@ -357,9 +417,8 @@ impl CpuBackend {
                             *x += w * a;
                         }
                     }
-                    for x in o.iter_mut() {
-                        *x /= l;
-                    }
+                    out.max[at] = m;
+                    out.sum[at] = l;
                 }
             }
         }
@@ -394,6 +453,23 @@ impl Backend for CpuBackend {
             pool(self.params.threads)?.install(|| self.run(cache, seqs, q, attn))
         } else {
             self.run(cache, seqs, q, attn)
+        }
+    }
+    /// The split kernel over the tokens between the skipped ones (each
+    /// split cut around them), merged per query head, not normalised.
+    fn decode_partial(
+        &self,
+        cache: &PagedCache,
+        seqs: &[SeqId],
+        q: &[f32],
+        attn: AttnParams,
+        skip: &[Vec<Vec<usize>>],
+    ) -> Result<DecodePartial> {
+        check_params(&self.params)?;
+        if self.params.threads > 0 {
+            pool(self.params.threads)?.install(|| self.partials(cache, seqs, q, attn, Some(skip)))
+        } else {
+            self.partials(cache, seqs, q, attn, Some(skip))
         }
     }
     /// Many-query attention: see `block.rs` for how the work is cut.
