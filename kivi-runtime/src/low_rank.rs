@@ -869,8 +869,9 @@ impl LowRankCache {
     }
 
     /// Per KV head, the positions of sequence `id` kept exactly as a key or
-    /// as a value (sorted): what the coordinate decode leaves out.
-    fn kept_positions(&self, id: SeqId) -> Result<Vec<Vec<usize>>> {
+    /// as a value (`residual = N`; sorted): what [`Self::decode`] leaves
+    /// out of the coordinate decode. Empty lists without a residual.
+    pub fn kept_positions(&self, id: SeqId) -> Result<Vec<Vec<usize>>> {
         self.cache.len(id)?;
         let h = self.bases.kv_heads;
         Ok((0..h)

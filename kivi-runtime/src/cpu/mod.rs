@@ -218,6 +218,28 @@ pub(crate) struct Partial {
     pub acc: Vec<f32>,
 }
 
+/// One task of [`CpuBackend::decode`] / `decode_partial`: sequence `b`,
+/// KV head `h`, and the token ranges it runs in turn.
+type Task = (usize, usize, Vec<(usize, usize)>);
+
+/// Two partial results of one group merged (flash-decoding style).
+fn merge(x: Partial, y: Partial, group: usize, d: usize) -> Partial {
+    let mut out = x;
+    for g in 0..group {
+        let m = out.m[g].max(y.m[g]);
+        if m == f32::NEG_INFINITY {
+            continue;
+        }
+        let (wx, wy) = ((out.m[g] - m).exp(), (y.m[g] - m).exp());
+        out.m[g] = m;
+        out.l[g] = wx * out.l[g] + wy * y.l[g];
+        for (a, b) in out.acc[g * d..(g + 1) * d].iter_mut().zip(&y.acc[g * d..(g + 1) * d]) {
+            *a = wx * *a + wy * b;
+        }
+    }
+    out
+}
+
 /// A split shorter than this costs more in merging than it gains.
 const MIN_SPLIT_TOKENS: usize = 512;
 
@@ -351,9 +373,28 @@ impl CpuBackend {
             self.params.splits
         };
         let plan = kernel::Plan::new(cache, self.params.isa(d), self.params.tile_tokens);
-        // Tasks `(b, h, a, z)` grouped by (b, h); `first[b * hkv + h]` is
-        // where that group starts.
-        let mut tasks: Vec<(usize, usize, usize, usize)> = Vec::with_capacity(seqs.len() * hkv * splits);
+        // Tasks `(b, h, pieces)` grouped by (b, h); `first[b * hkv + h]` is
+        // where that group starts. A task is one split, one piece, unless
+        // `skip` has positions in it: then it is cut around them, and
+        // each piece's unaligned ends (fewer than `fused::ROWS` tokens) are
+        // pieces of their own, so that its body still runs whole aligned
+        // tiles on the fused path; one task runs a split's pieces in turn.
+        let sinks = cache.scheme().sinks as usize;
+        let up = |p: usize| {
+            if p <= sinks {
+                p
+            } else {
+                sinks + (p - sinks).next_multiple_of(fused::ROWS)
+            }
+        };
+        let down = |p: usize| {
+            if p <= sinks {
+                p
+            } else {
+                sinks + (p - sinks) / fused::ROWS * fused::ROWS
+            }
+        };
+        let mut tasks: Vec<Task> = Vec::with_capacity(seqs.len() * hkv * splits);
         let mut first = Vec::with_capacity(seqs.len() * hkv + 1);
         for (b, &(lo, hi)) in ranges.iter().enumerate() {
             for h in 0..hkv {
@@ -366,19 +407,32 @@ impl CpuBackend {
                 cuts.dedup();
                 for s in 0..splits {
                     let (mut a, z) = (lo + len * s / splits, lo + len * (s + 1) / splits);
-                    if skip.is_none() {
-                        tasks.push((b, h, a, z));
+                    let from = cuts.partition_point(|&p| p < a);
+                    // A split with nothing to skip runs as `decode` runs it.
+                    if cuts.get(from).is_none_or(|&p| p >= z) {
+                        tasks.push((b, h, vec![(a, z)]));
                         continue;
                     }
-                    let from = cuts.partition_point(|&p| p < a);
-                    for &p in cuts[from..].iter().take_while(|&&p| p < z) {
-                        if a < p {
-                            tasks.push((b, h, a, p));
+                    let mut pieces = Vec::new();
+                    let mut piece = |a: usize, z: usize| {
+                        let (a16, z16) = (up(a), down(z));
+                        if a16 < z16 {
+                            for r in [(a, a16), (a16, z16), (z16, z)] {
+                                if r.0 < r.1 {
+                                    pieces.push(r);
+                                }
+                            }
+                        } else if a < z {
+                            pieces.push((a, z));
                         }
+                    };
+                    for &p in cuts[from..].iter().take_while(|&&p| p < z) {
+                        piece(a, p);
                         a = p + 1;
                     }
-                    if a < z {
-                        tasks.push((b, h, a, z));
+                    piece(a, z);
+                    if !pieces.is_empty() {
+                        tasks.push((b, h, pieces));
                     }
                 }
             }
@@ -386,9 +440,13 @@ impl CpuBackend {
         first.push(tasks.len());
         let partials: Vec<Partial> = tasks
             .par_iter()
-            .map(|&(b, h, a, z)| {
+            .map(|(b, h, pieces)| {
                 let qg = &qr[b * per + h * group * d..][..group * d];
-                kernel::split_attention(&plan, &views[b], h, qg, a, z)
+                let mut parts = pieces
+                    .iter()
+                    .map(|&(a, z)| kernel::split_attention(&plan, &views[*b], *h, qg, a, z));
+                let one = parts.next().expect("a task has a piece");
+                parts.fold(one, |x, y| merge(x, y, group, d))
             })
             .collect();
         let mut out = DecodePartial {
