@@ -1,5 +1,6 @@
 //! Low-rank schemes (`low_rank: pca(...)`) in `kivi show` and `kivi tune`:
-//! show reports the coordinates' bytes and the bases (counted once);
+//! show reports the coordinates' bytes and the bases (counted once), and
+//! `show --model` takes low-rank global layers;
 //! tune measures the coordinate scheme's variants and keys the decision by
 //! the low-rank scheme joined with the calibration of its bases; without a
 //! calibration, or with a layer it lacks, both tune and attend refuse.
@@ -74,6 +75,81 @@ fn show_reports_coordinates_and_bases() {
         out.contains("low_rank  32 coordinates") && out.contains("+ bases 16384"),
         "{out}"
     );
+}
+
+/// `kivi show --model` with low-rank layers: each global low-rank layer is
+/// a low-rank cache on the model's block pool (its coordinate blocks in
+/// the pool, its bases and exact rows outside it) with the same bytes as
+/// `kivi show --scheme` reports for it alone; a low-rank scheme on a
+/// sliding layer is refused by name (a low-rank cache does not evict).
+#[test]
+fn show_model_with_low_rank_layers() {
+    let lr = TEXT.replace(
+        "low_rank: pca(rank = 32, apply = [key, value])",
+        "low_rank: pca(rank = 32, apply = [key, value], residual = 4)",
+    );
+    let model = format!("model m {{ layers: 4, window: 64, global_layers: [1, 3], default: kivi2, global: {lr} }}");
+    let shape = ["--heads", "gqa:4:2", "--head-dim", "64", "--context", "300", "--json"];
+    let mut args = vec!["show", "--model", model.as_str()];
+    args.extend(shape);
+    let (ok, out, err) = kivi(&args);
+    assert!(ok, "{err}");
+    let j: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let layers = j["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 4);
+    assert_eq!(layers[1]["scheme"], "lr");
+    assert_eq!(layers[0]["scheme"], "kivi2");
+    let mut args = vec!["show", "--scheme", lr.as_str()];
+    args.extend(shape);
+    let (ok, one, err) = kivi(&args);
+    assert!(ok, "{err}");
+    let one: serde_json::Value = serde_json::from_str(&one).unwrap();
+    let alone = &one["paged_cache"]["memory"];
+    for l in [1, 3] {
+        let m = &layers[l]["memory"];
+        assert_eq!(m, alone, "layer {l}");
+        // The bases, and 4 exact rows per KV head and tensor (64 values in
+        // f16 and a position each), counted with the layer.
+        assert_eq!(m["bases"], 2 * 2 * 32 * 64 * 2);
+        assert_eq!(m["outliers"], 4 * 2 * 2 * (64 * 2 + 4));
+        assert_eq!(layers[l]["without_eviction"], m["total"]);
+    }
+    let total: u64 = layers.iter().map(|l| l["memory"]["total"].as_u64().unwrap()).sum();
+    assert_eq!(j["total"].as_u64().unwrap(), total);
+    // The pool holds the coordinate blocks; the bases and exact rows are outside it.
+    let outside = j["pool"]["outside_pool"].as_u64().unwrap();
+    assert!(
+        outside >= 2 * (2 * 2 * 32 * 64 * 2 + 4 * 2 * 2 * (64 * 2 + 4)),
+        "{outside}"
+    );
+    // The text report names the layers too.
+    let (ok, text, err) = kivi(&args_text(&model));
+    assert!(ok, "{err}");
+    assert!(
+        text.contains(" lr ") && text.contains("low-rank layers' bases"),
+        "{text}"
+    );
+    // A low-rank scheme on sliding layers: refused, naming the layer.
+    let sliding = format!("model m {{ layers: 4, window: 64, global_layers: [1, 3], default: {lr}, global: kivi2 }}");
+    let (ok, _, err) = kivi(&args_text(&sliding));
+    assert!(
+        !ok && err.contains("layer 0") && err.contains("does not evict"),
+        "{err}"
+    );
+}
+
+fn args_text(model: &str) -> Vec<&str> {
+    vec![
+        "show",
+        "--model",
+        model,
+        "--heads",
+        "gqa:4:2",
+        "--head-dim",
+        "64",
+        "--context",
+        "300",
+    ]
 }
 
 #[test]

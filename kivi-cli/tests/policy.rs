@@ -147,6 +147,20 @@ fn bad_input_is_one_line_before_the_model_loads() {
         "not a positive number",
     );
     fails(&["policy", "--candidates", "kivi9"], "--candidates: ");
+    // Low-rank schemes need bases from a calibration file: refused by name.
+    let lr =
+        "lr { key: quant(bits = 2, axis = channel, group = 32), value: quant(bits = 2, axis = token, group = 32), \
+              low_rank: pca(rank = 32, apply = [key, value]) }";
+    let lr_file = dir.join("lr.kivi");
+    std::fs::write(&lr_file, lr).unwrap();
+    fails(
+        &["policy", "--candidates-file", lr_file.to_str().unwrap()],
+        "candidate `lr` has low_rank",
+    );
+    fails(
+        &["policy", "--sensitivities", s, "--budget", lr],
+        "--budget `lr` has low_rank",
+    );
     fails(&["policy", "--bits", "9"], "candidate k9v9");
     let bad = dir.join("bad.json");
     std::fs::write(&bad, "{\"damage\": 3}").unwrap();

@@ -47,6 +47,50 @@ pub trait Backend: Sync {
     ///     .unwrap();
     /// assert_eq!((out.len(), cache.len(seq).unwrap()), (7 * 4 * 32, 207));
     /// ```
+    /// [`Self::decode`] with some tokens left out, before normalisation:
+    /// the query heads of KV head `h` of `seqs[b]` do not attend the
+    /// positions in `skip[b][h]` (any order; repeats and positions outside
+    /// the attended range are ignored). What a caller that scores some
+    /// tokens itself merges with exactly (low-rank caches' exact residual,
+    /// [`crate::low_rank::LowRankCache::decode`]): no finished output has
+    /// to have a token's share taken back out of it.
+    ///
+    /// The default computes it on the host from the cache's rows
+    /// ([`crate::SeqView::row`]) with the oracle's arithmetic (f64 scores
+    /// and sums, as [`reference::decode_attention`]), whatever the backend;
+    /// the CPU backend runs its split kernel over the tokens in between.
+    /// Schemes with an integer-domain query (`query: int8(...)`) are
+    /// refused with [`Error::Unavailable`].
+    ///
+    /// ```
+    /// use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, PagedCache, ReferenceBackend};
+    /// use kivi_spec::{presets, Heads};
+    /// let s = presets::kivi2().with_shape(Heads::Gqa { q: 4, kv: 2 }, 32).unwrap();
+    /// let mut cache = PagedCache::new(s.clone(), CacheConfig::for_tokens(512)).unwrap();
+    /// let seq = cache.add_sequence();
+    /// let kv: Vec<f32> = (0..300 * 64).map(|i| (i as f32 * 0.1).sin()).collect();
+    /// cache.extend(seq, &kv, &kv).unwrap();
+    /// let q = vec![0.5f32; 4 * 32];
+    /// let attn = AttnParams::of(&s, s.shape().unwrap());
+    /// // Nothing skipped: normalising gives the decode.
+    /// let p = CpuBackend::default().decode_partial(&cache, &[seq], &q, attn, &[vec![vec![]; 2]]).unwrap();
+    /// let out = CpuBackend::default().decode(&cache, &[seq], &q, attn).unwrap();
+    /// assert!((p.acc[0] / p.sum[0] - out[0]).abs() < 1e-5);
+    /// // Token 7 left out for KV head 1 (query heads 2 and 3) only.
+    /// let p7 = ReferenceBackend.decode_partial(&cache, &[seq], &q, attn, &[vec![vec![], vec![7]]]).unwrap();
+    /// assert!(p7.sum[2] < p.sum[2] && (p7.sum[0] - p.sum[0]).abs() < 1e-4);
+    /// ```
+    fn decode_partial(
+        &self,
+        cache: &PagedCache,
+        seqs: &[SeqId],
+        q: &[f32],
+        attn: AttnParams,
+        skip: &[Vec<Vec<usize>>],
+    ) -> Result<DecodePartial> {
+        host_partial(self.name(), cache, seqs, q, attn, skip)
+    }
+
     fn attend_block(&self, cache: &mut PagedCache, blocks: &[NewTokens], attn: AttnParams) -> Result<Vec<f32>> {
         let _ = (cache, blocks, attn);
         Err(Error::Unavailable {
@@ -54,6 +98,119 @@ pub trait Backend: Sync {
             reason: "many-query attention (attend_block) is not generated for this backend yet".into(),
         })
     }
+}
+
+/// What [`Backend::decode_partial`] returns: per sequence and query head,
+/// the online-softmax state of the tokens it attended, ready to be merged
+/// exactly with other tokens' (flash-decoding style). With `s_t =
+/// softmax_scale * q . k_t` over the attended tokens:
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DecodePartial {
+    /// `[B, Hq]`: `max_t s_t`, `-inf` where no token was attended.
+    pub max: Vec<f32>,
+    /// `[B, Hq]`: `sum_t exp(s_t - max)` (0 where none).
+    pub sum: Vec<f32>,
+    /// `[B, Hq, D]`: `sum_t exp(s_t - max) v_t` (0 where none).
+    pub acc: Vec<f32>,
+}
+
+/// Checks `skip` against the batch for [`Backend::decode_partial`]: one
+/// list per sequence and KV head; and refuses an integer-domain query.
+pub(crate) fn check_skip(
+    backend: &'static str,
+    cache: &PagedCache,
+    seqs: &[SeqId],
+    skip: &[Vec<Vec<usize>>],
+) -> Result<()> {
+    let hkv = cache.shape().kv_heads;
+    if skip.len() != seqs.len() || skip.iter().any(|s| s.len() != hkv) {
+        return Err(Error::Shape {
+            what: "skipped positions",
+            expected: format!("{} sequences x {hkv} kv heads of lists", seqs.len()),
+            got: format!(
+                "{} sequences with {:?} lists",
+                skip.len(),
+                skip.iter().map(Vec::len).collect::<Vec<_>>()
+            ),
+        });
+    }
+    if cache.scheme().query.is_some() {
+        return Err(Error::Unavailable {
+            backend,
+            reason: "partial decode (decode_partial) of a scheme with an integer-domain query".into(),
+        });
+    }
+    Ok(())
+}
+
+/// The default [`Backend::decode_partial`]: the cache's rows, the oracle's
+/// arithmetic (f64), on the host.
+fn host_partial(
+    backend: &'static str,
+    cache: &PagedCache,
+    seqs: &[SeqId],
+    q: &[f32],
+    attn: AttnParams,
+    skip: &[Vec<Vec<usize>>],
+) -> Result<DecodePartial> {
+    let per = check_batch(cache, seqs, q)?;
+    check_window(cache, seqs.iter().copied(), attn)?;
+    check_skip(backend, cache, seqs, skip)?;
+    let shape = cache.shape();
+    let (hq, d) = (shape.q_heads, shape.head_dim);
+    let group = shape.group_size();
+    let q = round_inputs(cache.scheme(), "query", q, seqs.len() * hq, d)?;
+    let mut p = DecodePartial {
+        max: vec![f32::NEG_INFINITY; seqs.len() * hq],
+        sum: vec![0.0; seqs.len() * hq],
+        acc: vec![0.0; seqs.len() * per],
+    };
+    let (mut k, mut v) = (vec![0f32; d], vec![0f32; d]);
+    for (b, &id) in seqs.iter().enumerate() {
+        let view = cache.view(id)?;
+        let t = view.tokens();
+        let lo = attn.window.map_or(0, |w| t.saturating_sub(w));
+        for (h, skipped) in skip[b].iter().enumerate() {
+            let mut skipped = skipped.clone();
+            skipped.sort_unstable();
+            let attended: Vec<usize> = (lo..t).filter(|p| skipped.binary_search(p).is_err()).collect();
+            let heads = b * hq + h * group..b * hq + (h + 1) * group;
+            let mut scores = vec![Vec::with_capacity(attended.len()); group];
+            let mut rows = Vec::with_capacity(attended.len() * d);
+            for &pos in &attended {
+                view.row(Tensor::Key, pos, h, &mut k);
+                view.row(Tensor::Value, pos, h, &mut v);
+                rows.extend_from_slice(&v);
+                for (g, s) in scores.iter_mut().enumerate() {
+                    let qh = &q[(heads.start + g) * d..][..d];
+                    let dot: f64 = qh.iter().zip(&k).map(|(a, c)| *a as f64 * *c as f64).sum();
+                    s.push(dot * attn.softmax_scale as f64);
+                }
+            }
+            for (g, s) in scores.iter().enumerate() {
+                let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                if m == f64::NEG_INFINITY {
+                    continue;
+                }
+                let mut acc = vec![0f64; d];
+                let mut l = 0f64;
+                for (i, &x) in s.iter().enumerate() {
+                    let w = (x - m).exp();
+                    l += w;
+                    for (a, r) in acc.iter_mut().zip(&rows[i * d..][..d]) {
+                        *a += w * *r as f64;
+                    }
+                }
+                let at = heads.start + g;
+                p.max[at] = m as f32;
+                p.sum[at] = l as f32;
+                for (o, a) in p.acc[at * d..][..d].iter_mut().zip(acc) {
+                    *o = a as f32;
+                }
+            }
+        }
+    }
+    Ok(p)
 }
 
 /// One sequence's causal block of `n` new tokens for [`Backend::attend_block`].

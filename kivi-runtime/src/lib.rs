@@ -31,7 +31,7 @@ pub mod reference;
 pub mod sim;
 pub mod vq;
 
-pub use backend::{Backend, NewTokens, ReferenceBackend};
+pub use backend::{Backend, DecodePartial, NewTokens, ReferenceBackend};
 pub use cache::{CacheConfig, MemoryReport, PagedCache, RawRows, SeqId, SeqView};
 pub use cpu::{CpuBackend, CpuParams};
 pub use error::{Error, Result};

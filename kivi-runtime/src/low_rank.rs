@@ -50,6 +50,23 @@
 //! query to the activation dtype as it rounds any query (the oracle dots the
 //! rounded query with `k^` in f64), a relative error of the dtype's epsilon
 //! in each score.
+//!
+//! # The exact residual (`residual = N`) on the fast path
+//!
+//! The kept tokens' scores and values differ from their reconstructions,
+//! so they cannot go through the coordinate decode. Per sequence and KV
+//! head, the positions kept as a key or as a value (at most `2N`) are left
+//! out of it ([`Backend::decode_partial`]: the backend returns its online
+//! softmax state — running max, normaliser, unnormalised value coordinates
+//! — over the other tokens, before normalising). Those positions are scored
+//! on the host against the rounded query in f64, as the oracle scores them,
+//! each reading its exact row where it is kept for that tensor and its
+//! reconstruction otherwise; the two states are merged by a rescale and a
+//! sum. Nothing is subtracted: taking a kept token's reconstructed share
+//! back out of a finished output would cancel catastrophically exactly when
+//! that token holds most of the softmax weight. The host part costs
+//! `O(N Hq D)` per step (plus a reconstruction per token kept for one
+//! tensor only), independent of the sequence length.
 
 use crate::backend::Backend;
 use crate::cache::{CacheConfig, MemoryReport, PagedCache, SeqId};
@@ -531,6 +548,82 @@ fn worse_first(a: &(f64, usize), b: &(f64, usize)) -> std::cmp::Ordering {
     b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
 }
 
+/// The exact residual's merge (module docs, "The exact residual"): for
+/// each sequence `b` and query head, the coordinate decode's partial result
+/// (`part`, value coordinates, kept tokens left out) reconstructed, and the
+/// tokens `skip[b][kv head]` inside the attended range scored on the host
+/// against the rounded query `q` (`[B, Hq, D]`) in f64 as the oracle scores
+/// them; `row(b, tensor, pos, kv head, out)` gives a skipped token's row
+/// (its exact one where it is kept for that tensor, else its
+/// reconstruction). Both parts are online-softmax states, so the merge is
+/// a rescale and a sum: no token's share is ever taken back out.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn merge_exact(
+    bases: &Bases,
+    hq: usize,
+    q: &[f32],
+    attn: AttnParams,
+    lens: &[usize],
+    skip: &[Vec<Vec<usize>>],
+    part: &crate::backend::DecodePartial,
+    mut row: impl FnMut(usize, Tensor, usize, usize, &mut [f32]) -> Result<()>,
+) -> Result<Vec<f32>> {
+    let (h, d, r) = (bases.kv_heads, bases.head_dim, bases.rank);
+    let group = hq / h;
+    let mut out = vec![0f32; lens.len() * hq * d];
+    let (mut k, mut v) = (vec![0f32; d], vec![0f32; d]);
+    let mut coord_out = vec![0f32; d];
+    for (b, &t) in lens.iter().enumerate() {
+        let lo = attn.window.map_or(0, |w| t.saturating_sub(w));
+        for (head, skipped) in skip[b].iter().enumerate().take(h) {
+            let mine: Vec<usize> = skipped.iter().copied().filter(|p| (lo..t).contains(p)).collect();
+            // Each skipped token's key and value, read once for the group.
+            let mut rows = Vec::with_capacity(mine.len());
+            for &pos in &mine {
+                row(b, Tensor::Key, pos, head, &mut k)?;
+                row(b, Tensor::Value, pos, head, &mut v)?;
+                rows.push((k.clone(), v.clone()));
+            }
+            for g in 0..group {
+                let at = b * hq + head * group + g;
+                let qh = &q[at * d..][..d];
+                let scores: Vec<f64> = rows
+                    .iter()
+                    .map(|(k, _)| {
+                        let dot: f64 = qh.iter().zip(k).map(|(a, c)| *a as f64 * *c as f64).sum();
+                        dot * attn.softmax_scale as f64
+                    })
+                    .collect();
+                let mc = part.max[at] as f64;
+                let m = scores.iter().copied().fold(mc, f64::max);
+                if m == f64::NEG_INFINITY {
+                    continue; // nothing attended: the output is zero
+                }
+                let wc = if mc == f64::NEG_INFINITY { 0.0 } else { (mc - m).exp() };
+                let mut l = wc * part.sum[at] as f64;
+                let mut acc = vec![0f64; d];
+                if wc > 0.0 {
+                    bases.row_reconstruct(Tensor::Value, head, &part.acc[at * r..][..r], &mut coord_out);
+                    for (a, x) in acc.iter_mut().zip(&coord_out) {
+                        *a = wc * *x as f64;
+                    }
+                }
+                for (s, (_, v)) in scores.iter().zip(&rows) {
+                    let w = (s - m).exp();
+                    l += w;
+                    for (a, x) in acc.iter_mut().zip(v) {
+                        *a += w * *x as f64;
+                    }
+                }
+                for (o, a) in out[at * d..][..d].iter_mut().zip(acc) {
+                    *o = (a / l) as f32;
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// The whole oracle for one sequence of a low-rank scheme: [`cache_view`]
 /// of `k` and `v`, then [`reference::decode_attention`] (DESIGN.md §3).
 pub fn attend(s: &Scheme, q: &[f32], k: &[f32], v: &[f32], params: AttnParams, bases: &Bases) -> Result<Vec<f32>> {
@@ -677,6 +770,13 @@ impl LowRankCache {
         self.calibration
     }
 
+    /// Draws the coordinate cache's blocks from a shared pool (every layer
+    /// of a model, [`crate::pool`]): [`PagedCache::set_pool`]. The bases and
+    /// the exact residual's rows are per cache, outside any pool.
+    pub fn set_pool(&mut self, pool: Option<crate::pool::BlockPool>) -> Result<()> {
+        self.cache.set_pool(pool)
+    }
+
     /// Appends tokens `[n, Hkv, D]` (projected, then stored as the
     /// coordinate cache stores them); an error leaves the cache unchanged.
     pub fn extend(&mut self, id: SeqId, k: &[f32], v: &[f32]) -> Result<()> {
@@ -728,34 +828,62 @@ impl LowRankCache {
     /// Decode attention of one query per sequence (`q` is `[B, Hq, D]`) on
     /// `backend`: project, decode the coordinates, reconstruct. `[B, Hq, D]`.
     ///
-    /// With `residual = N` there is no fast path yet: each sequence is
-    /// decoded by the oracle's attention ([`reference::decode_attention`])
-    /// over this cache's rows ([`Self::dequantize`]: reconstructions, and
-    /// the kept tokens exact), on the host, whatever `backend` is.
+    /// With `residual = N` (module docs, "The exact residual"): `backend`
+    /// decodes the coordinates with each head's kept tokens left out
+    /// ([`Backend::decode_partial`]), the kept tokens are scored on the
+    /// host, and the two softmax parts are merged exactly.
     pub fn decode(&self, backend: &dyn Backend, seqs: &[SeqId], q: &[f32], attn: AttnParams) -> Result<Vec<f32>> {
         let hq = self.cache.shape().q_heads;
-        if self.residual() > 0 {
-            // Checks the query's length and values like the fast path.
-            project_queries(&self.scheme, &self.bases, seqs.len(), q)?;
-            let per = q.len() / seqs.len().max(1);
-            let mut plain = self.scheme.clone();
-            plain.low_rank = None;
-            let mut out = Vec::with_capacity(q.len());
-            for (b, &id) in seqs.iter().enumerate() {
-                let (kk, vv) = (self.dequantize(id, Tensor::Key)?, self.dequantize(id, Tensor::Value)?);
-                out.extend(reference::decode_attention(
-                    &plain,
-                    &q[b * per..][..per],
-                    &kk,
-                    &vv,
-                    attn,
-                )?);
-            }
-            return Ok(out);
-        }
         let qp = project_queries(&self.scheme, &self.bases, seqs.len(), q)?;
-        let out = backend.decode(&self.cache, seqs, &qp, attn)?;
-        Ok(self.bases.reconstruct_outputs(&out, hq))
+        if self.residual() == 0 {
+            let out = backend.decode(&self.cache, seqs, &qp, attn)?;
+            return Ok(self.bases.reconstruct_outputs(&out, hq));
+        }
+        let skip: Vec<Vec<Vec<usize>>> = seqs.iter().map(|&id| self.kept_positions(id)).collect::<Result<_>>()?;
+        let part = backend.decode_partial(&self.cache, seqs, &qp, attn, &skip)?;
+        let lens: Vec<usize> = seqs.iter().map(|&id| self.cache.len(id)).collect::<Result<_>>()?;
+        let q = round_inputs(&self.scheme, "query", q, seqs.len() * hq, self.bases.head_dim)?;
+        let mut coords = vec![0f32; self.bases.rank];
+        merge_exact(
+            &self.bases,
+            hq,
+            &q,
+            attn,
+            &lens,
+            &skip,
+            &part,
+            |b, t, pos, head, out| {
+                match self.exact.get(&seqs[b]).and_then(|kept| {
+                    let ti = if t == Tensor::Key { 0 } else { 1 };
+                    kept[ti * self.bases.kv_heads + head].iter().find(|k| k.pos == pos)
+                }) {
+                    Some(k) => out.copy_from_slice(&k.row),
+                    None => {
+                        self.cache.view(seqs[b])?.row(t, pos, head, &mut coords);
+                        self.bases.row_reconstruct(t, head, &coords, out);
+                    }
+                }
+                Ok(())
+            },
+        )
+    }
+
+    /// Per KV head, the positions of sequence `id` kept exactly as a key or
+    /// as a value (`residual = N`; sorted): what [`Self::decode`] leaves
+    /// out of the coordinate decode. Empty lists without a residual.
+    pub fn kept_positions(&self, id: SeqId) -> Result<Vec<Vec<usize>>> {
+        self.cache.len(id)?;
+        let h = self.bases.kv_heads;
+        Ok((0..h)
+            .map(|head| {
+                let mut p: Vec<usize> = self.exact.get(&id).map_or(Vec::new(), |kept| {
+                    kept[head].iter().chain(&kept[h + head]).map(|k| k.pos).collect()
+                });
+                p.sort_unstable();
+                p.dedup();
+                p
+            })
+            .collect())
     }
 
     /// The cache's view of tensor `t` of a sequence, reconstructed: `[T, Hkv, D]`.

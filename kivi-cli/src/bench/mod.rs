@@ -12,8 +12,9 @@
 pub mod peers;
 pub mod writes;
 
+use kivi_runtime::low_rank::LowRankCache;
 use kivi_runtime::rand::Rng;
-use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, CpuParams, PagedCache, ReferenceBackend};
+use kivi_runtime::{AttnParams, Backend, CacheConfig, CpuBackend, CpuParams, PagedCache, ReferenceBackend, SeqId};
 use kivi_spec::layout::Footprint;
 use kivi_spec::{Heads, Scheme};
 use serde::Serialize;
@@ -136,8 +137,10 @@ pub struct DecodeRow {
     /// Median time if every thread issued the decode step at the measured
     /// per-core rate: (multiply-adds / 16) / (decode FMA rate x threads).
     pub compute_floor_ms: Option<f64>,
-    /// The CPU kernel's inner loops for this scheme (`avx512-fused`, `avx512`, ...).
-    pub path: &'static str,
+    /// The CPU kernel's inner loops for this scheme (`avx512-fused`, `avx512`,
+    /// ...; `<path>+low_rank` for a low-rank scheme: the time is then the
+    /// whole step, query projection + coordinate decode + reconstruction).
+    pub path: String,
     /// Error of the first sequence's output against the reference oracle,
     /// relative to the output's scale, checked before anything is timed (a
     /// row above the tuner's tolerance is an error, not a figure).
@@ -374,12 +377,107 @@ fn bind(name: &str, l: Layout) -> Result<Scheme, String> {
         .map_err(|e| format!("scheme `{name}` does not fit {}: {e}", l.name))
 }
 
+/// The cache a bench row fills and times: [`BenchCache::LowRank`] for a
+/// `low_rank` scheme, else [`paged_cache`].
+fn new_cache(bench: &Config, s: &Scheme, l: Layout, cfg: CacheConfig) -> Result<BenchCache, String> {
+    if s.low_rank.is_some() {
+        return low_rank_cache(bench, s, l, cfg).map(|c| BenchCache::LowRank(Box::new(c)));
+    }
+    paged_cache(bench, s, l, cfg).map(|c| BenchCache::Paged(Box::new(c)))
+}
+
+/// The cache one bench row times: a paged cache, or for a `low_rank`
+/// scheme a `LowRankCache`, whose decode is the whole low-rank step (the
+/// query projected, the coordinates decoded by the CPU backend, the output
+/// reconstructed; with `residual = N` the kept tokens merged in).
+enum BenchCache {
+    // Boxed: both are large.
+    Paged(Box<PagedCache>),
+    LowRank(Box<LowRankCache>),
+}
+
+impl BenchCache {
+    fn add_sequence(&mut self) -> SeqId {
+        match self {
+            BenchCache::Paged(c) => c.add_sequence(),
+            BenchCache::LowRank(c) => c.add_sequence(),
+        }
+    }
+    fn extend(&mut self, id: SeqId, k: &[f32], v: &[f32]) -> kivi_runtime::Result<()> {
+        match self {
+            BenchCache::Paged(c) => c.extend(id, k, v),
+            BenchCache::LowRank(c) => c.extend(id, k, v),
+        }
+    }
+    fn append(&mut self, id: SeqId, k: &[f32], v: &[f32]) -> kivi_runtime::Result<()> {
+        match self {
+            BenchCache::Paged(c) => c.append(id, k, v),
+            BenchCache::LowRank(c) => c.extend(id, k, v),
+        }
+    }
+    fn decode(&self, b: &dyn Backend, ids: &[SeqId], q: &[f32], attn: AttnParams) -> kivi_runtime::Result<Vec<f32>> {
+        match self {
+            BenchCache::Paged(c) => b.decode(c, ids, q, attn),
+            BenchCache::LowRank(c) => c.decode(b, ids, q, attn),
+        }
+    }
+    fn memory(&self) -> usize {
+        match self {
+            BenchCache::Paged(c) => c.memory().total,
+            BenchCache::LowRank(c) => c.memory().total,
+        }
+    }
+    /// The CPU kernel's path; the coordinate cache's, `+low_rank`.
+    fn kernel_path(&self, cpu: &CpuBackend) -> String {
+        match self {
+            BenchCache::Paged(c) => cpu.kernel_path(c).to_string(),
+            BenchCache::LowRank(c) => format!("{}+low_rank", cpu.kernel_path(c.coordinates())),
+        }
+    }
+    /// Bytes one decode of `context` tokens per sequence reads: the layout's
+    /// payload (a low-rank cache's coordinates, plus its bases once).
+    fn decode_bytes(&self, s: &Scheme, context: usize, batch: usize) -> usize {
+        match self {
+            BenchCache::Paged(_) => Footprint::for_tokens(s, context).total() * batch,
+            BenchCache::LowRank(c) => {
+                Footprint::for_tokens(c.coordinates().scheme(), context).total() * batch + c.bases().bytes()
+            }
+        }
+    }
+}
+
+/// A `LowRankCache` for a `low_rank` scheme: with `--calibration`, the
+/// bases of `--layer` from that file; otherwise bases fitted on another
+/// draw of the benchmark's own K/V, as [`paged_cache`] fits codebooks:
+/// decode speed depends on the rank, not on the basis.
+fn low_rank_cache(bench: &Config, s: &Scheme, l: Layout, cfg: CacheConfig) -> Result<LowRankCache, String> {
+    use kivi_runtime::calib::{Calibration, LayerSamples, ModelId};
+    let err = |e: kivi_runtime::Error| format!("{}: {e}", s.name);
+    if let Some((cal, layer)) = &bench.calibration {
+        return LowRankCache::with_calibration(s.clone(), cfg, cal, *layer).map_err(err);
+    }
+    let tokens = 1024;
+    let (k, v) = kv_data(tokens, l, 0xca1);
+    let (h, d) = (l.kv_heads as usize, l.head_dim as usize);
+    let x = LayerSamples::new(0, tokens, l.q_heads as usize, h, d, k, v);
+    let model = ModelId {
+        name: "kivi bench synthetic K/V".into(),
+        layers: 1,
+        kv_heads: h as u32,
+        head_dim: d as u32,
+    };
+    let mut cal = Calibration::new(model, "kv_data(1024 tokens, seed 0xca1)");
+    cal.fit_bases(std::slice::from_ref(&x))
+        .map_err(|e| format!("{}: {e}", s.name))?;
+    LowRankCache::with_calibration(s.clone(), cfg, &cal, 0).map_err(err)
+}
+
 /// A paged cache for `s`: with `--calibration`, that file's codebooks;
 /// otherwise a `levels = nuq` or `vq(...)` scheme gets codebooks fitted on
 /// another draw of the benchmark's own K/V (layer 0; keys before RoPE are
 /// the same draw, so a pre-RoPE scheme fits too): decode speed depends on
 /// the table's width, not on its values, and the bench needs no model.
-fn new_cache(bench: &Config, s: &Scheme, l: Layout, cfg: CacheConfig) -> Result<PagedCache, String> {
+fn paged_cache(bench: &Config, s: &Scheme, l: Layout, cfg: CacheConfig) -> Result<PagedCache, String> {
     use kivi_runtime::calib::{fit_key, Calibration, FitOptions, LayerSamples, ModelId};
     use kivi_runtime::vq::VqFitOptions;
     use kivi_spec::Tensor;
@@ -455,11 +553,13 @@ fn decode_point(
         }
         let attn = AttnParams::of(&s, shape);
         // Warm-up, and the check that makes the timings mean something:
-        // the first sequence's output against the reference oracle.
-        let out = cpu.decode(&cache, &ids, &q, attn).map_err(|e| format!("{name}: {e}"))?;
+        // the first sequence's output against the reference oracle (for a
+        // low-rank scheme: the same projection and merge, the coordinates
+        // decoded by the reference backend).
+        let out = cache.decode(&cpu, &ids, &q, attn).map_err(|e| format!("{name}: {e}"))?;
         let per = (l.q_heads * l.head_dim) as usize;
-        let want = ReferenceBackend
-            .decode(&cache, &ids[..1], &q[..per], attn)
+        let want = cache
+            .decode(&ReferenceBackend, &ids[..1], &q[..per], attn)
             .map_err(|e| format!("{name}: reference: {e}"))?;
         kivi_tuner::cpu::compare(&out[..per], &want)
             .map_err(|e| format!("{name}: the cpu backend's output is wrong, so it is not timed: {e}"))?;
@@ -469,8 +569,8 @@ fn decode_point(
             .zip(&want)
             .fold(0f32, |m, (g, w)| m.max((g - w).abs()))
             / scale;
-        let bytes = Footprint::for_tokens(&s, context).total() * batch;
-        let path = cpu.kernel_path(&cache);
+        let bytes = cache.decode_bytes(&s, context, batch);
+        let path = cache.kernel_path(&cpu);
         cases.push((
             name.clone(),
             cache,
@@ -492,7 +592,7 @@ fn decode_point(
             }
             let c0 = process_cpu_ns();
             let t0 = Instant::now();
-            let out = cpu.decode(cache, ids, &q, *attn).map_err(|e| e.to_string())?;
+            let out = cache.decode(&cpu, ids, &q, *attn).map_err(|e| e.to_string())?;
             times.push(t0.elapsed().as_secs_f64() * 1e3);
             cpu_times.push(process_cpu_ns().saturating_sub(c0) as f64 / 1e6);
             std::hint::black_box(out);
@@ -541,7 +641,7 @@ fn prefill_rows(cfg: &Config, l: Layout) -> Result<Vec<PrefillRow>, String> {
         let t0 = Instant::now();
         cache.extend(id, &k, &v).map_err(|e| e.to_string())?;
         let extend_s = t0.elapsed().as_secs_f64();
-        let memory = cache.memory().total;
+        let memory = cache.memory();
         let id2 = cache.add_sequence();
         let t0 = Instant::now();
         for t in 0..appends {

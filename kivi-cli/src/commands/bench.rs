@@ -9,6 +9,9 @@
 //! kivi bench --quick --peers numpy,llama.cpp  # adds ggml's flash attention (f16, q8_0, q4_0 KV)
 //! kivi bench --layouts mqa --contexts 32k --schemes f16,kivi2,eval/schemes/vq.kivi \
 //!     --calibration gemma-vq.kivical      # calibrated schemes (nuq, vq) with their codebooks
+//! kivi bench --layouts gqa --contexts 32k --schemes f16,kivi2,lr.kivi --no-peers
+//!     # a low_rank scheme: its whole decode step (projection, coordinates,
+//!     # reconstruction), bases fitted on the bench's own K/V without --calibration
 //! ```
 
 use crate::bench as suite;
@@ -91,10 +94,10 @@ pub struct Args {
     /// Also write the JSON report to this file
     #[arg(long)]
     out: Option<PathBuf>,
-    /// A calibration file (`kivi calibrate`) for schemes with calibrated codebooks (levels = nuq, vq(...)); its model's shape must match the layouts (Gemma 3 270M: --layouts mqa)
+    /// A calibration file (`kivi calibrate`) for schemes with calibrated codebooks (levels = nuq, vq(...)) or low_rank bases; its model's shape must match the layouts (Gemma 3 270M: --layouts mqa). Without it the bench fits them on its own K/V
     #[arg(long)]
     calibration: Option<PathBuf>,
-    /// The layer of the calibration whose codebooks the caches use
+    /// The layer of the calibration whose codebooks or bases the caches use
     #[arg(long, default_value_t = 0)]
     layer: usize,
 }

@@ -73,7 +73,8 @@ pub fn run(args: Args) -> super::Result {
     // Everything that needs no model is checked before the model loads.
     let budget = Budget::parse(&args.budget)?;
     if let Budget::Scheme(s) = &budget {
-        kivi_eval::kv::resolve_scheme(s).map_err(|e| format!("--budget: {e}"))?;
+        let scheme = kivi_eval::kv::resolve_scheme(s).map_err(|e| format!("--budget: {e}"))?;
+        refuse_low_rank("--budget", &scheme)?;
     }
     let sens: Sensitivity = match &args.sensitivities {
         Some(p) => {
@@ -95,6 +96,9 @@ pub fn run(args: Args) -> super::Result {
             }
             if candidates.is_empty() {
                 return Err("no candidates: give --bits, --candidates or --candidates-file".into());
+            }
+            for c in &candidates {
+                refuse_low_rank("candidate", c)?;
             }
             kivi_eval::set_threads(args.threads)?;
             let cfg = SensitivityConfig {
@@ -205,6 +209,23 @@ pub fn run(args: Args) -> super::Result {
         print!("{table}");
     } else if !args.quiet {
         eprint!("{table}");
+    }
+    Ok(())
+}
+
+/// A `low_rank` scheme needs its bases from a calibration file (which
+/// `kivi policy` does not take) and is priced by its coordinates, not by
+/// full rows (what the policy's byte model counts): refused by name before
+/// anything runs, rather than failing after the model loads.
+#[cfg(feature = "eval")]
+fn refuse_low_rank(what: &str, s: &kivi_spec::Scheme) -> super::Result {
+    if s.low_rank.is_some() {
+        return Err(format!(
+            "{what} `{}` has low_rank: its bases come from a calibration file, which `kivi policy` does not take yet \
+             (measure it with `kivi eval --calibration FILE`)",
+            s.name
+        )
+        .into());
     }
     Ok(())
 }

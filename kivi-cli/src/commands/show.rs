@@ -8,6 +8,7 @@
 //! prefill (what a pool must hold).
 
 use super::schemes::{hash_hex, load_scheme};
+use kivi_runtime::low_rank::LowRankCache;
 use kivi_runtime::pool::{BlockPool, PoolReport};
 use kivi_runtime::{CacheConfig, MemoryReport, PagedCache};
 use kivi_spec::layout::{bits_per_element, bytes_per_token_per_head, codes_per_word, default_block_tokens, Footprint};
@@ -201,19 +202,10 @@ pub fn fill_paged_evicting(s: &Scheme, tokens: usize, window: Option<usize>) -> 
 pub fn fill_low_rank(s: &Scheme, tokens: usize) -> super::Result<(MemoryReport, usize)> {
     let shape = s.shape().ok_or("scheme has no shape")?;
     let coords = s.coordinate_scheme().ok_or("scheme has no low_rank field")?;
-    let (h, d, r) = (shape.kv_heads, shape.head_dim, coords.head_dim.unwrap_or(0) as usize);
-    let unit: Vec<f32> = (0..h * r * d)
-        .map(|i| if i % d == (i / d) % r { 1.0 } else { 0.0 })
-        .collect();
-    let bases = kivi_runtime::low_rank::Bases::new(s, unit.clone(), unit)?;
     let bt = default_block_tokens(&coords);
-    let config = CacheConfig {
-        block_tokens: Some(bt),
-        max_blocks: tokens.div_ceil(bt) + 1,
-    };
-    let mut cache = kivi_runtime::low_rank::LowRankCache::with_bases(s.clone(), config, bases)?;
+    let mut cache = unit_low_rank_cache(s, tokens)?;
     let seq = cache.add_sequence();
-    let row = h * d;
+    let row = shape.kv_heads * shape.head_dim;
     let mut rng = kivi_runtime::rand::Rng::new(0x9e37_79b9_7f4a_7c15);
     let mut done = 0;
     while done < tokens {
@@ -226,6 +218,37 @@ pub fn fill_low_rank(s: &Scheme, tokens: usize) -> super::Result<(MemoryReport, 
     Ok((cache.memory(), bt))
 }
 
+/// A `LowRankCache` of a bound low-rank scheme for `tokens` tokens, its
+/// bases the first `R` unit vectors (what it allocates depends on the
+/// shape, not on the basis a calibration would supply).
+fn unit_low_rank_cache(s: &Scheme, tokens: usize) -> super::Result<LowRankCache> {
+    let shape = s.shape().ok_or("scheme has no shape")?;
+    let coords = s.coordinate_scheme().ok_or("scheme has no low_rank field")?;
+    let (h, d, r) = (shape.kv_heads, shape.head_dim, coords.head_dim.unwrap_or(0) as usize);
+    let unit: Vec<f32> = (0..h * r * d)
+        .map(|i| if i % d == (i / d) % r { 1.0 } else { 0.0 })
+        .collect();
+    let bases = kivi_runtime::low_rank::Bases::new(s, unit.clone(), unit)?;
+    let bt = default_block_tokens(&coords);
+    let config = CacheConfig {
+        block_tokens: Some(bt),
+        max_blocks: tokens.div_ceil(bt) + 1,
+    };
+    Ok(LowRankCache::with_bases(s.clone(), config, bases)?)
+}
+
+/// The scheme whose rows a layer's blocks hold: a low-rank scheme's
+/// coordinate scheme (`R` wide), else the scheme itself.
+fn stored_scheme(s: &Scheme) -> Scheme {
+    kivi_templates::kernel_scheme(s).into_owned()
+}
+
+/// One layer's cache in [`fill_model_pool`].
+enum LayerCache {
+    Paged(Box<PagedCache>),
+    LowRank(Box<LowRankCache>),
+}
+
 /// Prefill chunk of [`fill_model_pool`] (and of [`fill_paged`]).
 const CHUNK: usize = 1024;
 
@@ -234,7 +257,10 @@ const CHUNK: usize = 1024;
 /// chunk of [`CHUNK`] tokens through all layers at a time as a model's
 /// prefill does, all on one [`BlockPool`]; returns the pool's report (its
 /// peak is the most bytes of blocks the model held at once) and each
-/// layer's memory.
+/// layer's memory. A low-rank layer is a `LowRankCache` (unit bases,
+/// [`fill_low_rank`]): its coordinate blocks on the pool, its bases and
+/// exact residual rows outside it; it must be a global layer (a
+/// `LowRankCache` does not evict).
 pub fn fill_model_pool(
     schemes: &[Scheme],
     windows: &[Option<usize>],
@@ -243,7 +269,22 @@ pub fn fill_model_pool(
     // The budget is unbounded here: this measures what a pool must hold.
     let pool = BlockPool::new(usize::MAX);
     let mut caches = Vec::with_capacity(schemes.len());
-    for (s, w) in schemes.iter().zip(windows) {
+    for (l, (s, w)) in schemes.iter().zip(windows).enumerate() {
+        if s.low_rank.is_some() {
+            if let Some(w) = w {
+                return Err(format!(
+                    "layer {l}: scheme `{}` has low_rank, and a low-rank cache does not evict yet; \
+                     give it a global layer (global_layers: [...]) or a scheme without low_rank for the sliding layers (window {w})",
+                    s.name
+                )
+                .into());
+            }
+            let mut c = unit_low_rank_cache(s, tokens)?;
+            c.set_pool(Some(pool.clone()))?;
+            let id = c.add_sequence();
+            caches.push((LayerCache::LowRank(Box::new(c)), id));
+            continue;
+        }
         let bt = default_block_tokens(s);
         let config = CacheConfig {
             block_tokens: Some(bt),
@@ -253,7 +294,7 @@ pub fn fill_model_pool(
         c.set_eviction_window(*w)?;
         c.set_pool(Some(pool.clone()))?;
         let id = c.add_sequence();
-        caches.push((c, id));
+        caches.push((LayerCache::Paged(Box::new(c)), id));
     }
     let shape = schemes.first().and_then(Scheme::shape).ok_or("scheme has no shape")?;
     let row = shape.kv_heads * shape.head_dim;
@@ -264,17 +305,29 @@ pub fn fill_model_pool(
         let k: Vec<f32> = (0..n * row).map(|_| rng.f32() * 2.0).collect();
         let v: Vec<f32> = (0..n * row).map(|_| rng.f32() * 2.0).collect();
         for (c, id) in &mut caches {
-            c.extend(*id, &k, &v)?;
+            match c {
+                LayerCache::Paged(c) => c.extend(*id, &k, &v)?,
+                LayerCache::LowRank(c) => c.extend(*id, &k, &v)?,
+            }
         }
         done += n;
     }
-    Ok((pool.memory(), caches.iter().map(|(c, _)| c.memory()).collect()))
+    let memory = caches
+        .iter()
+        .map(|(c, _)| match c {
+            LayerCache::Paged(c) => c.memory(),
+            LayerCache::LowRank(c) => c.memory(),
+        })
+        .collect();
+    Ok((pool.memory(), memory))
 }
 
-/// Bytes of a cache's blocks (what it draws from a block pool).
+/// Bytes of a cache's blocks (what it draws from a block pool; a
+/// low-rank scheme's blocks hold its coordinates).
 fn block_bytes(s: &Scheme, m: &MemoryReport) -> usize {
+    let s = stored_scheme(s);
     let shape = s.shape().expect("bound");
-    m.blocks_in_use * kivi_spec::layout::BlockLayout::new(s, shape, default_block_tokens(s)).block_bytes()
+    m.blocks_in_use * kivi_spec::layout::BlockLayout::new(&s, shape, default_block_tokens(&s)).block_bytes()
 }
 
 /// A memory report as JSON (shared with `attend`).
@@ -530,8 +583,8 @@ fn run_model(arg: &str, args: &Args) -> super::Result {
             kept,
         });
     }
-    // The pool holds blocks only; sinks, windows, tables and means are per
-    // sequence, outside it.
+    // The pool holds blocks only; sinks, windows, tables, means and a
+    // low-rank layer's bases and exact rows are per cache, outside it.
     let pool_kept: usize = rows.iter().map(|r| block_bytes(&r.scheme, &r.kept)).sum();
     let outside: usize = rows
         .iter()
@@ -606,13 +659,18 @@ fn run_model(arg: &str, args: &Args) -> super::Result {
     );
     println!(
         "  pool   one block pool for all {} layers: {} bytes of blocks ({:.2} MiB; without eviction {pool_kept}, {:.2} MiB); \
-         peak {} bytes ({:.2} MiB) during a prefill in chunks of {CHUNK}; {outside} bytes of sinks, windows, tables and means outside it",
+         peak {} bytes ({:.2} MiB) during a prefill in chunks of {CHUNK}; {outside} bytes of sinks, windows, tables and means{} outside it",
         rows.len(),
         pool.used,
         mib(pool.used),
         mib(pool_kept),
         pool.peak,
         mib(pool.peak),
+        if rows.iter().any(|r| r.scheme.low_rank.is_some()) {
+            " (and the low-rank layers' bases and exact rows)"
+        } else {
+            ""
+        },
     );
     Ok(())
 }

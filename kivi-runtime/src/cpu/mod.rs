@@ -70,7 +70,7 @@ mod vq;
 mod width;
 pub(crate) mod write;
 
-use crate::backend::{check_batch, check_window, evict_after_blocks, Backend, NewTokens};
+use crate::backend::{check_batch, check_skip, check_window, evict_after_blocks, Backend, DecodePartial, NewTokens};
 use crate::cache::{PagedCache, SeqId, SeqView};
 use crate::error::{Error, Result};
 use crate::quant::round_to_dtype;
@@ -218,6 +218,28 @@ pub(crate) struct Partial {
     pub acc: Vec<f32>,
 }
 
+/// One task of [`CpuBackend::decode`] / `decode_partial`: sequence `b`,
+/// KV head `h`, and the token ranges it runs in turn.
+type Task = (usize, usize, Vec<(usize, usize)>);
+
+/// Two partial results of one group merged (flash-decoding style).
+fn merge(x: Partial, y: Partial, group: usize, d: usize) -> Partial {
+    let mut out = x;
+    for g in 0..group {
+        let m = out.m[g].max(y.m[g]);
+        if m == f32::NEG_INFINITY {
+            continue;
+        }
+        let (wx, wy) = ((out.m[g] - m).exp(), (y.m[g] - m).exp());
+        out.m[g] = m;
+        out.l[g] = wx * out.l[g] + wy * y.l[g];
+        for (a, b) in out.acc[g * d..(g + 1) * d].iter_mut().zip(&y.acc[g * d..(g + 1) * d]) {
+            *a = wx * *a + wy * b;
+        }
+    }
+    out
+}
+
 /// A split shorter than this costs more in merging than it gains.
 const MIN_SPLIT_TOKENS: usize = 512;
 
@@ -284,8 +306,37 @@ impl CpuBackend {
     }
 
     fn run(&self, cache: &PagedCache, seqs: &[SeqId], q: &[f32], attn: AttnParams) -> Result<Vec<f32>> {
+        let d = cache.shape().head_dim;
+        let p = self.partials(cache, seqs, q, attn, None)?;
+        let mut out = p.acc;
+        for (o, (&m, &l)) in out.chunks_exact_mut(d).zip(p.max.iter().zip(&p.sum)) {
+            if m == f32::NEG_INFINITY {
+                continue; // nothing attended: output stays zero
+            }
+            for x in o.iter_mut() {
+                *x /= l;
+            }
+        }
+        Ok(out)
+    }
+
+    /// The split kernel over every (sequence, KV head, split), merged per
+    /// query head but not normalised. With `skip`
+    /// ([`Backend::decode_partial`]), each split is cut around its head's
+    /// skipped positions and the kernel runs on the pieces in between.
+    fn partials(
+        &self,
+        cache: &PagedCache,
+        seqs: &[SeqId],
+        q: &[f32],
+        attn: AttnParams,
+        skip: Option<&[Vec<Vec<usize>>]>,
+    ) -> Result<DecodePartial> {
         let per = check_batch(cache, seqs, q)?;
         check_window(cache, seqs.iter().copied(), attn)?;
+        if let Some(skip) = skip {
+            check_skip(self.name(), cache, seqs, skip)?;
+        }
         let shape = cache.shape();
         let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
         let group = shape.group_size();
@@ -322,30 +373,97 @@ impl CpuBackend {
             self.params.splits
         };
         let plan = kernel::Plan::new(cache, self.params.isa(d), self.params.tile_tokens);
-        let tasks: Vec<(usize, usize, usize)> = (0..seqs.len())
-            .flat_map(|b| (0..hkv).flat_map(move |h| (0..splits).map(move |s| (b, h, s))))
-            .collect();
+        // Tasks `(b, h, pieces)` grouped by (b, h); `first[b * hkv + h]` is
+        // where that group starts. A task is one split, one piece, unless
+        // `skip` has positions in it: then it is cut around them, and
+        // each piece's unaligned ends (fewer than `fused::ROWS` tokens) are
+        // pieces of their own, so that its body still runs whole aligned
+        // tiles on the fused path; one task runs a split's pieces in turn.
+        let sinks = cache.scheme().sinks as usize;
+        let up = |p: usize| {
+            if p <= sinks {
+                p
+            } else {
+                sinks + (p - sinks).next_multiple_of(fused::ROWS)
+            }
+        };
+        let down = |p: usize| {
+            if p <= sinks {
+                p
+            } else {
+                sinks + (p - sinks) / fused::ROWS * fused::ROWS
+            }
+        };
+        let mut tasks: Vec<Task> = Vec::with_capacity(seqs.len() * hkv * splits);
+        let mut first = Vec::with_capacity(seqs.len() * hkv + 1);
+        for (b, &(lo, hi)) in ranges.iter().enumerate() {
+            for h in 0..hkv {
+                first.push(tasks.len());
+                let len = hi - lo;
+                let mut cuts: Vec<usize> = skip.map_or(Vec::new(), |s| {
+                    s[b][h].iter().copied().filter(|p| (lo..hi).contains(p)).collect()
+                });
+                cuts.sort_unstable();
+                cuts.dedup();
+                for s in 0..splits {
+                    let (mut a, z) = (lo + len * s / splits, lo + len * (s + 1) / splits);
+                    let from = cuts.partition_point(|&p| p < a);
+                    // A split with nothing to skip runs as `decode` runs it.
+                    if cuts.get(from).is_none_or(|&p| p >= z) {
+                        tasks.push((b, h, vec![(a, z)]));
+                        continue;
+                    }
+                    let mut pieces = Vec::new();
+                    let mut piece = |a: usize, z: usize| {
+                        let (a16, z16) = (up(a), down(z));
+                        if a16 < z16 {
+                            for r in [(a, a16), (a16, z16), (z16, z)] {
+                                if r.0 < r.1 {
+                                    pieces.push(r);
+                                }
+                            }
+                        } else if a < z {
+                            pieces.push((a, z));
+                        }
+                    };
+                    for &p in cuts[from..].iter().take_while(|&&p| p < z) {
+                        piece(a, p);
+                        a = p + 1;
+                    }
+                    piece(a, z);
+                    if !pieces.is_empty() {
+                        tasks.push((b, h, pieces));
+                    }
+                }
+            }
+        }
+        first.push(tasks.len());
         let partials: Vec<Partial> = tasks
             .par_iter()
-            .map(|&(b, h, s)| {
-                let (lo, hi) = ranges[b];
-                let len = hi - lo;
-                let a = lo + len * s / splits;
-                let z = lo + len * (s + 1) / splits;
+            .map(|(b, h, pieces)| {
                 let qg = &qr[b * per + h * group * d..][..group * d];
-                kernel::split_attention(&plan, &views[b], h, qg, a, z)
+                let mut parts = pieces
+                    .iter()
+                    .map(|&(a, z)| kernel::split_attention(&plan, &views[*b], *h, qg, a, z));
+                let one = parts.next().expect("a task has a piece");
+                parts.fold(one, |x, y| merge(x, y, group, d))
             })
             .collect();
-        let mut out = vec![0f32; seqs.len() * hq * d];
+        let mut out = DecodePartial {
+            max: vec![f32::NEG_INFINITY; seqs.len() * hq],
+            sum: vec![0.0; seqs.len() * hq],
+            acc: vec![0.0; seqs.len() * hq * d],
+        };
         for b in 0..seqs.len() {
             for h in 0..hkv {
-                let parts = &partials[(b * hkv + h) * splits..][..splits];
+                let parts = &partials[first[b * hkv + h]..first[b * hkv + h + 1]];
                 for g in 0..group {
                     let m = parts.iter().map(|p| p.m[g]).fold(f32::NEG_INFINITY, f32::max);
                     if m == f32::NEG_INFINITY {
-                        continue; // nothing attended: output stays zero
+                        continue; // nothing attended
                     }
-                    let o = &mut out[(b * hq + h * group + g) * d..][..d];
+                    let at = b * hq + h * group + g;
+                    let o = &mut out.acc[at * d..][..d];
                     let mut l = 0f32;
                     for p in parts {
                         if p.m[g] == f32::NEG_INFINITY {
@@ -357,9 +475,8 @@ impl CpuBackend {
                             *x += w * a;
                         }
                     }
-                    for x in o.iter_mut() {
-                        *x /= l;
-                    }
+                    out.max[at] = m;
+                    out.sum[at] = l;
                 }
             }
         }
@@ -394,6 +511,23 @@ impl Backend for CpuBackend {
             pool(self.params.threads)?.install(|| self.run(cache, seqs, q, attn))
         } else {
             self.run(cache, seqs, q, attn)
+        }
+    }
+    /// The split kernel over the tokens between the skipped ones (each
+    /// split cut around them), merged per query head, not normalised.
+    fn decode_partial(
+        &self,
+        cache: &PagedCache,
+        seqs: &[SeqId],
+        q: &[f32],
+        attn: AttnParams,
+        skip: &[Vec<Vec<usize>>],
+    ) -> Result<DecodePartial> {
+        check_params(&self.params)?;
+        if self.params.threads > 0 {
+            pool(self.params.threads)?.install(|| self.partials(cache, seqs, q, attn, Some(skip)))
+        } else {
+            self.partials(cache, seqs, q, attn, Some(skip))
         }
     }
     /// Many-query attention: see `block.rs` for how the work is cut.

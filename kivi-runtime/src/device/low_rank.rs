@@ -184,12 +184,17 @@ impl DeviceLowRankCache {
 }
 
 /// `residual = N` (exact rows for the worst-reconstructed tokens) has no
-/// device path yet: the decode would have to replace those tokens' scores.
+/// device path yet. The host fast path ([`LowRankCache::decode`]) leaves
+/// the kept tokens out of the coordinate decode and merges them back in
+/// exactly; the generated decode kernel has no argument to leave tokens
+/// out (a per-head list of skipped positions), and taking their share back
+/// out of its finished output instead would cancel catastrophically when a
+/// kept token holds most of the softmax weight.
 fn refuse_residual(scheme: &Scheme) -> Result<()> {
     match scheme.low_rank {
         Some(l) if l.residual > 0 => Err(Error::Config(format!(
-            "scheme `{}`: low_rank residual = {} (exact tokens) is not supported on the device yet; \
-             LowRankCache decodes it on the host",
+            "scheme `{}`: low_rank residual = {} (exact tokens) is not supported on the device yet \
+             (its decode kernel cannot leave the kept tokens out); LowRankCache decodes it on any host backend",
             scheme.name, l.residual
         ))),
         _ => Ok(()),
