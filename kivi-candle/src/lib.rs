@@ -433,6 +433,16 @@ impl KiviKvCache {
             let (bound, low_rank) = match bound.coordinate_scheme() {
                 None => (bound, None),
                 Some(coords) => {
+                    // LowRAM's exact residual needs LowRankCache's kept rows,
+                    // which this layer (a plain coordinate cache) does not
+                    // keep: refuse rather than decode it as `residual = 0`.
+                    if let Some(n) = bound.low_rank.map(|l| l.residual).filter(|&n| n > 0) {
+                        return Err(in_layer(kivi_runtime::Error::Config(format!(
+                            "scheme `{}`: low_rank residual = {n} is not supported in kivi-candle yet \
+                             (the exact residual rows live in kivi_runtime::low_rank::LowRankCache); use residual = 0",
+                            bound.name
+                        ))));
+                    }
                     let c = calibration.ok_or_else(|| {
                         in_layer(kivi_runtime::Error::Config(format!(
                             "scheme `{}` is low_rank: its bases come from a calibration (per_layer_calibrated)",

@@ -78,6 +78,18 @@ fn low_rank_layers_match_the_oracle() {
         .unwrap()
         .to_string();
     assert!(e.contains("calibration"), "{e}");
+    // `residual = N` (LowRAM's exact rows) is refused by name, not decoded
+    // as if it were 0.
+    let with_residual = kivi_spec::parse_scheme(&format!(
+        "L {{ key: quant(bits = 4, axis = channel, group = 16), value: quant(bits = 4, axis = token, group = 16), \
+         residual: 16, dtype: f32, low_rank: pca(rank = {rank}, apply = [key, value], residual = 4) }}"
+    ))
+    .unwrap();
+    let e = KiviKvCache::per_layer_calibrated(&vec![with_residual; layers], shape, 512, Some(&cal))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("residual = 4"), "{e}");
     let mut cache = KiviKvCache::per_layer_calibrated(&vec![s.clone(); layers], shape, 512, Some(&cal)).unwrap();
     let bound = s
         .with_shape(
