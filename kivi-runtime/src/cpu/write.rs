@@ -574,7 +574,7 @@ fn lloyd_group<L: Lanes>(q: &Quant, levels: &[f32], x: &[f32], codes: &mut [u8])
     match norm {
         // Token-axis minmax groups are refused by validation (they would
         // need a zero point here); as in `quant::lloyd_group_in`.
-        Norm::Rms | Norm::MinMax => rms,
+        Norm::Rms | Norm::MinMax | Norm::MinMaxPinned => rms,
         Norm::L2 => {
             // Codes counted, then `sum count_k * L_k^2`: 16 roundings at
             // most, within the same bound.
