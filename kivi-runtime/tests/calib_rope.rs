@@ -71,12 +71,13 @@ const PINNED: &str = "pre_mp { key: quant(bits = 2, axis = channel, group = 32, 
               residual: 16, sinks: 4, rope: pre(theta = 10000, style = half) }";
 
 /// `PINNED` with two key outliers per token (stored before RoPE, added to
-/// the decoded pre-RoPE row before it turns): off the vector path. (Keys
-/// only: value outliers on these 1-bit unrotated l2 values are a separate,
-/// pre-existing cache/oracle mismatch, reported, not touched here.)
+/// the decoded pre-RoPE row before it turns): off the vector path. Value
+/// outliers too: the vectorised token-axis write once computed their
+/// corrections against the empty fixed table of a `nuq` codec (`x - 0`
+/// rather than `x - s L[c]`), which this case caught.
 const PINNED_O: &str = "pre_mpo { key: quant(bits = 2, axis = channel, group = 32, levels = nuq, norm = minmax_pinned),
               value: quant(bits = 1, axis = token, group = 32, levels = nuq, norm = l2),
-              outliers: sparse(per_token = 2, apply = [key]),
+              outliers: sparse(per_token = 2, apply = [key, value]),
               residual: 16, sinks: 4, rope: pre(theta = 10000, style = half) }";
 
 fn model(layers: u32, kv: u32, d: u32) -> ModelId {

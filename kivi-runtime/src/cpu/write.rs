@@ -432,7 +432,9 @@ fn pipeline_body<L: Lanes>(
             if tl.outliers > 0 {
                 for i in 0..no {
                     let c = idx[i];
-                    let deq = quant::dequantize(codes[c] as u32, params[c / g], q);
+                    // The codec's own table: a calibrated `nuq` codebook is
+                    // not the (empty) fixed table of `quant::dequantize`.
+                    let deq = codec.dequantize(codes[c] as u32, params[c / g]);
                     match codec.correction(orig[i], deq) {
                         Some(x) => corr[i] = x,
                         None => return false,
