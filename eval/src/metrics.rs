@@ -206,6 +206,8 @@ pub fn codec_short(s: &Scheme, t: Tensor) -> String {
         Levels::Nuq(kivi_spec::Norm::L2) => o += "·nuq2",
         // A table over [0, 1] with a zero point (norm = minmax).
         Levels::LloydMax(kivi_spec::Norm::MinMax) | Levels::Nuq(kivi_spec::Norm::MinMax) => o += "·nuqz",
+        // The same with the table's ends pinned at 0 and 1.
+        Levels::LloydMax(kivi_spec::Norm::MinMaxPinned) | Levels::Nuq(kivi_spec::Norm::MinMaxPinned) => o += "·nuqp",
     }
     if let Some(r) = s.rotation_of(t) {
         o += &format!("·H{}{}", r.block, if r.signs.is_some() { "s" } else { "" });

@@ -1699,8 +1699,10 @@ pub struct SeqView<'a> {
 
 impl<'a> SeqView<'a> {
     /// Adds the stored outlier corrections of token `off` of a block part to
-    /// its decoded row (in the transformed domain).
-    fn add_outliers(&self, tl: &TensorLayout, part: &[u32], off: usize, row: &mut [f32]) {
+    /// its decoded row (in the transformed domain; for pre-RoPE keys, which
+    /// have no transform, the pre-RoPE domain: `cpu/rope.rs` adds them
+    /// before turning the row).
+    pub(crate) fn add_outliers(&self, tl: &TensorLayout, part: &[u32], off: usize, row: &mut [f32]) {
         for k in 0..tl.outliers {
             let iw = part[tl.outlier_idx_offset + off * tl.outlier_idx_words + k / 2];
             let c = ((iw >> (16 * (k % 2))) & 0xffff) as usize;

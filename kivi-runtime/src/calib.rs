@@ -398,6 +398,17 @@ impl Calibration {
                 if e.data.len() != 1usize << bits {
                     return Err(missing(format!("a {}-entry codebook", e.data.len())));
                 }
+                // A pinned table's ends are the scheme's meaning (each group
+                // decodes its min and max exactly): a file that has other
+                // ends under that fit was not made by this fit.
+                let pinned = scheme.codec(t).quant().and_then(|q| q.levels.norm()) == Some(Norm::MinMaxPinned);
+                if pinned && (e.data.first() != Some(&0.0) || e.data.last() != Some(&1.0)) {
+                    return Err(CalibError::Malformed(format!(
+                        "layer {layer} {} codebook ({fit}) must start at 0 and end at 1, has {:?}",
+                        t.name(),
+                        e.data
+                    )));
+                }
                 Ok(e.data.clone())
             }
             None => {
@@ -874,14 +885,18 @@ impl Calibration {
                     )));
                 }
                 let bits = scheme.codec(t).quant().map_or(1, |q| q.bits);
-                let table = kmeans_1d(&mut pts, 1 << bits, opts.iterations);
+                let norm = scheme.codec(t).quant().and_then(|q| q.levels.norm());
+                let table = if norm == Some(Norm::MinMaxPinned) {
+                    kmeans_1d_pinned(&mut pts, 1 << bits, opts.iterations)?
+                } else {
+                    kmeans_1d(&mut pts, 1 << bits, opts.iterations)
+                };
                 // The report's fixed table: Lloyd-Max's, or for a table over
                 // [0, 1] (minmax) the uniform levels it replaces.
                 let uniform: Vec<f32> = (0..1u32 << bits)
                     .map(|c| c as f32 / ((1u32 << bits) - 1) as f32)
                     .collect();
-                let minmax = scheme.codec(t).quant().and_then(|q| q.levels.norm()) == Some(Norm::MinMax);
-                let lm = if minmax {
+                let lm = if norm.is_some_and(Norm::has_zero) {
                     &uniform[..]
                 } else {
                     lloyd_max_levels(bits).unwrap_or(&[])
@@ -1024,7 +1039,7 @@ fn normalised_values(
             .collect();
         let w = &weights[head * d..(head + 1) * d];
         let mut push = |vals: &[f32], chans: &mut dyn Iterator<Item = usize>| {
-            if q.levels.norm() == Some(Norm::MinMax) {
+            if q.levels.norm().is_some_and(Norm::has_zero) {
                 // `(x - z) / s` with the group's stored `s`, `z` (the
                 // oracle's own, `quant::minmax_group_in`). The error in `x`
                 // is `s` times the error in `y`, so each value also weighs
@@ -1170,6 +1185,64 @@ pub fn kmeans_1d(pts: &mut [(f32, f32)], k: usize, iterations: usize) -> Vec<f32
         bounds = nb;
     }
     c
+}
+
+/// [`kmeans_1d`] with the first and last of the `k` levels pinned at 0 and
+/// 1 (`norm = minmax_pinned`): only the inner `k - 2` move. They start at
+/// the uniform table's places `j / (k - 1)`, so the fit begins at the
+/// uniform levels it replaces, and each iteration assigns by midpoints and
+/// moves every inner level to its cell's weighted mean (a level whose cell
+/// is empty keeps its place). Lloyd's two steps never raise the weighted
+/// error, so the fitted table codes `pts` at least as well as uniform
+/// levels. Inner levels are clamped to `[0, 1]` and the table stays
+/// ascending; the ends are exactly 0.0 and 1.0 whatever the points.
+///
+/// `k < 2` (no room for both ends) is [`CalibError::Samples`]; validation
+/// already refuses the 1-bit spelling (`k = 2`, nothing to learn, would be
+/// uniform levels), which this returns as `[0, 1]` if asked.
+pub fn kmeans_1d_pinned(pts: &mut [(f32, f32)], k: usize, iterations: usize) -> Result<Vec<f32>, CalibError> {
+    if k < 2 {
+        return Err(CalibError::Samples(format!(
+            "a pinned table needs at least 2 levels (its ends at 0 and 1), asked for {k}"
+        )));
+    }
+    let mut c: Vec<f32> = (0..k).map(|j| j as f32 / (k - 1) as f32).collect();
+    if pts.is_empty() || k == 2 {
+        return Ok(c);
+    }
+    pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let n = pts.len();
+    let mut sw = vec![0f64; n + 1];
+    let mut swy = vec![0f64; n + 1];
+    for (i, (y, w)) in pts.iter().enumerate() {
+        let w = w.max(0.0) as f64;
+        sw[i + 1] = sw[i] + w;
+        swy[i + 1] = swy[i] + w * *y as f64;
+    }
+    let mut bounds = vec![usize::MAX; k + 1];
+    for _ in 0..iterations.max(1) {
+        let mut nb = vec![0usize; k + 1];
+        nb[k] = n;
+        for j in 0..k - 1 {
+            let t = (c[j] + c[j + 1]) * 0.5;
+            nb[j + 1] = pts.partition_point(|p| p.0 <= t).max(nb[j]);
+        }
+        if nb == bounds {
+            break;
+        }
+        for j in 1..k - 1 {
+            let (a, b) = (nb[j], nb[j + 1]);
+            let w = sw[b] - sw[a];
+            if w > 0.0 {
+                c[j] = (((swy[b] - swy[a]) / w) as f32).clamp(0.0, 1.0);
+            }
+        }
+        // Each inner mean lies inside its own cell, between its neighbours'
+        // midpoints, so the order holds; the sort only guards the clamp.
+        c[1..k - 1].sort_by(f32::total_cmp);
+        bounds = nb;
+    }
+    Ok(c)
 }
 
 /// Weighted mean squared error of `pts` coded to the nearest of `table`

@@ -52,7 +52,7 @@ pub fn storable_limit_in(q: &Quant, levels: &[f32]) -> f32 {
     if q.levels == Levels::Uniform {
         return max.min(max * (q.max_code() as f32 / 2.0)).min(f32::MAX / 2.0);
     }
-    if q.levels.norm() == Some(Norm::MinMax) {
+    if q.levels.norm().is_some_and(Norm::has_zero) {
         // `z = lo` and `s = hi - lo`: uniform levels' bound at one step.
         return (max / 2.0).min(f32::MAX / 2.0);
     }
@@ -569,7 +569,7 @@ pub fn lloyd_group_in(values: &[f32], q: &Quant, levels: &[f32], codes: &mut [u3
     match norm {
         // `quantize_group_in` codes minmax groups itself ([`minmax_group_in`]);
         // here (a caller asking for one norm) the RMS is the nearest meaning.
-        Norm::Rms | Norm::MinMax => rms,
+        Norm::Rms | Norm::MinMax | Norm::MinMaxPinned => rms,
         Norm::L2 => {
             let lc: f64 = codes.iter().map(|c| (levels[*c as usize] as f64).powi(2)).sum();
             if lc == 0.0 || ss == 0.0 {
@@ -628,7 +628,8 @@ pub fn quantize_group_in(values: &[f32], q: &Quant, levels: &[f32], codes: &mut 
             }
             (p, lo, hi)
         }
-        Levels::Nuq(Norm::MinMax) => minmax_group_in(values, q, levels, codes),
+        // A pinned table is an ordinary table over [0, 1]: same code.
+        Levels::Nuq(Norm::MinMax | Norm::MinMaxPinned) => minmax_group_in(values, q, levels, codes),
         Levels::LloydMax(_) | Levels::Nuq(_) => {
             let s = lloyd_group_in(values, q, levels, codes);
             let lo = values.iter().copied().fold(f32::INFINITY, f32::min);
@@ -651,7 +652,9 @@ pub fn dequantize_in(c: u32, p: GroupParams, q: &Quant, levels: &[f32]) -> f32 {
     match q.levels {
         Levels::Uniform => decode(c, p),
         // `z + s L[c]`: two roundings, like `decode`.
-        Levels::Nuq(Norm::MinMax) => levels.get(c as usize).map_or(p.zero, |l| p.scale * l + p.zero),
+        Levels::Nuq(Norm::MinMax | Norm::MinMaxPinned) => {
+            levels.get(c as usize).map_or(p.zero, |l| p.scale * l + p.zero)
+        }
         Levels::LloydMax(_) | Levels::Nuq(_) => levels.get(c as usize).map_or(0.0, |l| p.scale * l),
     }
 }

@@ -19,7 +19,12 @@
 //!   (a table over [0, 1] with a zero point per group);
 //! - a minmax group codes like uniform levels when its table is the
 //!   uniform one, and a minmax fit learns a table in [0, 1] no worse than
-//!   the uniform levels on what it was fitted on.
+//!   the uniform levels on what it was fitted on;
+//! - a pinned minmax fit (`norm = minmax_pinned`) keeps its ends at exactly
+//!   0 and 1, learns the inner entries (no worse than uniform, other than
+//!   the free fit's), is its own calibration entry, and a file whose
+//!   pinned table has other ends is refused; the degenerate fits (no
+//!   points, points only at the ends, fewer than 2 levels) are handled.
 
 use kivi_runtime::calib::*;
 use kivi_runtime::cpu::Isa;
@@ -56,6 +61,23 @@ const SCHEMES: [&str; 4] = [
 /// pre-RoPE channel-axis keys take it (validation).
 const MINMAX: &str = "pre_mm { key: quant(bits = 2, axis = channel, group = 32, levels = nuq, norm = minmax),
               value: quant(bits = 1, axis = token, group = 32, levels = nuq, norm = l2),
+              residual: 16, sinks: 4, rope: pre(theta = 10000, style = half) }";
+
+/// `MINMAX` with the table's ends pinned at 0 and 1 (`norm =
+/// minmax_pinned`): stored and decoded like `MINMAX`, fitted with only the
+/// inner entries free.
+const PINNED: &str = "pre_mp { key: quant(bits = 2, axis = channel, group = 32, levels = nuq, norm = minmax_pinned),
+              value: quant(bits = 1, axis = token, group = 32, levels = nuq, norm = l2),
+              residual: 16, sinks: 4, rope: pre(theta = 10000, style = half) }";
+
+/// `PINNED` with two key outliers per token (stored before RoPE, added to
+/// the decoded pre-RoPE row before it turns): off the vector path. Value
+/// outliers too: the vectorised token-axis write once computed their
+/// corrections against the empty fixed table of a `nuq` codec (`x - 0`
+/// rather than `x - s L[c]`), which this case caught.
+const PINNED_O: &str = "pre_mpo { key: quant(bits = 2, axis = channel, group = 32, levels = nuq, norm = minmax_pinned),
+              value: quant(bits = 1, axis = token, group = 32, levels = nuq, norm = l2),
+              outliers: sparse(per_token = 2, apply = [key, value]),
               residual: 16, sinks: 4, rope: pre(theta = 10000, style = half) }";
 
 fn model(layers: u32, kv: u32, d: u32) -> ModelId {
@@ -284,7 +306,7 @@ fn layouts() -> [Heads; 3] {
 fn calibrated_pre_rope_caches_match_the_oracle_odd_lengths_and_layouts() {
     let d = 32;
     let mut case = 0u64;
-    for text in SCHEMES.into_iter().chain([MINMAX]) {
+    for text in SCHEMES.into_iter().chain([MINMAX, PINNED, PINNED_O]) {
         let s0 = parse_scheme(text).unwrap();
         for heads in layouts() {
             for theta in [10_000.0, 1_000_000.0] {
@@ -358,8 +380,12 @@ fn calibrated_pre_rope_caches_match_the_oracle_odd_lengths_and_layouts() {
                         "{}",
                         b.kernel_path(&caches[0])
                     );
-                    // Channel-axis table keys take the vector decode.
-                    if s.key.quant().is_some_and(|q| q.axis == kivi_spec::Axis::Channel) && !p.scalar {
+                    // Channel-axis table keys take the vector decode
+                    // (unless key outliers need the group-wise decode).
+                    if s.key.quant().is_some_and(|q| q.axis == kivi_spec::Axis::Channel)
+                        && !p.scalar
+                        && s.outliers_of(Tensor::Key) == 0
+                    {
                         assert!(
                             b.kernel_path(&caches[0]).ends_with("vec+rope"),
                             "{}: {}",
@@ -463,4 +489,108 @@ fn minmax_fits_learn_a_table_in_the_unit_interval() {
             "{weighted}: a Gaussian group gains little? {t:?}"
         );
     }
+}
+
+/// A pinned minmax fit: ends exactly 0.0 and 1.0, inner entries learned
+/// (ascending, inside (0, 1), not the uniform ones on Gaussian groups),
+/// weighted error no worse than uniform levels and no better than the
+/// free fit (the same Lloyd steps with two entries fewer free); both fits
+/// live side by side in one calibration under their own fit keys.
+#[test]
+fn pinned_minmax_fits_keep_exact_ends_and_learn_the_inner_levels() {
+    let heads = Heads::Gqa { q: 4, kv: 2 };
+    let pinned = parse_scheme(PINNED).unwrap().with_shape(heads, 32).unwrap();
+    let free = parse_scheme(MINMAX).unwrap().with_shape(heads, 32).unwrap();
+    assert_ne!(fit_key(&pinned, Tensor::Key), fit_key(&free, Tensor::Key));
+    let xs = samples(&pinned, heads, 32, 1, 9);
+    for weighted in [false, true] {
+        let opts = FitOptions {
+            weighted,
+            ..FitOptions::default()
+        };
+        let mut c = Calibration::new(model(1, 2, 32), "test draws");
+        let rp = c.fit_codebooks(&pinned, &xs, opts).unwrap();
+        let rf = c.fit_codebooks(&free, &xs, opts).unwrap();
+        let t = c.codebook(&pinned, Tensor::Key, 0).unwrap();
+        let tf = c.codebook(&free, Tensor::Key, 0).unwrap();
+        assert_eq!(t.len(), 4);
+        assert_eq!((t[0], t[3]), (0.0, 1.0), "{t:?}");
+        assert!(t.windows(2).all(|w| w[0] < w[1]), "{t:?}");
+        assert!(
+            (t[1] - 1.0 / 3.0).abs() > 1e-3 && (t[2] - 2.0 / 3.0).abs() > 1e-3,
+            "inner entries not learned: {t:?}"
+        );
+        assert!(tf[0] > 0.01 && tf[3] < 0.99, "the free fit pulls its ends in: {tf:?}");
+        let key = |r: &[FitReport]| r.iter().find(|r| r.tensor == Tensor::Key).unwrap().clone();
+        let (p, f) = (key(&rp), key(&rf));
+        assert!(
+            p.mse < p.mse_lloyd_max,
+            "{weighted}: {} vs uniform {}",
+            p.mse,
+            p.mse_lloyd_max
+        );
+        assert_eq!(p.mse_lloyd_max, f.mse_lloyd_max, "the same samples and uniform table");
+        assert!(f.mse <= p.mse, "{weighted}: free {} vs pinned {}", f.mse, p.mse);
+    }
+}
+
+/// The pinned k-means on its own: degenerate inputs (fewer than 2
+/// levels: a typed error; no points, or 1 bit: the uniform table; points
+/// only at the ends: the inner entries keep their uniform places), and on
+/// points clustered inside, ends still exact while the inner entries move
+/// to the clusters.
+#[test]
+fn pinned_kmeans_handles_degenerate_inputs() {
+    assert!(matches!(kmeans_1d_pinned(&mut [], 1, 10), Err(CalibError::Samples(_))));
+    assert!(matches!(
+        kmeans_1d_pinned(&mut [(0.5, 1.0)], 0, 10),
+        Err(CalibError::Samples(_))
+    ));
+    assert_eq!(
+        kmeans_1d_pinned(&mut [], 4, 10).unwrap(),
+        [0.0, 1.0 / 3.0, 2.0 / 3.0, 1.0]
+    );
+    assert_eq!(
+        kmeans_1d_pinned(&mut [(0.3, 1.0), (0.9, 2.0)], 2, 10).unwrap(),
+        [0.0, 1.0]
+    );
+    let mut ends = vec![(0.0, 1.0), (1.0, 1.0), (0.0, 3.0), (1.0, 0.5)];
+    assert_eq!(
+        kmeans_1d_pinned(&mut ends, 4, 10).unwrap(),
+        [0.0, 1.0 / 3.0, 2.0 / 3.0, 1.0]
+    );
+    // Two tight clusters inside, plus a little weight at the ends; values
+    // a rounding outside [0, 1] (f16 zero points) do not move the ends.
+    let mut pts: Vec<(f32, f32)> = (0..200)
+        .map(|i| (if i % 2 == 0 { 0.45 } else { 0.55 } + (i % 7) as f32 * 1e-3, 1.0))
+        .chain([(-1e-4, 0.1), (1.0001, 0.1)])
+        .collect();
+    let t = kmeans_1d_pinned(&mut pts, 4, 100).unwrap();
+    assert_eq!((t[0], t[3]), (0.0, 1.0), "{t:?}");
+    assert!((t[1] - 0.453).abs() < 0.01 && (t[2] - 0.553).abs() < 0.01, "{t:?}");
+    assert!(table_mse(&pts, &t) < table_mse(&pts, &[0.0, 1.0 / 3.0, 2.0 / 3.0, 1.0]));
+}
+
+/// A calibration file whose entry under a pinned fit key has other ends
+/// (hand-edited, or written by another tool) is a typed error, never a
+/// table that silently shrinks the groups' extremes.
+#[test]
+fn a_pinned_codebook_without_exact_ends_is_refused() {
+    let heads = Heads::Mqa(2);
+    let s = parse_scheme(PINNED).unwrap().with_shape(heads, 32).unwrap();
+    let mut c = Calibration::new(model(1, 1, 32), "hand-made");
+    c.insert(Entry {
+        layer: 0,
+        tensor: Tensor::Key,
+        stage: Stage::of(&s, Tensor::Key),
+        kind: Kind::Codebook,
+        fit: fit_key(&s, Tensor::Key).unwrap(),
+        shape: vec![4],
+        data: vec![0.16, 0.39, 0.6, 0.84],
+    })
+    .unwrap();
+    let e = c.codebook(&s, Tensor::Key, 0).unwrap_err();
+    assert!(matches!(e, CalibError::Malformed(_)), "{e}");
+    assert!(e.to_string().contains("start at 0 and end at 1"), "{e}");
+    assert!(PagedCache::with_calibration(s.clone(), CacheConfig::for_tokens(64), &c, 0).is_err());
 }

@@ -305,18 +305,36 @@ fn vector_path_matches_the_oracle_on_avx512_and_avx2() {
 }
 
 /// A streamed cache with an eviction window (positions past the freed
-/// blocks stay absolute), and many-query blocks after a prefix.
+/// blocks stay absolute), and many-query blocks after a prefix; kivi2 keys,
+/// and the same with two key outliers per token (stored before RoPE,
+/// streamed appends and block writes alike).
 #[test]
 fn positions_come_from_the_cache_streamed_evicted_and_in_blocks() {
     let mut rng = Rng::new(0x13_02);
-    let base = Scheme {
+    let win = Scheme {
         name: "win".into(),
         sinks: 3,
         residual: 16,
         sliding_window: Some(48),
         ..presets::kivi2()
     };
-    for (theta, style) in [(10_000.0, RopeStyle::Half), (1_000_000.0, RopeStyle::Interleaved)] {
+    let win_o = Scheme {
+        name: "win_o".into(),
+        outliers: Some(Outliers {
+            per_token: 2,
+            apply: Apply {
+                key: true,
+                value: false,
+            },
+        }),
+        ..win.clone()
+    };
+    for (base, (theta, style)) in [&win, &win_o].into_iter().flat_map(|b| {
+        [
+            (b, (10_000.0, RopeStyle::Half)),
+            (b, (1_000_000.0, RopeStyle::Interleaved)),
+        ]
+    }) {
         for (heads, d) in layouts3() {
             let s = with_rope(&base.with_shape(heads, d).unwrap(), theta, style);
             let shape = s.shape().unwrap();
@@ -373,4 +391,90 @@ fn positions_come_from_the_cache_streamed_evicted_and_in_blocks() {
             }
         }
     }
+}
+
+/// Key outliers on pre-RoPE keys (KVQuant's dense-and-sparse keys): each
+/// correction lives in the pre-RoPE domain and is added before the row is
+/// turned. The paged cache (reference backend) and the CPU backend (both
+/// strategies, vector ISA and scalar, one split and several) equal the
+/// oracle at lengths 1, 31, 33, 127, 1000 on MHA / GQA / MQA, both bases
+/// and both pair conventions; channel-axis keys (the group-wise decode in
+/// `cpu/rope.rs`) and token-axis keys (the row reader), uniform and
+/// Lloyd–Max levels, with value outliers too. The keys carry spikes of
+/// 40x in a few channels, and at 1000 tokens the outliers change the
+/// oracle's answer, so a kernel that dropped the corrections would fail.
+#[test]
+fn key_outliers_on_pre_rope_keys_match_the_oracle() {
+    let mut rng = Rng::new(0x13_0c);
+    let bases = [
+        "ko_c { key: quant(bits = 2, axis = channel, group = 32), value: quant(bits = 2, axis = token, group = 32),
+                outliers: sparse(per_token = 2, apply = [key]), residual: 32, sinks: 4 }",
+        "ko_t { key: quant(bits = 2, axis = token, group = 32), value: quant(bits = 2, axis = token, group = 32),
+                outliers: sparse(per_token = 1, apply = [key, value]), residual: 7 }",
+        "ko_lm { key: quant(bits = 3, axis = channel, group = 16, levels = lloyd_max),
+                 value: quant(bits = 2, axis = channel, group = 16), outliers: sparse(per_token = 3, apply = [key]),
+                 residual: 0, sinks: 1 }",
+    ]
+    .map(|t| parse_scheme(t).unwrap());
+    let _lock = STRATEGY.lock().unwrap_or_else(|e| e.into_inner());
+    let backends = [
+        CpuBackend::default(),
+        CpuBackend::new(CpuParams {
+            splits: 3,
+            tile_tokens: 16,
+            scalar: true,
+            ..CpuParams::default()
+        })
+        .unwrap(),
+    ];
+    let (mut case, mut mattered) = (0usize, 0usize);
+    for theta in BASES {
+        for style in STYLES {
+            for (heads, d) in layouts3() {
+                for &t in &LENS {
+                    case += 1;
+                    let base = &bases[case % bases.len()];
+                    let s = with_rope(&base.with_shape(heads, d).unwrap(), theta, style);
+                    let shape = s.shape().unwrap();
+                    let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+                    let mut k = rng.kv(t, hkv, d, true);
+                    for row in k.chunks_exact_mut(d) {
+                        let c = (rng.f32().abs() * d as f32) as usize % d;
+                        row[c] *= 40.0;
+                    }
+                    let v = rng.kv(t, hkv, d, false);
+                    let q = rng.kv(1, hq, d, false);
+                    let attn = AttnParams::of(&s, shape);
+                    let what = format!("{} theta {theta} {} {heads} T={t}", s.name, style.name());
+                    let want = reference::attend(&s, &q, &k, &v, attn).unwrap();
+                    if t == 1000 {
+                        let plain = Scheme {
+                            outliers: None,
+                            ..s.clone()
+                        };
+                        let without = reference::attend(&plain, &q, &k, &v, attn).unwrap();
+                        assert!(rel_err(&without, &want) > 1e-3, "{what}: outliers changed nothing");
+                        mattered += 1;
+                    }
+                    let (c, id) = filled(&s, &k, &v);
+                    check(
+                        &ReferenceBackend.decode(&c, &[id], &q, attn).unwrap(),
+                        &want,
+                        &format!("paged {what}"),
+                    );
+                    for (bi, b) in backends.iter().enumerate() {
+                        let path = b.kernel_path(&c);
+                        assert!(path.ends_with("+rope") && !path.ends_with("vec+rope"), "{path}");
+                        for rotate_query in [false, true] {
+                            kivi_runtime::cpu::set_rope_strategy(rotate_query);
+                            let got = b.decode(&c, &[id], &q, attn).unwrap();
+                            check(&got, &want, &format!("cpu {bi} query={rotate_query} {what}"));
+                        }
+                        kivi_runtime::cpu::set_rope_strategy(false);
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(mattered, 2 * 2 * 3);
 }

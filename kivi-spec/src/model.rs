@@ -106,7 +106,10 @@ impl Quant {
     /// Whether each group stores a zero point: uniform levels, and a
     /// `nuq` table over `[0, 1]` (`norm = minmax`).
     pub fn has_zeros(&self) -> bool {
-        matches!(self.levels, Levels::Uniform | Levels::Nuq(Norm::MinMax))
+        match self.levels {
+            Levels::Uniform => true,
+            Levels::LloydMax(n) | Levels::Nuq(n) => n.has_zero(),
+        }
     }
 }
 
@@ -163,6 +166,16 @@ pub enum Norm {
     /// (the fixed Lloyd–Max table is a Gaussian's), on channel-axis keys
     /// with `rope: pre(...)` for now (validate.rs says why).
     MinMax,
+    /// `MinMax` whose table has its first and last entries fixed at 0 and
+    /// 1 (`norm = minmax_pinned`); calibration learns only the inner ones.
+    /// Every group then decodes its own minimum and maximum exactly, as
+    /// uniform levels do: the free table pulled its ends in to about 0.16
+    /// and 0.84 of the span and shrank each group's largest keys
+    /// (docs/accuracy.md, "Two bits all-in"). Stored and decoded exactly
+    /// like `MinMax` (the table is an ordinary table); only the fit and the
+    /// scheme's identity differ. Needs at least 2 bits (at 1 bit every
+    /// entry would be pinned: that is uniform levels).
+    MinMaxPinned,
 }
 
 impl Norm {
@@ -171,7 +184,15 @@ impl Norm {
             Norm::Rms => "rms",
             Norm::L2 => "l2",
             Norm::MinMax => "minmax",
+            Norm::MinMaxPinned => "minmax_pinned",
         }
+    }
+
+    /// Whether a group stores a zero point and codes `(x - z) / s` against
+    /// a table over `[0, 1]` (`minmax`, `minmax_pinned`): the kernels treat
+    /// both alike.
+    pub fn has_zero(self) -> bool {
+        matches!(self, Norm::MinMax | Norm::MinMaxPinned)
     }
 }
 

@@ -17,7 +17,7 @@
 //!           | query: int8(group = INT)
 //!           | low_rank: pca(rank = INT, apply = tensors [, residual = INT])
 //! codec    := full | quant(bits = INT, axis = channel|token, group = INT
-//!                          [, scale = f16|f32] [, levels = uniform|lloyd_max|nuq] [, norm = rms|l2|minmax])
+//!                          [, scale = f16|f32] [, levels = uniform|lloyd_max|nuq] [, norm = rms|l2|minmax|minmax_pinned])
 //!           | vq(dim = INT, entries = INT [, codebook = NAME])
 //! tensors  := [key] | [value] | [key, value]
 //! heads    := mha(INT) | gqa(q = INT, kv = INT) | mqa(q = INT)
@@ -245,12 +245,13 @@ fn parse_codec(input: ParseStream, t: Tensor, spans: &mut HashMap<Field, Span>) 
             "norm" => {
                 dup(norm.is_some())?;
                 expect_eq(&content, &arg)?;
-                let (v, sp) = parse_choice(&content, "norm", &["rms", "l2", "minmax"])?;
+                let (v, sp) = parse_choice(&content, "norm", &["rms", "l2", "minmax", "minmax_pinned"])?;
                 spans.insert(Field::Norm(t), sp);
                 let n = match v {
                     "rms" => Norm::Rms,
                     "l2" => Norm::L2,
-                    _ => Norm::MinMax,
+                    "minmax" => Norm::MinMax,
+                    _ => Norm::MinMaxPinned,
                 };
                 norm = Some((n, sp));
             }

@@ -37,6 +37,10 @@ fn codec(c: &Codec) -> TokenStream {
                 Levels::Nuq(Norm::L2) => quote!(::kivi::spec::Levels::Nuq(::kivi::spec::Norm::L2)),
                 Levels::LloydMax(Norm::MinMax) => quote!(::kivi::spec::Levels::LloydMax(::kivi::spec::Norm::MinMax)),
                 Levels::Nuq(Norm::MinMax) => quote!(::kivi::spec::Levels::Nuq(::kivi::spec::Norm::MinMax)),
+                Levels::LloydMax(Norm::MinMaxPinned) => {
+                    quote!(::kivi::spec::Levels::LloydMax(::kivi::spec::Norm::MinMaxPinned))
+                }
+                Levels::Nuq(Norm::MinMaxPinned) => quote!(::kivi::spec::Levels::Nuq(::kivi::spec::Norm::MinMaxPinned)),
             };
             quote!(::kivi::spec::Codec::Quant(::kivi::spec::Quant {
                 bits: #bits, axis: #axis, group: #group, scale: #scale, levels: #levels

@@ -419,20 +419,31 @@ fn validate_query(s: &Scheme) -> Result<(), Invalid> {
 /// `[0, 1]`; the fused codec loops (`cpu/codec.rs`, token-axis writes,
 /// the CUDA templates) store and fold a norm with no zero, while pre-RoPE
 /// channel-axis keys are decoded by `cpu/rope.rs` (vector path and row
-/// reader alike), which adds it.
+/// reader alike), which adds it (and, off the vector path, key outliers'
+/// corrections after it).
+///
+/// `norm = minmax_pinned` (the same with the table's ends fixed at 0 and 1)
+/// follows the same rules, and needs at least 2 bits: at 1 bit both
+/// entries are pinned, which is uniform levels with nothing to calibrate.
 fn validate_minmax(s: &Scheme, t: Tensor, q: &crate::Quant) -> Result<(), Invalid> {
-    let Some(crate::Norm::MinMax) = q.levels.norm() else {
+    let Some(norm) = q.levels.norm().filter(|n| n.has_zero()) else {
         return Ok(());
     };
-    let n = t.name();
+    let (n, name) = (t.name(), norm.name());
     let why = if !matches!(q.levels, Levels::Nuq(_)) {
-        "norm = minmax needs levels = nuq (a learned table over [0, 1]; the Lloyd-Max table is a Gaussian's)"
+        format!("norm = {name} needs levels = nuq (a learned table over [0, 1]; the Lloyd-Max table is a Gaussian's)")
     } else if t != Tensor::Key || q.axis != Axis::Channel || s.rope.is_none() {
-        "norm = minmax is only supported on channel-axis keys with rope: pre(...) yet (the other kernels store no zero point for table codes)"
-    } else if s.rotation_of(t).is_some() || s.center_of(t).is_some() || s.outliers_of(t) > 0 {
-        "norm = minmax does not combine with a rotation, centering or outliers yet"
+        format!("norm = {name} is only supported on channel-axis keys with rope: pre(...) yet (the other kernels store no zero point for table codes)")
+    } else if s.rotation_of(t).is_some() || s.center_of(t).is_some() {
+        // (Key outliers are fine: both decoders of these keys, the oracle
+        // and `cpu/rope.rs`, add the corrections to the decoded row.)
+        format!("norm = {name} does not combine with a rotation or centering yet")
     } else if s.low_rank.is_some() || matches!(s.heads, Some(Heads::Mla(_))) {
-        "norm = minmax does not apply to low-rank or mla caches yet"
+        format!("norm = {name} does not apply to low-rank or mla caches yet")
+    } else if norm == crate::Norm::MinMaxPinned && q.bits < 2 {
+        format!(
+            "norm = {name} at 1 bit pins both table entries (0 and 1): that is levels = uniform; use 2 bits or more"
+        )
     } else {
         return Ok(());
     };
@@ -468,10 +479,13 @@ fn validate_rope(s: &Scheme, r: &Rope) -> Result<(), Invalid> {
             ));
         }
     }
-    // A key rotation, centering or outliers live in the codes' domain,
-    // which RoPE (a per-token rotation of the original domain) does not
-    // commute with; the kernels would have to leave the codes' domain per
-    // token.
+    // A key rotation or centering lives in the codes' domain, which RoPE (a
+    // per-token rotation of the original domain) does not commute with; the
+    // kernels would have to leave the codes' domain per token. Key outliers
+    // alone are fine: without those transforms the codes' domain is the
+    // pre-RoPE one, and each correction is added to the pre-RoPE row before
+    // it is turned (KVQuant's dense-and-sparse keys; the CPU backend and
+    // the oracle do, the CUDA templates refuse it by name).
     for (on, field, what) in [
         (
             s.rotation_of(Tensor::Key).is_some(),
@@ -479,7 +493,6 @@ fn validate_rope(s: &Scheme, r: &Rope) -> Result<(), Invalid> {
             "a key rotation",
         ),
         (s.center_of(Tensor::Key).is_some(), Field::CenterApply, "key centering"),
-        (s.outliers_of(Tensor::Key) > 0, Field::OutliersApply, "key outliers"),
     ] {
         if on {
             return Err(Invalid::new(

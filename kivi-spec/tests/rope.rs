@@ -140,7 +140,6 @@ fn refuses_odd_heads_and_key_transforms() {
     for extra in [
         "rotation: hadamard(block = 32, apply = [key])",
         "center: channel_mean(tokens = 32, apply = [key])",
-        "outliers: sparse(per_token = 2, apply = [key])",
     ] {
         let e = parse_scheme(&with(&format!("{extra}, rope: pre(theta = 10000, style = half)"))).unwrap_err();
         assert!(
@@ -154,6 +153,34 @@ fn refuses_odd_heads_and_key_transforms() {
         )));
         assert!(e2.is_ok(), "{extra} on values: {e2:?}");
     }
+}
+
+/// Key outliers alone live in the pre-RoPE domain (no transform to undo per
+/// token): accepted, on keys and on both tensors, and hashed apart from the
+/// same scheme without them; with a key rotation they are still refused
+/// (by the rotation).
+#[test]
+fn accepts_key_outliers_on_pre_rope_keys() {
+    let rope = "rope: pre(theta = 10000, style = half)";
+    let base = parse_scheme(&with(rope)).unwrap();
+    for apply in ["[key]", "[key, value]"] {
+        let s = parse_scheme(&with(&format!(
+            "outliers: sparse(per_token = 2, apply = {apply}), {rope}"
+        )))
+        .unwrap();
+        assert_eq!(s.outliers_of(kivi_spec::Tensor::Key), 2, "{apply}");
+        assert_ne!(kivi_spec::scheme_hash(&s), kivi_spec::scheme_hash(&base));
+        assert_eq!(parse_scheme(&kivi_spec::canonical(&s)).unwrap(), s);
+    }
+    let e = parse_scheme(&with(&format!(
+        "outliers: sparse(per_token = 2, apply = [key]), rotation: hadamard(block = 32, apply = [key]), {rope}"
+    )))
+    .unwrap_err();
+    assert!(
+        e.message.contains("a key rotation with rope: pre(...)"),
+        "{}",
+        e.message
+    );
 }
 
 #[test]

@@ -537,6 +537,94 @@ fn minmax_nuq_parses_prices_and_refuses_where_unsupported() {
     assert!(parse_scheme(&text.replace("norm = minmax", "norm = maxmin")).is_err());
 }
 
+/// eval/schemes/acc3.kivi (docs/accuracy.md, round 5): every candidate is
+/// at most 2.0 bits per element all-in at Gemma 3's shape, with the bits
+/// its comment and the doc give (key outliers cost 8 bytes per token and
+/// head whatever else the outliers field applies to).
+#[test]
+fn round5_candidates_fit_the_budget_and_match_the_doc() {
+    let all = parse_schemes(include_str!("../../eval/schemes/acc3.kivi")).unwrap();
+    let bits = |s: &Scheme| layout::bits_per_element(&s.with_shape(Heads::Mqa(4), 256).unwrap());
+    let doc = [
+        ("pre_k64_u", 1.90625),
+        ("pk48_v1nuq_o2", 1.9896),
+        ("pk64mp_v1nuq_o2", 1.90625),
+        ("pk48mp_v1nuq_o2", 1.9896),
+        ("pk128mp_v1nuq_o2", 1.78125),
+        ("pk128_o2kv", 1.90625),
+        ("pk80_o2kv", 1.98125),
+        ("pk64_o2k_v1nuq", 1.90625),
+        ("pk128mp_o2kv", 1.90625),
+        ("pk80mp_o2kv", 1.98125),
+    ];
+    assert_eq!(all.len(), doc.len());
+    for (name, want) in doc {
+        let s = all.iter().find(|s| s.name == name).unwrap();
+        assert!(bits(s) <= 2.0, "{name} has {} bits", bits(s));
+        assert_eq!((s.sinks, s.residual), (4, 128), "{name}");
+        assert!(
+            (bits(s) - want).abs() < 1e-4,
+            "{name}: {} bits, the doc says {want}",
+            bits(s)
+        );
+    }
+}
+
+/// `norm = minmax_pinned` (a minmax table with its ends fixed at 0 and 1):
+/// its own meaning (hash, canonical text, tokens) while the stored bytes
+/// and the existing spellings stay what they were; refused at 1 bit and
+/// wherever `minmax` is.
+#[test]
+fn minmax_pinned_is_its_own_scheme_and_leaves_minmax_unchanged() {
+    let text = "M { key: quant(bits = 2, axis = channel, group = 64, levels = nuq, norm = minmax_pinned), \
+                value: quant(bits = 2, axis = token, group = 32), rope: pre(theta = 10000, style = half) }";
+    let s = parse_scheme(text).unwrap();
+    let q = *s.key.quant().unwrap();
+    assert_eq!(q.levels, Levels::Nuq(Norm::MinMaxPinned));
+    assert!(q.has_zeros() && Norm::MinMaxPinned.has_zero() && !Norm::L2.has_zero());
+    let b = s.with_shape(Heads::Mqa(4), 256).unwrap();
+    assert_eq!(parse_scheme(&canonical(&b)).unwrap(), b);
+    assert!(canonical(&b).contains("levels = nuq, norm = minmax_pinned"));
+    let free = parse_scheme(&text.replace("minmax_pinned", "minmax"))
+        .unwrap()
+        .with_shape(Heads::Mqa(4), 256)
+        .unwrap();
+    assert_eq!(
+        layout::bytes_per_token_per_head(&b),
+        layout::bytes_per_token_per_head(&free)
+    );
+    assert_ne!(scheme_hash(&b), scheme_hash(&free));
+    // The existing spelling prints and hashes as before this option: the
+    // canonical text has no new field, and the hash is the one this scheme
+    // had when `minmax` was the only zero-pointed norm (pinned).
+    assert!(
+        canonical(&free).contains("levels = nuq, norm = minmax),"),
+        "{}",
+        canonical(&free)
+    );
+    assert_eq!(format!("{:016x}", scheme_hash(&free)), "e9013da6d544a3cd");
+    for (bad, why) in [
+        (
+            text.replace("bits = 2, axis = channel", "bits = 1, axis = channel"),
+            "at 1 bit",
+        ),
+        (
+            text.replace(", rope: pre(theta = 10000, style = half)", ""),
+            "rope: pre",
+        ),
+        (
+            text.replace(
+                "levels = nuq, norm = minmax_pinned",
+                "levels = lloyd_max, norm = minmax_pinned",
+            ),
+            "needs levels = nuq",
+        ),
+    ] {
+        let e = parse_scheme(&bad).unwrap_err().to_string();
+        assert!(e.contains(why) && e.contains("minmax_pinned"), "{bad}: {e}");
+    }
+}
+
 #[test]
 fn codec_presets_fit_their_classes_and_round_trip() {
     for p in presets::pipeline() {

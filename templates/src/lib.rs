@@ -463,22 +463,35 @@ fn check_codecs(scheme: &Scheme) -> Result<(), GenError> {
         });
     }
     // A `nuq` table over [0, 1] with a zero point per group (`norm =
-    // minmax`): the table-code templates fold a norm and no zero point, so
-    // they would decode it wrongly; refused by name until they add it.
+    // minmax` or `minmax_pinned`): the table-code templates fold a norm and
+    // no zero point, so they would decode it wrongly; refused by name until
+    // they add it.
     for t in [kivi_spec::Tensor::Key, kivi_spec::Tensor::Value] {
-        if scheme
+        if let Some(n) = scheme
             .codec(t)
             .quant()
-            .is_some_and(|q| q.levels.norm() == Some(kivi_spec::Norm::MinMax))
+            .and_then(|q| q.levels.norm())
+            .filter(|n| n.has_zero())
         {
             return Err(GenError::Unsupported {
                 what: format!(
-                    "{} norm = minmax (a nuq table with a zero point; the CPU backend decodes it)",
-                    t.name()
+                    "{} norm = {} (a nuq table with a zero point; the CPU backend decodes it)",
+                    t.name(),
+                    n.name()
                 ),
                 field: kivi_spec::Field::Norm(t),
             });
         }
+    }
+    // Key outliers on pre-RoPE keys: the decode template adds each key
+    // outlier's correction against the query as stored (`s_q`), but with
+    // `rope: pre(...)` it turns the query per row, so the correction would
+    // meet the wrong (unturned) query. Refused until the template turns it.
+    if scheme.rope.is_some() && scheme.outliers_of(kivi_spec::Tensor::Key) > 0 {
+        return Err(GenError::Unsupported {
+            what: "key outliers with rope: pre(...) (the decode template adds key outlier corrections against the unturned query; the CPU backend decodes them)".into(),
+            field: kivi_spec::Field::OutliersApply,
+        });
     }
     if scheme.has_vq() {
         check_vq(scheme)?;

@@ -239,3 +239,34 @@ fn minmax_nuq_is_refused_by_name() {
     let e = generate(&s, Kernel::Decode, &default_variant(&s, Kernel::Decode)).unwrap_err();
     assert!(e.to_string().contains("norm = minmax"), "{e}");
 }
+
+/// `norm = minmax_pinned` is refused like `minmax`, by its own name; key
+/// outliers on pre-RoPE keys are refused by name (the template's key
+/// outlier step meets the unturned query), while the same scheme with the
+/// outliers on values, or without `rope`, still generates.
+#[test]
+fn pinned_minmax_and_pre_rope_key_outliers_are_refused_by_name() {
+    let bind = |t: &str| parse_scheme(t).unwrap().with_shape(Heads::Mqa(4), 128).unwrap();
+    let p = bind(
+        "m { key: quant(bits = 2, axis = channel, group = 32, levels = nuq, norm = minmax_pinned), \
+         value: quant(bits = 2, axis = token, group = 32), residual: 32, \
+         rope: pre(theta = 10000, style = half) }",
+    );
+    let e = check_supported(&p).unwrap_err().to_string();
+    assert!(e.contains("norm = minmax_pinned"), "{e}");
+    let ko = "k { key: quant(bits = 2, axis = channel, group = 32), value: quant(bits = 2, axis = token, group = 32), \
+              outliers: sparse(per_token = 2, apply = [key]), residual: 32, rope: pre(theta = 10000, style = half) }";
+    let s = bind(ko);
+    let e = check_supported(&s).unwrap_err().to_string();
+    assert!(e.contains("key outliers with rope: pre"), "{e}");
+    let e = generate(&s, Kernel::Decode, &default_variant(&s, Kernel::Decode)).unwrap_err();
+    assert!(e.to_string().contains("key outliers with rope: pre"), "{e}");
+    for ok in [
+        ko.replace("apply = [key]", "apply = [value]"),
+        ko.replace(", rope: pre(theta = 10000, style = half)", ""),
+    ] {
+        let s = bind(&ok);
+        check_supported(&s).unwrap();
+        generate(&s, Kernel::Decode, &default_variant(&s, Kernel::Decode)).unwrap();
+    }
+}

@@ -18,9 +18,14 @@
 //! tile costs `D/2` sine/cosine pairs rather than `n * D/2`; each result is
 //! rounded to f32 once, as [`kivi_spec::Rope::cos_sin`] does.
 //!
+//! Key outliers (`outliers: sparse(..., apply = [key])`, KVQuant's
+//! dense-and-sparse keys) live in the pre-RoPE domain like the codes: the
+//! row reader and the channel-group decode add each stored correction to
+//! the decoded pre-RoPE row, which is then turned like any other.
+//!
 //! The vector path (`avx512-vec+rope` / `avx2-vec+rope`: channel-axis
 //! 1/2/4-bit keys with uniform, Lloyd–Max or calibrated `nuq` levels, no
-//! codec pipeline, `D % 16 == 0`, key strategy) does the same arithmetic in
+//! codec pipeline (so no key outliers), `D % 16 == 0`, key strategy) does the same arithmetic in
 //! vectors, tile by tile, each loop written once over the vector width
 //! ([`super::width::Width`]) and compiled per ISA:
 //! - the tile's table is built four (AVX2) or eight (AVX-512) f64 pairs at a
@@ -291,6 +296,12 @@ impl RopeKeys {
             let levels = view.codec(Tensor::Key).map_or(&[][..], |c| &c.levels[..]);
             for (c, (o, gp)) in out.iter_mut().zip(sc_params.iter()).enumerate() {
                 *o = dequantize_in(unpack_one(row, q.bits, c), *gp, q, levels);
+            }
+            // Key outliers (dense-and-sparse): corrections stored before
+            // RoPE, added before the row is turned, as the row reader does
+            // (pre-RoPE keys have no rotation or centering to undo).
+            if tl.outliers > 0 {
+                view.add_outliers(tl, part, off, out);
             }
         } else {
             view.row(Tensor::Key, p, h, out);

@@ -436,7 +436,9 @@ fn pipeline_body<L: Writes>(
             if tl.outliers > 0 {
                 for i in 0..no {
                     let c = idx[i];
-                    let deq = quant::dequantize(codes[c] as u32, params[c / g], q);
+                    // The codec's own table: a calibrated `nuq` codebook is
+                    // not the (empty) fixed table of `quant::dequantize`.
+                    let deq = codec.dequantize(codes[c] as u32, params[c / g]);
                     match codec.correction(orig[i], deq) {
                         Some(x) => corr[i] = x,
                         None => return false,
@@ -578,7 +580,7 @@ fn lloyd_group<L: Writes>(q: &Quant, levels: &[f32], x: &[f32], codes: &mut [u8]
     match norm {
         // Token-axis minmax groups are refused by validation (they would
         // need a zero point here); as in `quant::lloyd_group_in`.
-        Norm::Rms | Norm::MinMax => rms,
+        Norm::Rms | Norm::MinMax | Norm::MinMaxPinned => rms,
         Norm::L2 => {
             // Codes counted, then `sum count_k * L_k^2`: 16 roundings at
             // most, within the same bound.
