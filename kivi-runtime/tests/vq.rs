@@ -204,8 +204,45 @@ fn a_vq_scheme_without_its_codebooks_is_a_clear_error() {
 /// against oracle attention over them; exact memory.
 #[test]
 fn vq_caches_match_the_oracle_odd_lengths_and_layouts() {
-    let d = 32;
     for (i, text) in VQ.iter().enumerate() {
+        check_against_oracle(i, text, 32);
+    }
+}
+
+/// Value sub-vectors the CPU's vector loops take in chunks of 8, 2 and 1
+/// (`S` = 11, 3, 24, 48), centroids of 16, 2 and 1 channel(s) (a head a
+/// vector on AVX-512, eight or sixteen heads a vector, by heads where the
+/// centroid is wider than AVX2's eight lanes), 6-bit and 1-bit codes.
+#[test]
+fn vq_values_match_the_oracle_at_every_vector_chunking() {
+    let cases = [
+        (
+            "e { key: vq(dim = 16, entries = 4), value: vq(dim = 16, entries = 16), residual: 4 }",
+            176,
+        ),
+        (
+            "f { key: vq(dim = 16, entries = 4), value: vq(dim = 16, entries = 16), residual: 4 }",
+            48,
+        ),
+        (
+            "g { key: quant(bits = 2, axis = channel, group = 32), value: vq(dim = 2, entries = 64), residual: 8 }",
+            48,
+        ),
+        (
+            "h { key: vq(dim = 8, entries = 256), value: vq(dim = 1, entries = 2), residual: 8, sinks: 2 }",
+            48,
+        ),
+    ];
+    for (i, (text, d)) in cases.into_iter().enumerate() {
+        check_against_oracle(10 + i, text, d);
+    }
+}
+
+/// Scheme `text` (number `i`, for the seeds) at head width `d` on every
+/// layout of [`layouts`]: caches against the oracle bit for bit, exact
+/// memory, and the CPU backend on every instruction set within 1e-5.
+fn check_against_oracle(i: usize, text: &str, d: usize) {
+    {
         let s0 = parse_scheme(text).unwrap();
         for (j, heads) in layouts().into_iter().enumerate() {
             let s = s0.with_shape(heads, d as u32).unwrap();
