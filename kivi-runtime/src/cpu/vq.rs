@@ -1,5 +1,5 @@
 //! Decode over `vq(...)` tensors (DESIGN.md §8): keys by asymmetric
-//! distance computation, values by centroids accumulated in registers.
+//! distance computation, values by centroid sums or per-centroid bins.
 //!
 //! Keys: once per split, per query head `h` and sub-vector `j`, a table
 //! `L[j][c][h] = q_h[j] . C_j[c]` over the `E` centroids of codebook `j`;
@@ -11,25 +11,30 @@
 //! are 256 KiB at MQA 4:1 d256 and stay in L2 only this way). Scores take
 //! four tokens at a time, four independent addition chains, so the loads'
 //! latency overlaps; each head's sum runs over `j = 0, 1, ..` in order.
-//! 8-bit codes are read as bytes where they are used (no offsets buffer:
-//! its stores and reloads were a third of the loop).
+//! 8-bit codes are read as bytes where they are used, and GQA's group
+//! sizes 4 and 8 are constants, so a lookup's address is a byte load, an
+//! add and a shift (no offsets buffer, no multiply).
 //!
-//! Values: `vacc[j][h][..M] += p_t[h] C_j[code_j]`, the weighted centroid
-//! sums in a *transposed* accumulator, sub-vector major with the group's
-//! heads inside, so that one centroid, broadcast across a vector
-//! (`vbroadcastf32x4` for `M = 4` on AVX-512: four heads a vector), serves
-//! every head of the vector with one FMA. Sub-vectors are taken eight at a
-//! time with their accumulators in registers across the rows of a piece;
-//! the accumulator (`g * D` floats) is folded into the head-major output
-//! once per split ([`fold`]). An earlier version binned the weights per
-//! centroid (`B[j][c][h] += p`) and expanded the bins once per split: the
-//! same number of lookups, but each a load-add-store into a 64–256 KiB
-//! table, whose store-to-load chains made repeated codes 8x slower than
-//! uniform ones, and whose rescaling pass cost as much again.
+//! Values ([`VqValues`]), where the group's `g * M` channels of a
+//! sub-vector fill one vector exactly (vq2's 4-wide centroids at four
+//! heads on AVX-512): `vacc[j][h][..M] += p_t[h] C_j[code_j]`, the weighted
+//! centroid sums in a *transposed* accumulator, sub-vector major with the
+//! group's heads inside, so that one centroid broadcast across the vector
+//! (`vbroadcastf32x4`) serves every head with one FMA; sub-vectors eight at
+//! a time, their sums in registers across the rows of a piece, moved into
+//! the head-major output once per split. Elsewhere each token's weight is
+//! added to the bin of its centroid in every sub-vector, `B[j][c][h] +=
+//! p_t[h]` (one load-add-store per four heads), the bins follow the online
+//! softmax's rescaling and are expanded once per split. The bins do less
+//! arithmetic where a sub-vector needs more than one FMA (vq1's 8-wide
+//! centroids: 0.40 against 0.56 ns per row and sub-vector in a standalone
+//! loop with uniform codes), but their store-to-load chains make repeated
+//! codes slow: with 16 codes in use, 1.3–6 ns against 0.5 for the sums.
 //!
-//! The four-head key vectors are SSE (the x86-64 baseline, so no per-ISA
-//! copy: the lookups, not the additions, bound the loop); elsewhere
-//! `[f32; 4]`. The value vectors are [`Width`]'s (AVX-512 / AVX2).
+//! The four-head key and bin vectors are SSE (the x86-64 baseline, so no
+//! per-ISA copy: the lookups, not the additions, bound the loop);
+//! elsewhere `[f32; 4]`. The transposed sums use [`Width`]'s vectors
+//! (AVX-512 / AVX2), in one body compiled once per ISA ([`run`]).
 
 use super::simd::Isa;
 #[cfg(target_arch = "x86_64")]
@@ -244,11 +249,7 @@ pub(crate) enum Job<'a> {
 /// The value sums of one split, in one of two forms (see the module docs):
 /// where the group's `g * M` channels of a sub-vector fill one vector
 /// exactly, the transposed sums `[S][g][M]`, one FMA per row and
-/// sub-vector; otherwise the weights binned per centroid, `[S][E][g]`, one
-/// load-add-store of the group's weights per row and sub-vector, which is
-/// less work than `g * M / lanes > 1` FMAs (vq1's 8-wide sub-vectors at
-/// GQA 4 heads: 0.40 vs 0.56 ns per row and sub-vector, measured; the bins
-/// lose where codes repeat, 1.3–6 ns).
+/// sub-vector; otherwise the weights binned per centroid, `[S][E][g]`.
 pub(crate) struct VqValues {
     buf: Vec<f32>,
     bins: bool,
@@ -322,18 +323,49 @@ impl VqValues {
             }
             return;
         }
-        for j in 0..s {
-            for hh in 0..g {
-                let out = &mut acc[hh * d + j * m..][..m];
-                for (c, cent) in book.table(j).chunks_exact(m).enumerate() {
-                    let w = self.buf[(j * e + c) * g + hh];
-                    if w != 0.0 {
-                        for (o, x) in out.iter_mut().zip(cent) {
-                            *o += w * x;
+        match m {
+            4 => expand::<4>(book, &self.buf, g, acc),
+            8 => expand::<8>(book, &self.buf, g, acc),
+            _ => {
+                for j in 0..s {
+                    for hh in 0..g {
+                        let out = &mut acc[hh * d + j * m..][..m];
+                        for (c, cent) in book.table(j).chunks_exact(m).enumerate() {
+                            let w = self.buf[(j * e + c) * g + hh];
+                            if w != 0.0 {
+                                for (o, x) in out.iter_mut().zip(cent) {
+                                    *o += w * x;
+                                }
+                            }
                         }
                     }
                 }
             }
+        }
+    }
+}
+
+/// [`VqValues::fold`]'s expansion of bins for `M`-channel centroids: the
+/// sums in a fixed-size array the compiler holds in registers across the
+/// `E` centroids, not in memory as the runtime-`M` loop keeps them; each
+/// channel still adds the centroids in order.
+fn expand<const M: usize>(book: &VqBook, bins: &[f32], g: usize, acc: &mut [f32]) {
+    let (e, s) = (book.entries, book.subvectors);
+    let d = M * s;
+    for j in 0..s {
+        let table = &book.table(j)[..e * M];
+        for hh in 0..g {
+            let out: &mut [f32; M] = (&mut acc[hh * d + j * M..][..M]).try_into().expect("M channels");
+            let mut sum = *out;
+            for (c, cent) in table.chunks_exact(M).enumerate() {
+                let w = bins[(j * e + c) * g + hh];
+                if w != 0.0 {
+                    for (o, x) in sum.iter_mut().zip(cent) {
+                        *o += w * x;
+                    }
+                }
+            }
+            *out = sum;
         }
     }
 }
