@@ -33,12 +33,12 @@
 //!
 //! The four-head key and bin vectors are SSE (the x86-64 baseline, so no
 //! per-ISA copy: the lookups, not the additions, bound the loop);
-//! elsewhere `[f32; 4]`. The transposed sums use [`Width`]'s vectors
-//! (AVX-512 / AVX2), in one body compiled once per ISA ([`run`]).
+//! elsewhere `[f32; 4]`. The transposed sums use AVX-512 or AVX2 vectors,
+//! in one body compiled once per ISA ([`run`]).
 
 use super::simd::Isa;
 #[cfg(target_arch = "x86_64")]
-use super::width::{Avx2, Avx512, Width};
+use super::width::{Avx2, Avx512};
 use crate::vq::VqBook;
 
 /// The codes of a packed row (LSB first, `32 / bits` codes per word) as
@@ -593,8 +593,9 @@ fn bins_body<C: Codes, const G: usize>(pc: &Piece, p: &[f32], bins: &mut [f32], 
     }
 }
 
-/// The value vectors of one ISA: [`Width`]'s arithmetic, a centroid
-/// repeated across the lanes and the group's weights spread over them.
+/// The value vectors of one ISA (implemented for `width.rs`'s ISA types):
+/// the arithmetic, a centroid repeated across the lanes and the group's
+/// weights spread over them.
 trait Lanes {
     type F: Copy;
     unsafe fn load(p: *const f32) -> Self::F;
@@ -612,15 +613,15 @@ impl Lanes for Avx512 {
     type F = std::arch::x86_64::__m512;
     #[inline(always)]
     unsafe fn load(p: *const f32) -> Self::F {
-        <Avx512 as Width>::load(p)
+        std::arch::x86_64::_mm512_loadu_ps(p)
     }
     #[inline(always)]
     unsafe fn store(p: *mut f32, v: Self::F) {
-        <Avx512 as Width>::store(p, v)
+        std::arch::x86_64::_mm512_storeu_ps(p, v)
     }
     #[inline(always)]
     unsafe fn fmadd(a: Self::F, b: Self::F, c: Self::F) -> Self::F {
-        <Avx512 as Width>::fmadd(a, b, c)
+        std::arch::x86_64::_mm512_fmadd_ps(a, b, c)
     }
     #[inline(always)]
     unsafe fn tile<const M: usize>(p: *const f32) -> Self::F {
@@ -665,15 +666,15 @@ impl Lanes for Avx2 {
     type F = std::arch::x86_64::__m256;
     #[inline(always)]
     unsafe fn load(p: *const f32) -> Self::F {
-        <Avx2 as Width>::load(p)
+        std::arch::x86_64::_mm256_loadu_ps(p)
     }
     #[inline(always)]
     unsafe fn store(p: *mut f32, v: Self::F) {
-        <Avx2 as Width>::store(p, v)
+        std::arch::x86_64::_mm256_storeu_ps(p, v)
     }
     #[inline(always)]
     unsafe fn fmadd(a: Self::F, b: Self::F, c: Self::F) -> Self::F {
-        <Avx2 as Width>::fmadd(a, b, c)
+        std::arch::x86_64::_mm256_fmadd_ps(a, b, c)
     }
     #[inline(always)]
     unsafe fn tile<const M: usize>(p: *const f32) -> Self::F {
