@@ -204,75 +204,105 @@ fn a_vq_scheme_without_its_codebooks_is_a_clear_error() {
 /// against oracle attention over them; exact memory.
 #[test]
 fn vq_caches_match_the_oracle_odd_lengths_and_layouts() {
-    let d = 32;
     for (i, text) in VQ.iter().enumerate() {
-        let s0 = parse_scheme(text).unwrap();
-        for (j, heads) in layouts().into_iter().enumerate() {
-            let s = s0.with_shape(heads, d as u32).unwrap();
-            let (hq, hkv) = (heads.q_heads() as usize, heads.kv_heads() as usize);
-            let cal = calibrate(&s, heads, d, 2, 70 + j as u64);
-            let layer = 1;
-            let lens = [1usize, 31, 33, 127, 1000];
-            let total: usize = lens.iter().sum();
-            let mut rng = Rng::new(80 + (i * 4 + j) as u64);
-            let mut caches: Vec<PagedCache> = (0..2)
-                .map(|_| {
-                    PagedCache::with_calibration(
-                        s.clone(),
-                        CacheConfig::for_tokens(total + 64 * lens.len()),
-                        &cal,
-                        layer,
-                    )
+        check_against_oracle(i, text, 32);
+    }
+}
+
+/// Value sub-vectors the CPU's vector loops take in chunks of 8, 2 and 1
+/// (`S` = 11, 3, 24, 48), centroids of 16, 2 and 1 channel(s) (a head a
+/// vector on AVX-512, eight or sixteen heads a vector, by heads where the
+/// centroid is wider than AVX2's eight lanes), 6-bit and 1-bit codes.
+#[test]
+fn vq_values_match_the_oracle_at_every_vector_chunking() {
+    let cases = [
+        (
+            "e { key: vq(dim = 16, entries = 4), value: vq(dim = 16, entries = 16), residual: 4 }",
+            176,
+        ),
+        (
+            "f { key: vq(dim = 16, entries = 4), value: vq(dim = 16, entries = 16), residual: 4 }",
+            48,
+        ),
+        (
+            "g { key: quant(bits = 2, axis = channel, group = 32), value: vq(dim = 2, entries = 64), residual: 8 }",
+            48,
+        ),
+        (
+            "h { key: vq(dim = 8, entries = 256), value: vq(dim = 1, entries = 2), residual: 8, sinks: 2 }",
+            48,
+        ),
+    ];
+    for (i, (text, d)) in cases.into_iter().enumerate() {
+        check_against_oracle(10 + i, text, d);
+    }
+}
+
+/// Scheme `text` (number `i`, for the seeds) at head width `d` on every
+/// layout of [`layouts`]: caches against the oracle bit for bit, exact
+/// memory, and the CPU backend on every instruction set within 1e-5.
+fn check_against_oracle(i: usize, text: &str, d: usize) {
+    let s0 = parse_scheme(text).unwrap();
+    for (j, heads) in layouts().into_iter().enumerate() {
+        let s = s0.with_shape(heads, d as u32).unwrap();
+        let (hq, hkv) = (heads.q_heads() as usize, heads.kv_heads() as usize);
+        let cal = calibrate(&s, heads, d, 2, 70 + j as u64);
+        let layer = 1;
+        let lens = [1usize, 31, 33, 127, 1000];
+        let total: usize = lens.iter().sum();
+        let mut rng = Rng::new(80 + (i * 4 + j) as u64);
+        let mut caches: Vec<PagedCache> = (0..2)
+            .map(|_| {
+                PagedCache::with_calibration(s.clone(), CacheConfig::for_tokens(total + 64 * lens.len()), &cal, layer)
                     .unwrap()
-                })
-                .collect();
-            let (seqs, views) = calib_util::fill_and_check(&mut caches, &s, &cal, layer, &lens[..], &mut rng, &heads);
-            assert_eq!(caches[0].pool(), caches[1].pool());
-            // Exact memory: codes only per block, codebooks once.
-            let m = caches[0].memory();
-            let l = caches[0].layout();
-            assert_eq!(
-                m.codes,
-                m.blocks_in_use * hkv * (l.key.codes_words() + l.value.codes_words()) * 4
-            );
-            let book_bytes = |t: Tensor| s.codec(t).vq().map_or(0, |v| d * v.entries as usize * 4);
-            let shared = s
-                .key
-                .vq()
-                .is_some_and(|k| k.codebook.is_some() && s.value.vq() == Some(k));
-            let want_books = if shared {
-                book_bytes(Tensor::Key)
-            } else {
-                book_bytes(Tensor::Key) + book_bytes(Tensor::Value)
-            };
-            assert_eq!(m.codebooks, want_books, "{}", s.name);
-            assert_eq!(
-                caches[0].identity(),
-                calib::identity(kivi_spec::scheme_hash(&s), Some(cal.hash()))
-            );
-            let q: Vec<f32> = (0..lens.len() * hq * d).map(|_| 2.0 * rng.f32()).collect();
-            let attn = AttnParams::of(&s, s.shape().unwrap());
-            let per = hq * d;
-            let want: Vec<f32> = views
-                .iter()
-                .enumerate()
-                .flat_map(|(b, (kw, vw))| decode_attention(&s, &q[b * per..(b + 1) * per], kw, vw, attn).unwrap())
-                .collect();
-            let p0 = CpuParams::default();
-            for p in [p0, CpuParams { avx512: false, ..p0 }, CpuParams { scalar: true, ..p0 }] {
-                let got = CpuBackend::new(p).unwrap().decode(&caches[0], &seqs, &q, attn).unwrap();
-                for (b, n) in lens.iter().enumerate() {
-                    let (w, g) = (&want[b * per..(b + 1) * per], &got[b * per..(b + 1) * per]);
-                    let vmean = views[b].1.iter().map(|x| x.abs()).sum::<f32>() / views[b].1.len() as f32;
-                    let scale = w.iter().fold(0f32, |m, x| m.max(x.abs())).max(vmean).max(1e-30);
-                    let err = w.iter().zip(g).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-                    assert!(
-                        err <= 1e-5 * scale,
-                        "{} {heads} len {n} {}: {err:e} vs max |ref| {scale:e}",
-                        s.name,
-                        p.name()
-                    );
-                }
+            })
+            .collect();
+        let (seqs, views) = calib_util::fill_and_check(&mut caches, &s, &cal, layer, &lens[..], &mut rng, &heads);
+        assert_eq!(caches[0].pool(), caches[1].pool());
+        // Exact memory: codes only per block, codebooks once.
+        let m = caches[0].memory();
+        let l = caches[0].layout();
+        assert_eq!(
+            m.codes,
+            m.blocks_in_use * hkv * (l.key.codes_words() + l.value.codes_words()) * 4
+        );
+        let book_bytes = |t: Tensor| s.codec(t).vq().map_or(0, |v| d * v.entries as usize * 4);
+        let shared = s
+            .key
+            .vq()
+            .is_some_and(|k| k.codebook.is_some() && s.value.vq() == Some(k));
+        let want_books = if shared {
+            book_bytes(Tensor::Key)
+        } else {
+            book_bytes(Tensor::Key) + book_bytes(Tensor::Value)
+        };
+        assert_eq!(m.codebooks, want_books, "{}", s.name);
+        assert_eq!(
+            caches[0].identity(),
+            calib::identity(kivi_spec::scheme_hash(&s), Some(cal.hash()))
+        );
+        let q: Vec<f32> = (0..lens.len() * hq * d).map(|_| 2.0 * rng.f32()).collect();
+        let attn = AttnParams::of(&s, s.shape().unwrap());
+        let per = hq * d;
+        let want: Vec<f32> = views
+            .iter()
+            .enumerate()
+            .flat_map(|(b, (kw, vw))| decode_attention(&s, &q[b * per..(b + 1) * per], kw, vw, attn).unwrap())
+            .collect();
+        let p0 = CpuParams::default();
+        for p in [p0, CpuParams { avx512: false, ..p0 }, CpuParams { scalar: true, ..p0 }] {
+            let got = CpuBackend::new(p).unwrap().decode(&caches[0], &seqs, &q, attn).unwrap();
+            for (b, n) in lens.iter().enumerate() {
+                let (w, g) = (&want[b * per..(b + 1) * per], &got[b * per..(b + 1) * per]);
+                let vmean = views[b].1.iter().map(|x| x.abs()).sum::<f32>() / views[b].1.len() as f32;
+                let scale = w.iter().fold(0f32, |m, x| m.max(x.abs())).max(vmean).max(1e-30);
+                let err = w.iter().zip(g).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+                assert!(
+                    err <= 1e-5 * scale,
+                    "{} {heads} len {n} {}: {err:e} vs max |ref| {scale:e}",
+                    s.name,
+                    p.name()
+                );
             }
         }
     }

@@ -390,8 +390,10 @@ struct Scratch {
     int8: Option<Int8Keys>,
     /// vq keys: the query-by-codebook table of every head (`vq.rs`).
     vq_lut: Vec<f32>,
-    /// vq values: the weight binned per head, sub-vector and centroid.
-    vq_bins: Vec<f32>,
+    /// vq values: their sums (`vq.rs`).
+    vq_values: Option<super::vq::VqValues>,
+    /// vq codes that are not bytes, unpacked per piece.
+    vq_offs: Vec<u32>,
 }
 
 /// Runs `op` over rows `0..n`, applying the instruction set of the plan.
@@ -767,23 +769,23 @@ fn run_tensor(plan: &Plan, view: &SeqView, t: Tensor, h: usize, p0: usize, n: us
                     }
                     Kind::Vq { bits } => {
                         let book = plan.vq[i].as_deref().expect("a vq kind has its codebooks");
-                        match &mut sub {
-                            Op::Score { out, .. } => {
-                                super::vq::score(plan.isa, book, bits, part, base, wpt, len, &sc.vq_lut, g, out)
-                            }
-                            Op::Accum { p: pr, .. } => super::vq::accumulate(
-                                plan.isa,
-                                book,
-                                bits,
-                                part,
-                                base,
-                                wpt,
-                                len,
-                                pr,
-                                g,
-                                &mut sc.vq_bins,
-                            ),
-                        }
+                        let piece = super::vq::Piece {
+                            book,
+                            bits,
+                            words: part,
+                            base,
+                            wpt,
+                            len,
+                            g,
+                        };
+                        let job = match &mut sub {
+                            Op::Score { out, .. } => super::vq::Job::Score { lut: &sc.vq_lut, out },
+                            Op::Accum { p: pr, .. } => super::vq::Job::Accum {
+                                p: pr,
+                                values: sc.vq_values.as_mut().expect("vq values have their sums"),
+                            },
+                        };
+                        super::vq::run(plan.isa, &piece, job, &mut sc.vq_offs);
                     }
                     Kind::Generic => {
                         sc.rows.resize(len * d, 0.0);
@@ -886,7 +888,8 @@ impl Scratch {
             rope: RopeScratch::default(),
             int8: None,
             vq_lut: Vec::new(),
-            vq_bins: Vec::new(),
+            vq_values: None,
+            vq_offs: Vec::new(),
         }
     }
 }
@@ -920,11 +923,9 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
         }
     }
     if let Some(book) = plan.vq[0].as_deref() {
-        super::vq::build_lut(book, q, g, &mut sc.vq_lut);
+        super::vq::build_lut(plan.isa, book, q, g, &mut sc.vq_lut);
     }
-    if let Some(book) = plan.vq[1].as_deref() {
-        sc.vq_bins = vec![0.0; g * book.subvectors * book.entries];
-    }
+    sc.vq_values = plan.vq[1].as_deref().map(|b| super::vq::VqValues::new(plan.isa, b, g));
     let mut fs = plan.fast.map(|f| fused::State::new(f, g, d, tile, q));
     let mut ds = plan.dense_tile.then(|| dense::TileState::new(g, d, tile));
     let mut vq_corr = vec![1f32; g];
@@ -1012,9 +1013,9 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
             }
             m[hh] = new_m;
         }
-        if plan.vq[1].is_some() {
-            // The bins interleave the heads: one pass for all of them.
-            super::vq::rescale(&mut sc.vq_bins, &vq_corr);
+        if let (Some(book), Some(v)) = (plan.vq[1].as_deref(), sc.vq_values.as_mut()) {
+            // One pass for every head: the sums interleave them.
+            v.rescale(book, &vq_corr);
         }
         for row in s.chunks_exact_mut(g) {
             for (x, mm) in row.iter_mut().zip(&m) {
@@ -1048,9 +1049,9 @@ pub(crate) fn split_attention(plan: &Plan, view: &SeqView, h: usize, q: &[f32], 
     if let Some(st) = fs.as_mut() {
         st.flush(&mut l, &mut acc);
     }
-    if let Some(book) = plan.vq[1].as_deref() {
-        // The binned weights, expanded to centroids once per split.
-        super::vq::expand(book, &sc.vq_bins, g, &mut acc);
+    if let (Some(book), Some(v)) = (plan.vq[1].as_deref(), sc.vq_values.as_ref()) {
+        // The value sums into the head-major output, once per split.
+        v.fold(book, &mut acc);
     }
     if plan.kinds[1] == Kind::Codec {
         // Back from the rotated domain once: T^-1 (sum p v') + (sum p) m.

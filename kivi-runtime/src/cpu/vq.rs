@@ -1,56 +1,53 @@
-//! Decode over `vq(...)` tensors by asymmetric distance computation
-//! (DESIGN.md §8): no key or value row is ever reconstructed.
+//! Decode over `vq(...)` tensors (DESIGN.md §8): keys by asymmetric
+//! distance computation, values by centroid sums or per-centroid bins.
 //!
 //! Keys: once per split, per query head `h` and sub-vector `j`, a table
 //! `L[j][c][h] = q_h[j] . C_j[c]` over the `E` centroids of codebook `j`;
 //! a token's score is then `sum_j L[j][code_j][h]`, `D / M` lookups
-//! instead of `D` multiply-adds over decoded channels.
+//! instead of `D` multiply-adds over decoded channels. The heads of the
+//! GQA group are the table's innermost axis, so one code selects the
+//! entries of every head at once, one 128-bit load per four heads; and all
+//! `g` heads of a token touch `S` cache lines, not `g * S` (vq2's tables
+//! are 256 KiB at MQA 4:1 d256 and stay in L2 only this way). Scores take
+//! four tokens at a time, four independent addition chains, so the loads'
+//! latency overlaps; each head's sum runs over `j = 0, 1, ..` in order.
+//! 8-bit codes are read as bytes where they are used, and GQA's group
+//! sizes 4 and 8 are constants, so a lookup's address is a byte load, an
+//! add and a shift (no offsets buffer, no multiply).
 //!
-//! Values: each token's softmax weight is added to the bin of its centroid
-//! in every sub-vector, `B[j][c][h] += p_t[h]`; the bins follow the online
-//! softmax's rescaling like the accumulator does ([`rescale`]), and the
-//! output is expanded once per split, `acc[h][j] += sum_c B[j][c][h] C_j[c]`.
+//! Values ([`VqValues`]), where the group's `g * M` channels of a
+//! sub-vector fill one vector exactly (vq2's 4-wide centroids at four
+//! heads on AVX-512): `vacc[j][h][..M] += p_t[h] C_j[code_j]`, the weighted
+//! centroid sums in a *transposed* accumulator, sub-vector major with the
+//! group's heads inside, so that one centroid broadcast across the vector
+//! (`vbroadcastf32x4`) serves every head with one FMA; sub-vectors eight at
+//! a time, their sums in registers across the rows of a piece, moved into
+//! the head-major output once per split. Elsewhere each token's weight is
+//! added to the bin of its centroid in every sub-vector, `B[j][c][h] +=
+//! p_t[h]` (one load-add-store per four heads), the bins follow the online
+//! softmax's rescaling and are expanded once per split. The bins do less
+//! arithmetic where a sub-vector needs more than one FMA (vq1's 8-wide
+//! centroids: 0.40 against 0.56 ns per row and sub-vector in a standalone
+//! loop with uniform codes), but their store-to-load chains make repeated
+//! codes slow: with 16 codes in use, 1.3–6 ns against 0.5 for the sums.
 //!
-//! Layout, for speed: the heads of the GQA group are the innermost axis of
-//! both tables, so one code selects the entries of every head at once, one
-//! 128-bit load (or load-add-store) per four heads instead of four scalar
-//! lookups in four tables a `S * E` stride apart; and all `g` heads of a
-//! token touch `S` cache lines, not `g * S` (vq2's tables are 256 KiB at
-//! MQA 4:1 d256 and stayed in L2 only this way). Scores take four tokens at
-//! a time, four independent addition chains, so the loads' latency overlaps;
-//! each head's sum still runs over `j = 0, 1, ..` in order, and each bin
-//! adds tokens in order, so the results are those of the one-lookup-at-a-
-//! time loop bit for bit (the oracle holds both to 1e-5).
-//!
-//! The four-head vectors are SSE (the x86-64 baseline, so no per-ISA copy:
-//! wider vectors would only help groups of eight or more heads, and the
-//! lookups, not the additions, bound the loop); elsewhere `[f32; 4]`.
+//! The four-head key and bin vectors are SSE (the x86-64 baseline, so no
+//! per-ISA copy: the lookups, not the additions, bound the loop);
+//! elsewhere `[f32; 4]`. The transposed sums use AVX-512 or AVX2 vectors,
+//! in one body compiled once per ISA ([`run`]).
 
 use super::simd::Isa;
+#[cfg(target_arch = "x86_64")]
+use super::width::{Avx2, Avx512};
 use crate::vq::VqBook;
 
-/// Sub-vectors whose codes [`score`] and [`accumulate`] unpack on the
-/// stack (`head_dim / dim`; wider rows take a heap buffer).
-const STACK_S: usize = 256;
-
 /// The codes of a packed row (LSB first, `32 / bits` codes per word) as
-/// table offsets, `codes[j] = (j * entries + code_j) * g` (u32: the
-/// callers check `S * E * g` fits): word by word, so no division per code
-/// (it cost more than the lookups); 8-bit codes are the row's bytes on a
-/// little-endian machine, widened sixteen at a time by the compiler (the
-/// shifts and masks were most of `score`'s time).
+/// indices into the codebooks' centroids, `codes[j] = j * entries +
+/// code_j` (u32: [`run`] checks that they fit): word by word, so no
+/// division per code (it cost more than the lookups). Whole-byte codes are
+/// read in place instead ([`Bytes`]).
 #[inline(always)]
-fn offsets(row: &[u32], bits: u32, entries: usize, g: usize, codes: &mut [u32]) {
-    let (e, g) = (entries as u32, g as u32);
-    #[cfg(target_endian = "little")]
-    if bits == 8 {
-        // SAFETY: the row's `4 * len` bytes, read as bytes (any alignment).
-        let bytes = unsafe { std::slice::from_raw_parts(row.as_ptr() as *const u8, 4 * row.len()) };
-        for (j, (c, &b)) in codes.iter_mut().zip(bytes).enumerate() {
-            *c = (j as u32 * e + b as u32) * g;
-        }
-        return;
-    }
+fn offsets(row: &[u32], bits: u32, entries: usize, codes: &mut [u32]) {
     let per = (32 / bits) as usize;
     let mask = (1u32 << bits) - 1;
     for (w, chunk) in row.iter().zip(codes.chunks_mut(per)) {
@@ -61,7 +58,7 @@ fn offsets(row: &[u32], bits: u32, entries: usize, g: usize, codes: &mut [u32]) 
         }
     }
     for (j, c) in codes.iter_mut().enumerate() {
-        *c = (*c + j as u32 * e) * g;
+        *c += j as u32 * entries as u32;
     }
 }
 
@@ -139,11 +136,27 @@ mod v4 {
 /// multiplies four heads at once (a broadcast, a multiply and an add);
 /// each entry is still `((0 + q_0 c_0) + q_1 c_1) + ..`, the dot product
 /// in channel order, without FMA.
-pub(crate) fn build_lut(book: &VqBook, q: &[f32], g: usize, lut: &mut Vec<f32>) {
+///
+/// On AVX-512, groups of four heads and 4- or 8-channel centroids take
+/// four centroids a vector (the table's 16 floats for them are contiguous)
+/// with the same products and sums: 11% of vq2's decode at MQA 4:1 d256,
+/// where each of the four splits builds its 256 KiB table, was this loop.
+pub(crate) fn build_lut(isa: Isa, book: &VqBook, q: &[f32], g: usize, lut: &mut Vec<f32>) {
     let (m, e, s) = (book.dim, book.entries, book.subvectors);
     let d = m * s;
     lut.clear();
     lut.resize(g * s * e, 0.0);
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && g == 4 && e % 4 == 0 && q.len() >= g * d && book.data.len() >= s * e * m {
+        // SAFETY: `Avx512` is selected only where the CPU has AVX-512F;
+        // the lengths are checked above.
+        match m {
+            4 => return unsafe { lut4_avx512::<4>(book, q, lut) },
+            8 => return unsafe { lut4_avx512::<8>(book, q, lut) },
+            _ => {}
+        }
+    }
+    let _ = isa;
     let mut qt = vec![0f32; m * g];
     for j in 0..s {
         for (k, row) in qt.chunks_exact_mut(g).enumerate() {
@@ -172,274 +185,171 @@ pub(crate) fn build_lut(book: &VqBook, q: &[f32], g: usize, lut: &mut Vec<f32>) 
     }
 }
 
-/// A buffer of `n` code offsets: on the stack when it fits.
-macro_rules! code_buf {
-    ($stack:ident, $heap:ident, $n:expr) => {{
-        let n = $n;
-        if n <= $stack.len() {
-            &mut $stack[..n]
-        } else {
-            $heap.resize(n, 0);
-            &mut $heap[..]
-        }
-    }};
-}
-
-/// Scores of `len` block rows starting at word `base` (`wpt` words a row):
-/// `out[r * g + h] = sum_j lut[(j * E + code(r, j)) * g + h]`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn score(
-    isa: Isa,
-    book: &VqBook,
-    bits: u32,
-    words: &[u32],
-    base: usize,
-    wpt: usize,
-    len: usize,
-    lut: &[f32],
-    g: usize,
-    out: &mut [f32],
-) {
-    #[cfg(target_arch = "x86_64")]
-    if isa != Isa::Scalar {
-        // SAFETY: the backend selects `Avx2` or `Avx512` only where the
-        // CPU has AVX2.
-        unsafe { score_avx2(book, bits, words, base, wpt, len, lut, g, out) };
-        return;
-    }
-    let _ = isa;
-    score_body(book, bits, words, base, wpt, len, lut, g, out)
-}
-
-/// [`score_body`] compiled with AVX2 (see [`accumulate_avx2`]).
+/// [`build_lut`] for four heads and `M`-channel centroids (4 or 8): lane
+/// `4 * i + h` of a vector is centroid `c + i`, head `h`; channel `k` is
+/// one permute of the four centroids' `4 * M` floats times the four
+/// heads' channel `k` repeated, added in channel order without FMA.
+///
+/// # Safety
+/// AVX-512F; `q` holds `4 x D`, `lut` `4 * S * E` floats, `E % 4 == 0`.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn score_avx2(
-    book: &VqBook,
-    bits: u32,
-    words: &[u32],
-    base: usize,
-    wpt: usize,
-    len: usize,
-    lut: &[f32],
-    g: usize,
-    out: &mut [f32],
-) {
-    score_body(book, bits, words, base, wpt, len, lut, g, out)
-}
-
-/// [`score`]'s loop, one body for every ISA.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn score_body(
-    book: &VqBook,
-    bits: u32,
-    words: &[u32],
-    base: usize,
-    wpt: usize,
-    len: usize,
-    lut: &[f32],
-    g: usize,
-    out: &mut [f32],
-) {
+#[target_feature(enable = "avx512f")]
+unsafe fn lut4_avx512<const M: usize>(book: &VqBook, q: &[f32], lut: &mut [f32]) {
+    use std::arch::x86_64::*;
     let (e, s) = (book.entries, book.subvectors);
-    // The unchecked reads below rely on these (the plan's invariants).
-    assert!(lut.len() >= g * s * e && out.len() >= len * g && bits <= 16 && e == 1 << bits);
-    assert!(g * s * e <= u32::MAX as usize, "vq table offsets fit u32");
-    let mut stack = [0u32; 4 * STACK_S];
-    let mut heap = Vec::new();
-    let codes = code_buf!(stack, heap, 4 * s);
-    let lp = lut.as_ptr();
-    let mut r = 0;
-    while r < len {
-        let n = (len - r).min(4);
-        for t in 0..4 {
-            // A short last group repeats its last token (its sums are not stored).
-            let row = &words[base + (r + t.min(n - 1)) * wpt..][..wpt];
-            offsets(row, bits, e, g, &mut codes[t * s..(t + 1) * s]);
+    let d = M * s;
+    let idx: [__m512i; M] = std::array::from_fn(|k| {
+        let lane: [i32; 16] = std::array::from_fn(|l| ((l / 4) * M + k) as i32);
+        _mm512_loadu_si512(lane.as_ptr() as *const _)
+    });
+    for j in 0..s {
+        let qk: [__m512; M] = std::array::from_fn(|k| {
+            let lane: [f32; 16] = std::array::from_fn(|l| q[(l % 4) * d + j * M + k]);
+            _mm512_loadu_ps(lane.as_ptr())
+        });
+        let table = book.table(j).as_ptr();
+        for c in (0..e).step_by(4) {
+            let lo = _mm512_loadu_ps(table.add(c * M));
+            let hi = if M > 4 {
+                _mm512_loadu_ps(table.add(c * M + 16))
+            } else {
+                lo
+            };
+            let mut acc = _mm512_setzero_ps();
+            for k in 0..M {
+                let x = _mm512_permutex2var_ps(lo, idx[k], hi);
+                acc = _mm512_add_ps(acc, _mm512_mul_ps(x, qk[k]));
+            }
+            _mm512_storeu_ps(lut.as_mut_ptr().add((j * e + c) * 4), acc);
         }
-        let (c01, c23) = codes.split_at(2 * s);
-        let (c0, c1) = c01.split_at(s);
-        let (c2, c3) = c23.split_at(s);
-        let mut h0 = 0;
-        while h0 + 4 <= g {
-            let mut acc = [v4::zero(); 4];
-            for j in 0..s {
-                // SAFETY: an offset is `(j * E + code) * g` with `j < S` and
-                // `code < E` (masked to `bits`, `E = 2^bits`), so offset +
-                // `h0 + 3 < g` is below `S * E * g <= lut.len()`.
-                unsafe {
-                    acc[0] = v4::add(acc[0], v4::load(lp.add(c0[j] as usize + h0)));
-                    acc[1] = v4::add(acc[1], v4::load(lp.add(c1[j] as usize + h0)));
-                    acc[2] = v4::add(acc[2], v4::load(lp.add(c2[j] as usize + h0)));
-                    acc[3] = v4::add(acc[3], v4::load(lp.add(c3[j] as usize + h0)));
+    }
+}
+
+/// The packed rows of one piece of a block: `len` rows of `wpt` words
+/// starting at word `base` of `words`, coded against `book` in `bits`-bit
+/// codes, for a group of `g` query heads.
+pub(crate) struct Piece<'a> {
+    pub book: &'a VqBook,
+    pub bits: u32,
+    pub words: &'a [u32],
+    pub base: usize,
+    pub wpt: usize,
+    pub len: usize,
+    pub g: usize,
+}
+
+/// What a [`Piece`]'s rows are used for.
+pub(crate) enum Job<'a> {
+    /// `out[r * g + h] = sum_j lut[(j * E + code(r, j)) * g + h]`.
+    Score { lut: &'a [f32], out: &'a mut [f32] },
+    /// The rows' values weighted by `p[r * g + h]`, into `values`.
+    Accum { p: &'a [f32], values: &'a mut VqValues },
+}
+
+/// The value sums of one split, in one of two forms (see the module docs):
+/// where the group's `g * M` channels of a sub-vector fill one vector
+/// exactly, the transposed sums `[S][g][M]`, one FMA per row and
+/// sub-vector; otherwise the weights binned per centroid, `[S][E][g]`.
+pub(crate) struct VqValues {
+    buf: Vec<f32>,
+    bins: bool,
+    g: usize,
+}
+
+impl VqValues {
+    pub(crate) fn new(isa: Isa, book: &VqBook, g: usize) -> VqValues {
+        let bins = lanes(isa) == 0 || g * book.dim != lanes(isa);
+        let n = g * book.subvectors * if bins { book.entries } else { book.dim };
+        VqValues {
+            buf: vec![0.0; n],
+            bins,
+            g,
+        }
+    }
+
+    /// The online softmax's rescaling, `corr[h]` for head `h` (nothing
+    /// when every factor is 1). Bins: where `g` divides 16 the factors are
+    /// repeated into a 16-lane pattern that the compiler multiplies a
+    /// vector at a time (a loop over `g = 4` factors ran one scalar
+    /// multiply per bin, and this pass, 128 KiB of bins for vq1 at MQA 4:1
+    /// each time any head's maximum grows, was most of the decode).
+    pub(crate) fn rescale(&mut self, book: &VqBook, corr: &[f32]) {
+        let g = self.g;
+        if corr.iter().all(|&c| c == 1.0) {
+            return;
+        }
+        if !self.bins {
+            let m = book.dim;
+            for run in self.buf.chunks_exact_mut(g * m) {
+                for (x, c) in run.chunks_exact_mut(m).zip(corr) {
+                    x.iter_mut().for_each(|x| *x *= c);
                 }
             }
-            for (t, a) in acc.iter().enumerate().take(n) {
-                let o = &mut out[(r + t) * g + h0..][..4];
-                // SAFETY: `o` holds four floats.
-                unsafe { v4::store(o.as_mut_ptr(), *a) };
-            }
-            h0 += 4;
+            return;
         }
-        for hh in h0..g {
-            let mut acc = [0f32; 4];
-            for j in 0..s {
-                // SAFETY: as above, with `hh < g`.
-                unsafe {
-                    acc[0] += *lp.add(c0[j] as usize + hh);
-                    acc[1] += *lp.add(c1[j] as usize + hh);
-                    acc[2] += *lp.add(c2[j] as usize + hh);
-                    acc[3] += *lp.add(c3[j] as usize + hh);
+        let mut rest = &mut self.buf[..];
+        if 16 % g == 0 {
+            let pattern: [f32; 16] = std::array::from_fn(|i| corr[i % g]);
+            let mut chunks = rest.chunks_exact_mut(16);
+            for chunk in &mut chunks {
+                for (x, c) in chunk.iter_mut().zip(&pattern) {
+                    *x *= c;
                 }
             }
-            for (t, a) in acc.iter().enumerate().take(n) {
-                out[(r + t) * g + hh] = *a;
-            }
+            // A 16-float chunk holds whole groups of `g`: the rest starts at a head 0.
+            rest = chunks.into_remainder();
         }
-        r += n;
-    }
-}
-
-/// Adds the weights `p[r * g + h]` of `len` block rows to their centroids'
-/// bins: `bins[(j * E + code(r, j)) * g + h] += p[r * g + h]`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn accumulate(
-    isa: Isa,
-    book: &VqBook,
-    bits: u32,
-    words: &[u32],
-    base: usize,
-    wpt: usize,
-    len: usize,
-    p: &[f32],
-    g: usize,
-    bins: &mut [f32],
-) {
-    #[cfg(target_arch = "x86_64")]
-    if isa != Isa::Scalar {
-        // SAFETY: the backend selects `Avx2` or `Avx512` only where the
-        // CPU has AVX2.
-        unsafe { accumulate_avx2(book, bits, words, base, wpt, len, p, g, bins) };
-        return;
-    }
-    let _ = isa;
-    accumulate_body(book, bits, words, base, wpt, len, p, g, bins)
-}
-
-/// [`accumulate_body`] compiled with AVX2: the code offsets' 32-bit
-/// multiplies become one instruction (the x86-64 baseline emulates them
-/// with two `pmuludq` and shuffles, a third of `score`'s time), and the
-/// offsets are computed inline rather than in a call per token. The same
-/// body, so the same sums.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn accumulate_avx2(
-    book: &VqBook,
-    bits: u32,
-    words: &[u32],
-    base: usize,
-    wpt: usize,
-    len: usize,
-    p: &[f32],
-    g: usize,
-    bins: &mut [f32],
-) {
-    accumulate_body(book, bits, words, base, wpt, len, p, g, bins)
-}
-
-/// [`accumulate`]'s loop, one body for every ISA.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn accumulate_body(
-    book: &VqBook,
-    bits: u32,
-    words: &[u32],
-    base: usize,
-    wpt: usize,
-    len: usize,
-    p: &[f32],
-    g: usize,
-    bins: &mut [f32],
-) {
-    let (e, s) = (book.entries, book.subvectors);
-    // The unchecked accesses below rely on these (the plan's invariants).
-    assert!(bins.len() >= g * s * e && p.len() >= len * g && bits <= 16 && e == 1 << bits);
-    assert!(g * s * e <= u32::MAX as usize, "vq table offsets fit u32");
-    let mut stack = [0u32; STACK_S];
-    let mut heap = Vec::new();
-    let codes = code_buf!(stack, heap, s);
-    let bp = bins.as_mut_ptr();
-    for r in 0..len {
-        offsets(&words[base + r * wpt..][..wpt], bits, e, g, codes);
-        let w = &p[r * g..][..g];
-        let mut h0 = 0;
-        while h0 + 4 <= g {
-            // SAFETY: `w[h0..h0 + 4]` is in `w`; bin offsets as in `score`.
-            unsafe {
-                let pv = v4::load(w.as_ptr().add(h0));
-                for &c in codes.iter() {
-                    let b = bp.add(c as usize + h0);
-                    v4::store(b, v4::add(v4::load(b), pv));
-                }
-            }
-            h0 += 4;
-        }
-        for (hh, &x) in w.iter().enumerate().skip(h0) {
-            for &c in codes.iter() {
-                // SAFETY: `c + hh < S * E * g <= bins.len()`, as in `score`.
-                unsafe { *bp.add(c as usize + hh) += x };
-            }
-        }
-    }
-}
-
-/// The online softmax's rescaling of the bins: `bins[.. * g + h] *= corr[h]`
-/// for the `g = corr.len()` heads (nothing when every factor is 1). Where
-/// `g` divides 16 the factors are repeated into a 16-lane pattern that the
-/// compiler multiplies a vector at a time: a loop over `g = 4` factors ran
-/// one scalar multiply per bin, and this pass (128 KiB of bins for vq1 at
-/// MQA 4:1, each time any head's maximum grows) was most of the decode.
-pub(crate) fn rescale(bins: &mut [f32], corr: &[f32]) {
-    let g = corr.len();
-    if g == 0 || corr.iter().all(|&c| c == 1.0) {
-        return;
-    }
-    let mut rest = &mut bins[..];
-    if 16 % g == 0 {
-        let pattern: [f32; 16] = std::array::from_fn(|i| corr[i % g]);
-        let mut chunks = rest.chunks_exact_mut(16);
-        for chunk in &mut chunks {
-            for (x, c) in chunk.iter_mut().zip(&pattern) {
+        for row in rest.chunks_exact_mut(g) {
+            for (x, c) in row.iter_mut().zip(corr) {
                 *x *= c;
             }
         }
-        // A 16-float chunk holds whole groups of `g`: the rest starts at a head 0.
-        rest = chunks.into_remainder();
     }
-    for row in rest.chunks_exact_mut(g) {
-        for (x, c) in row.iter_mut().zip(corr) {
-            *x *= c;
+
+    /// Adds the sums to the head-major output `acc` (`g x D`), once per
+    /// split: transposed sums moved into place, or bins expanded,
+    /// `acc[h][j*M..] += sum_c bins[(j * E + c) * g + h] * C_j[c]`, empty
+    /// bins skipped (each channel adds the centroids in order).
+    pub(crate) fn fold(&self, book: &VqBook, acc: &mut [f32]) {
+        let (m, s, e, g) = (book.dim, book.subvectors, book.entries, self.g);
+        let d = m * s;
+        if !self.bins {
+            for (j, run) in self.buf.chunks_exact(g * m).enumerate() {
+                for (hh, x) in run.chunks_exact(m).enumerate() {
+                    for (a, y) in acc[hh * d + j * m..][..m].iter_mut().zip(x) {
+                        *a += y;
+                    }
+                }
+            }
+            return;
+        }
+        match m {
+            4 => expand::<4>(book, &self.buf, g, acc),
+            8 => expand::<8>(book, &self.buf, g, acc),
+            _ => {
+                for j in 0..s {
+                    for hh in 0..g {
+                        let out = &mut acc[hh * d + j * m..][..m];
+                        for (c, cent) in book.table(j).chunks_exact(m).enumerate() {
+                            let w = self.buf[(j * e + c) * g + hh];
+                            if w != 0.0 {
+                                for (o, x) in out.iter_mut().zip(cent) {
+                                    *o += w * x;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
         }
     }
 }
 
-/// `acc[h][j*M..] += sum_c bins[(j * E + c) * g + h] * C_j[c]` for the `g`
-/// heads (`acc` is `g x D`); empty bins are skipped. Sub-vectors of 4 or 8
-/// channels keep their sums in a fixed-size array the compiler holds in
-/// registers across the `E` centroids; each channel still adds the
-/// centroids in order, as the generic loop does.
-pub(crate) fn expand(book: &VqBook, bins: &[f32], g: usize, acc: &mut [f32]) {
-    match book.dim {
-        4 => expand_m::<4>(book, bins, g, acc),
-        8 => expand_m::<8>(book, bins, g, acc),
-        _ => expand_any(book, bins, g, acc),
-    }
-}
-
-fn expand_m<const M: usize>(book: &VqBook, bins: &[f32], g: usize, acc: &mut [f32]) {
+/// [`VqValues::fold`]'s expansion of bins for `M`-channel centroids: the
+/// sums in a fixed-size array the compiler holds in registers across the
+/// `E` centroids, not in memory as the runtime-`M` loop keeps them; each
+/// channel still adds the centroids in order.
+fn expand<const M: usize>(book: &VqBook, bins: &[f32], g: usize, acc: &mut [f32]) {
     let (e, s) = (book.entries, book.subvectors);
     let d = M * s;
     for j in 0..s {
@@ -460,20 +370,407 @@ fn expand_m<const M: usize>(book: &VqBook, bins: &[f32], g: usize, acc: &mut [f3
     }
 }
 
-fn expand_any(book: &VqBook, bins: &[f32], g: usize, acc: &mut [f32]) {
-    let (m, e, s) = (book.dim, book.entries, book.subvectors);
-    let d = m * s;
-    for j in 0..s {
-        for c in 0..e {
-            let b = &bins[(j * e + c) * g..][..g];
-            let x = book.centroid(j, c);
-            for (hh, &w) in b.iter().enumerate() {
-                if w != 0.0 {
-                    for (o, x) in acc[hh * d + j * m..][..m].iter_mut().zip(x) {
-                        *o += w * x;
+/// f32 lanes of the value vectors on `isa` (0: none).
+fn lanes(isa: Isa) -> usize {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => 16,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => 8,
+        _ => 0,
+    }
+}
+
+/// Runs `job` over the rows of `pc` on instruction set `isa`.
+pub(crate) fn run(isa: Isa, pc: &Piece, job: Job, offs: &mut Vec<u32>) {
+    let (e, s, m) = (pc.book.entries, pc.book.subvectors, pc.book.dim);
+    // The unchecked accesses below rely on these (the plan's invariants):
+    // a code is masked to `bits` and `E = 2^bits`, so an index `j * E +
+    // code` with `j < S` is below `S * E`.
+    assert!(pc.bits <= 16 && e == 1 << pc.bits && pc.book.data.len() >= s * e * m);
+    assert!(pc.words.len() >= pc.base + pc.len * pc.wpt && pc.wpt * 32 >= s * pc.bits as usize);
+    assert!(s * e <= u32::MAX as usize, "vq code indices fit u32");
+    match &job {
+        Job::Score { lut, out } => assert!(lut.len() >= pc.g * s * e && out.len() >= pc.len * pc.g),
+        Job::Accum { p, values } => {
+            assert!(p.len() >= pc.len * pc.g && values.g == pc.g);
+            assert!(values.buf.len() == pc.g * s * if values.bins { e } else { m });
+            assert!(values.bins || lanes(isa) == pc.g * m);
+        }
+    }
+    match isa {
+        // SAFETY: the backend selects `Avx512` only where the CPU has
+        // AVX-512F/DQ (and AVX2, FMA), `Avx2` only where it has AVX2 + FMA.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { run_avx512(pc, job, offs) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { run_avx2(pc, job, offs) },
+        _ => run_body::<Portable>(pc, job, offs),
+    }
+}
+
+/// [`run_body`] compiled with AVX-512: 16-lane value vectors; the loops of
+/// keys and bins are the same as everywhere, with the wider ISA enabled.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+unsafe fn run_avx512(pc: &Piece, job: Job, offs: &mut Vec<u32>) {
+    run_body::<Avx512>(pc, job, offs)
+}
+
+/// [`run_body`] compiled with AVX2 + FMA: 8-lane value vectors.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn run_avx2(pc: &Piece, job: Job, offs: &mut Vec<u32>) {
+    run_body::<Avx2>(pc, job, offs)
+}
+
+/// One body for every ISA: the codes come from the rows' bytes where
+/// codes are bytes (little-endian), else from `offs`, unpacked once per
+/// piece.
+#[inline(always)]
+fn run_body<W: Lanes>(pc: &Piece, job: Job, offs: &mut Vec<u32>) {
+    let (e, s) = (pc.book.entries, pc.book.subvectors);
+    #[cfg(target_endian = "little")]
+    if pc.bits == 8 {
+        let codes = Bytes {
+            // SAFETY: the piece's words (checked in `run`).
+            p: unsafe { pc.words.as_ptr().add(pc.base) } as *const u8,
+            row: 4 * pc.wpt,
+            e,
+        };
+        return job_body::<W, _>(pc, job, codes);
+    }
+    offs.resize(pc.len * s, 0);
+    for (r, o) in offs.chunks_exact_mut(s).enumerate() {
+        offsets(&pc.words[pc.base + r * pc.wpt..][..pc.wpt], pc.bits, e, o);
+    }
+    job_body::<W, _>(pc, job, Unpacked { o: offs, s })
+}
+
+/// Dispatches on the group size where a constant one saves a multiply
+/// per lookup (GQA's 4 and 8 heads).
+#[inline(always)]
+fn job_body<W: Lanes, C: Codes>(pc: &Piece, job: Job, codes: C) {
+    match job {
+        Job::Score { lut, out } => match pc.g {
+            4 => score_body::<C, 4>(pc, lut, out, codes),
+            8 => score_body::<C, 8>(pc, lut, out, codes),
+            _ => score_body::<C, 0>(pc, lut, out, codes),
+        },
+        Job::Accum { p, values } if values.bins => match pc.g {
+            4 => bins_body::<C, 4>(pc, p, &mut values.buf, codes),
+            8 => bins_body::<C, 8>(pc, p, &mut values.buf, codes),
+            _ => bins_body::<C, 0>(pc, p, &mut values.buf, codes),
+        },
+        // SAFETY: `W`'s features are enabled (the caller's entry point);
+        // `g * M = W::LANES` (checked in `run`).
+        Job::Accum { p, values } => unsafe {
+            match pc.book.dim {
+                1 => vectors_body::<W, C, 1>(pc, p, &mut values.buf, codes),
+                2 => vectors_body::<W, C, 2>(pc, p, &mut values.buf, codes),
+                4 => vectors_body::<W, C, 4>(pc, p, &mut values.buf, codes),
+                8 => vectors_body::<W, C, 8>(pc, p, &mut values.buf, codes),
+                16 => vectors_body::<W, C, 16>(pc, p, &mut values.buf, codes),
+                m => unreachable!("vq value vectors of {m}-channel centroids"),
+            }
+        },
+    }
+}
+
+/// Where the codes of a piece are read from: `at(r, j) = j * E +
+/// code(r, j)`, the index of row `r`'s centroid `j` in the codebooks.
+trait Codes: Copy {
+    /// # Safety
+    /// `r < len`, `j < S`.
+    unsafe fn at(&self, r: usize, j: usize) -> usize;
+}
+
+/// 8-bit codes: row `r`'s code `j` is its byte `j`.
+#[derive(Clone, Copy)]
+struct Bytes {
+    p: *const u8,
+    row: usize,
+    e: usize,
+}
+
+impl Codes for Bytes {
+    #[inline(always)]
+    unsafe fn at(&self, r: usize, j: usize) -> usize {
+        j * self.e + *self.p.add(r * self.row + j) as usize
+    }
+}
+
+/// Indices unpacked by [`offsets`], `[len][S]`.
+#[derive(Clone, Copy)]
+struct Unpacked<'a> {
+    o: &'a [u32],
+    s: usize,
+}
+
+impl Codes for Unpacked<'_> {
+    #[inline(always)]
+    unsafe fn at(&self, r: usize, j: usize) -> usize {
+        *self.o.get_unchecked(r * self.s + j) as usize
+    }
+}
+
+/// [`Job::Score`]: four rows at a time, four heads a vector; `G` the
+/// group size, or 0 for `pc.g`.
+#[inline(always)]
+fn score_body<C: Codes, const G: usize>(pc: &Piece, lut: &[f32], out: &mut [f32], codes: C) {
+    let (s, len) = (pc.book.subvectors, pc.len);
+    let g = if G == 0 { pc.g } else { G };
+    let lp = lut.as_ptr();
+    let mut r = 0;
+    while r < len {
+        let n = (len - r).min(4);
+        // A short last group repeats its last row (its sums are not stored).
+        let rows = [r, r + 1.min(n - 1), r + 2.min(n - 1), r + 3.min(n - 1)];
+        let mut h0 = 0;
+        while h0 + 4 <= g {
+            let mut acc = [v4::zero(); 4];
+            for j in 0..s {
+                // SAFETY: rows below `len`, `j < S`; an index is below
+                // `S * E`, so `index * g + h0 + 3` is below `S * E * g <=
+                // lut.len()` (checked in `run`).
+                unsafe {
+                    for (a, &row) in acc.iter_mut().zip(&rows) {
+                        *a = v4::add(*a, v4::load(lp.add(codes.at(row, j) * g + h0)));
                     }
                 }
             }
+            for (t, a) in acc.iter().enumerate().take(n) {
+                let o = &mut out[(r + t) * g + h0..][..4];
+                // SAFETY: `o` holds four floats.
+                unsafe { v4::store(o.as_mut_ptr(), *a) };
+            }
+            h0 += 4;
         }
+        for hh in h0..g {
+            let mut acc = [0f32; 4];
+            for j in 0..s {
+                for (a, &row) in acc.iter_mut().zip(&rows) {
+                    // SAFETY: as above, with `hh < g`.
+                    *a += unsafe { *lp.add(codes.at(row, j) * g + hh) };
+                }
+            }
+            for (t, a) in acc.iter().enumerate().take(n) {
+                out[(r + t) * g + hh] = *a;
+            }
+        }
+        r += n;
+    }
+}
+
+/// [`Job::Accum`] into bins: `bins[(j * E + code(r, j)) * g + h] += p[r *
+/// g + h]`, four heads a vector; `G` as in [`score_body`].
+#[inline(always)]
+fn bins_body<C: Codes, const G: usize>(pc: &Piece, p: &[f32], bins: &mut [f32], codes: C) {
+    let s = pc.book.subvectors;
+    let g = if G == 0 { pc.g } else { G };
+    let bp = bins.as_mut_ptr();
+    for r in 0..pc.len {
+        let w = &p[r * g..][..g];
+        let mut h0 = 0;
+        while h0 + 4 <= g {
+            // SAFETY: `w[h0..h0 + 4]` is in `w`; `index * g + h0 + 3 < S *
+            // E * g = bins.len()` as in `score_body`.
+            unsafe {
+                let pv = v4::load(w.as_ptr().add(h0));
+                for j in 0..s {
+                    let b = bp.add(codes.at(r, j) * g + h0);
+                    v4::store(b, v4::add(v4::load(b), pv));
+                }
+            }
+            h0 += 4;
+        }
+        for (hh, &x) in w.iter().enumerate().skip(h0) {
+            for j in 0..s {
+                // SAFETY: as above, with `hh < g`.
+                unsafe { *bp.add(codes.at(r, j) * g + hh) += x };
+            }
+        }
+    }
+}
+
+/// The value vectors of one ISA (implemented for `width.rs`'s ISA types):
+/// the arithmetic, a centroid repeated across the lanes and the group's
+/// weights spread over them.
+trait Lanes {
+    type F: Copy;
+    unsafe fn load(p: *const f32) -> Self::F;
+    unsafe fn store(p: *mut f32, v: Self::F);
+    /// `a * b + c`.
+    unsafe fn fmadd(a: Self::F, b: Self::F, c: Self::F) -> Self::F;
+    /// The `M` floats at `p`, repeated across the lanes.
+    unsafe fn tile<const M: usize>(p: *const f32) -> Self::F;
+    /// Lane `i` = `p[i / M]`, reading `p[..lanes / M]` only.
+    unsafe fn spread<const M: usize>(p: *const f32) -> Self::F;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for Avx512 {
+    type F = std::arch::x86_64::__m512;
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self::F {
+        std::arch::x86_64::_mm512_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: Self::F) {
+        std::arch::x86_64::_mm512_storeu_ps(p, v)
+    }
+    #[inline(always)]
+    unsafe fn fmadd(a: Self::F, b: Self::F, c: Self::F) -> Self::F {
+        std::arch::x86_64::_mm512_fmadd_ps(a, b, c)
+    }
+    #[inline(always)]
+    unsafe fn tile<const M: usize>(p: *const f32) -> Self::F {
+        use std::arch::x86_64::*;
+        match M {
+            16 => _mm512_loadu_ps(p),
+            8 => _mm512_broadcast_f32x8(_mm256_loadu_ps(p)),
+            4 => _mm512_broadcast_f32x4(_mm_loadu_ps(p)),
+            2 => _mm512_castpd_ps(_mm512_set1_pd(std::ptr::read_unaligned(p as *const f64))),
+            _ => _mm512_set1_ps(*p),
+        }
+    }
+    #[inline(always)]
+    unsafe fn spread<const M: usize>(p: *const f32) -> Self::F {
+        use std::arch::x86_64::*;
+        let i = |x: i32| x / M as i32;
+        let idx = _mm512_set_epi32(
+            i(15),
+            i(14),
+            i(13),
+            i(12),
+            i(11),
+            i(10),
+            i(9),
+            i(8),
+            i(7),
+            i(6),
+            i(5),
+            i(4),
+            i(3),
+            i(2),
+            i(1),
+            0,
+        );
+        let x = _mm512_maskz_loadu_ps(((1u32 << (16 / M)) - 1) as u16, p);
+        _mm512_permutexvar_ps(idx, x)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for Avx2 {
+    type F = std::arch::x86_64::__m256;
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self::F {
+        std::arch::x86_64::_mm256_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: Self::F) {
+        std::arch::x86_64::_mm256_storeu_ps(p, v)
+    }
+    #[inline(always)]
+    unsafe fn fmadd(a: Self::F, b: Self::F, c: Self::F) -> Self::F {
+        std::arch::x86_64::_mm256_fmadd_ps(a, b, c)
+    }
+    #[inline(always)]
+    unsafe fn tile<const M: usize>(p: *const f32) -> Self::F {
+        use std::arch::x86_64::*;
+        match M {
+            8 => _mm256_loadu_ps(p),
+            4 => {
+                let x = _mm_loadu_ps(p);
+                _mm256_set_m128(x, x)
+            }
+            2 => _mm256_castpd_ps(_mm256_set1_pd(std::ptr::read_unaligned(p as *const f64))),
+            _ => _mm256_set1_ps(*p),
+        }
+    }
+    #[inline(always)]
+    unsafe fn spread<const M: usize>(p: *const f32) -> Self::F {
+        use std::arch::x86_64::*;
+        let n = (8 / M) as i32;
+        let i = |x: i32| x / M as i32;
+        let idx = _mm256_set_epi32(i(7), i(6), i(5), i(4), i(3), i(2), i(1), 0);
+        let live = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0));
+        _mm256_permutevar8x32_ps(_mm256_maskload_ps(p, live), idx)
+    }
+}
+
+/// No value vectors: [`VqValues`] bins on this ISA, so the vector loop is
+/// never instantiated with these.
+struct Portable;
+
+impl Lanes for Portable {
+    type F = f32;
+    unsafe fn load(p: *const f32) -> f32 {
+        *p
+    }
+    unsafe fn store(p: *mut f32, v: f32) {
+        *p = v
+    }
+    unsafe fn fmadd(a: f32, b: f32, c: f32) -> f32 {
+        a * b + c
+    }
+    unsafe fn tile<const M: usize>(p: *const f32) -> f32 {
+        *p
+    }
+    unsafe fn spread<const M: usize>(p: *const f32) -> f32 {
+        *p
+    }
+}
+
+/// [`Job::Accum`] into transposed sums, `vacc[(j * g + h) * M + k] +=
+/// p[r * g + h] * C_j[code(r, j)][k]`, the group's `g * M` lanes one vector:
+/// sub-vectors eight at a time, their sums in registers across the rows.
+///
+/// # Safety
+/// `W`'s features are enabled; `g * M` is `W`'s lanes; `run`'s checks hold.
+#[inline(always)]
+unsafe fn vectors_body<W: Lanes, C: Codes, const M: usize>(pc: &Piece, p: &[f32], vacc: &mut [f32], codes: C) {
+    let s = pc.book.subvectors;
+    let mut j0 = 0;
+    while j0 + 8 <= s {
+        chunk::<W, C, M, 8>(pc, p, vacc, j0, codes);
+        j0 += 8;
+    }
+    while j0 + 2 <= s {
+        chunk::<W, C, M, 2>(pc, p, vacc, j0, codes);
+        j0 += 2;
+    }
+    if j0 < s {
+        chunk::<W, C, M, 1>(pc, p, vacc, j0, codes);
+    }
+}
+
+/// Sub-vectors `j0..j0 + J` of [`vectors_body`] over every row.
+///
+/// # Safety
+/// As [`vectors_body`], and `j0 + J <= S`.
+#[inline(always)]
+unsafe fn chunk<W: Lanes, C: Codes, const M: usize, const J: usize>(
+    pc: &Piece,
+    p: &[f32],
+    vacc: &mut [f32],
+    j0: usize,
+    codes: C,
+) {
+    let (g, book) = (pc.g, pc.book.data.as_ptr());
+    let run = g * M;
+    let mut a = [W::load(vacc.as_ptr().add(j0 * run)); J];
+    for (k, x) in a.iter_mut().enumerate().skip(1) {
+        *x = W::load(vacc.as_ptr().add((j0 + k) * run));
+    }
+    for r in 0..pc.len {
+        let w = W::spread::<M>(p.as_ptr().add(r * g));
+        for (k, x) in a.iter_mut().enumerate() {
+            *x = W::fmadd(w, W::tile::<M>(book.add(codes.at(r, j0 + k) * M)), *x);
+        }
+    }
+    for (k, x) in a.iter().enumerate() {
+        W::store(vacc.as_mut_ptr().add((j0 + k) * run), *x);
     }
 }
