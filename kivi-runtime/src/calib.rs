@@ -1147,14 +1147,8 @@ pub fn kmeans_1d(pts: &mut [(f32, f32)], k: usize, iterations: usize) -> Vec<f32
         return vec![0.0; k];
     }
     pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (sw, swy) = prefix_sums(pts);
     let n = pts.len();
-    let mut sw = vec![0f64; n + 1];
-    let mut swy = vec![0f64; n + 1];
-    for (i, (y, w)) in pts.iter().enumerate() {
-        let w = w.max(0.0) as f64;
-        sw[i + 1] = sw[i] + w;
-        swy[i + 1] = swy[i] + w * *y as f64;
-    }
     let total = sw[n];
     let mut c: Vec<f32> = (0..k)
         .map(|j| {
@@ -1163,6 +1157,41 @@ pub fn kmeans_1d(pts: &mut [(f32, f32)], k: usize, iterations: usize) -> Vec<f32
             pts[i].0
         })
         .collect();
+    lloyd_steps(pts, (&sw, &swy), &mut c, iterations, 0..k, None);
+    c
+}
+
+/// Prefix sums of the weights (negative ones as 0) and of weight x value
+/// of `pts` sorted by value: `[n + 1]` each, for [`lloyd_steps`]' means.
+fn prefix_sums(pts: &[(f32, f32)]) -> (Vec<f64>, Vec<f64>) {
+    let n = pts.len();
+    let mut sw = vec![0f64; n + 1];
+    let mut swy = vec![0f64; n + 1];
+    for (i, (y, w)) in pts.iter().enumerate() {
+        let w = w.max(0.0) as f64;
+        sw[i + 1] = sw[i] + w;
+        swy[i + 1] = swy[i] + w * *y as f64;
+    }
+    (sw, swy)
+}
+
+/// Lloyd's two steps on the ascending table `c` over `pts` (sorted by
+/// value, `prefix` from [`prefix_sums`]), at most `iterations` times (at
+/// least once), stopping when no boundary moves: assign by binary search on
+/// the midpoints (values above a midpoint go up, as the quantizer codes
+/// them), then move the levels in `movable` to their cell's weighted mean
+/// (clamped to `clamp` if given; an empty cell keeps its level) and keep
+/// those levels sorted. [`kmeans_1d`] moves all of them, the pinned fit only
+/// the inner ones.
+fn lloyd_steps(
+    pts: &[(f32, f32)],
+    (sw, swy): (&[f64], &[f64]),
+    c: &mut [f32],
+    iterations: usize,
+    movable: std::ops::Range<usize>,
+    clamp: Option<(f32, f32)>,
+) {
+    let (n, k) = (pts.len(), c.len());
     let mut bounds = vec![usize::MAX; k + 1];
     for _ in 0..iterations.max(1) {
         let mut nb = vec![0usize; k + 1];
@@ -1174,17 +1203,17 @@ pub fn kmeans_1d(pts: &mut [(f32, f32)], k: usize, iterations: usize) -> Vec<f32
         if nb == bounds {
             break;
         }
-        for j in 0..k {
+        for j in movable.clone() {
             let (a, b) = (nb[j], nb[j + 1]);
             let w = sw[b] - sw[a];
             if w > 0.0 {
-                c[j] = ((swy[b] - swy[a]) / w) as f32;
+                let m = ((swy[b] - swy[a]) / w) as f32;
+                c[j] = clamp.map_or(m, |(lo, hi)| m.clamp(lo, hi));
             }
         }
-        c.sort_by(f32::total_cmp);
+        c[movable.clone()].sort_by(f32::total_cmp);
         bounds = nb;
     }
-    c
 }
 
 /// [`kmeans_1d`] with the first and last of the `k` levels pinned at 0 and
@@ -1211,37 +1240,10 @@ pub fn kmeans_1d_pinned(pts: &mut [(f32, f32)], k: usize, iterations: usize) -> 
         return Ok(c);
     }
     pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let n = pts.len();
-    let mut sw = vec![0f64; n + 1];
-    let mut swy = vec![0f64; n + 1];
-    for (i, (y, w)) in pts.iter().enumerate() {
-        let w = w.max(0.0) as f64;
-        sw[i + 1] = sw[i] + w;
-        swy[i + 1] = swy[i] + w * *y as f64;
-    }
-    let mut bounds = vec![usize::MAX; k + 1];
-    for _ in 0..iterations.max(1) {
-        let mut nb = vec![0usize; k + 1];
-        nb[k] = n;
-        for j in 0..k - 1 {
-            let t = (c[j] + c[j + 1]) * 0.5;
-            nb[j + 1] = pts.partition_point(|p| p.0 <= t).max(nb[j]);
-        }
-        if nb == bounds {
-            break;
-        }
-        for j in 1..k - 1 {
-            let (a, b) = (nb[j], nb[j + 1]);
-            let w = sw[b] - sw[a];
-            if w > 0.0 {
-                c[j] = (((swy[b] - swy[a]) / w) as f32).clamp(0.0, 1.0);
-            }
-        }
-        // Each inner mean lies inside its own cell, between its neighbours'
-        // midpoints, so the order holds; the sort only guards the clamp.
-        c[1..k - 1].sort_by(f32::total_cmp);
-        bounds = nb;
-    }
+    let (sw, swy) = prefix_sums(pts);
+    // Each inner mean lies inside its own cell, between its neighbours'
+    // midpoints, so the order holds; the sort only guards the clamp.
+    lloyd_steps(pts, (&sw, &swy), &mut c, iterations, 1..k - 1, Some((0.0, 1.0)));
     Ok(c)
 }
 
