@@ -271,6 +271,18 @@ fn pool(threads: usize) -> Result<Arc<rayon::ThreadPool>> {
 }
 
 impl CpuBackend {
+    /// Runs `f` on this backend's thread pool (`threads > 0`) or the
+    /// caller's (rayon's global one). `params` is a public field, so it is
+    /// checked here, on every call, not only in `new`.
+    fn on_pool<T: Send>(&self, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+        check_params(&self.params)?;
+        if self.params.threads > 0 {
+            pool(self.params.threads)?.install(f)
+        } else {
+            f()
+        }
+    }
+
     /// A backend with checked parameters.
     pub fn new(params: CpuParams) -> Result<Self> {
         check_params(&params)?;
@@ -505,13 +517,7 @@ impl Backend for CpuBackend {
         "cpu"
     }
     fn decode(&self, cache: &PagedCache, seqs: &[SeqId], q: &[f32], attn: AttnParams) -> Result<Vec<f32>> {
-        // `params` is a public field: check it here too, not only in `new`.
-        check_params(&self.params)?;
-        if self.params.threads > 0 {
-            pool(self.params.threads)?.install(|| self.run(cache, seqs, q, attn))
-        } else {
-            self.run(cache, seqs, q, attn)
-        }
+        self.on_pool(|| self.run(cache, seqs, q, attn))
     }
     /// The split kernel over the tokens between the skipped ones (each
     /// split cut around them), merged per query head, not normalised.
@@ -523,12 +529,7 @@ impl Backend for CpuBackend {
         attn: AttnParams,
         skip: &[Vec<Vec<usize>>],
     ) -> Result<DecodePartial> {
-        check_params(&self.params)?;
-        if self.params.threads > 0 {
-            pool(self.params.threads)?.install(|| self.partials(cache, seqs, q, attn, Some(skip)))
-        } else {
-            self.partials(cache, seqs, q, attn, Some(skip))
-        }
+        self.on_pool(|| self.partials(cache, seqs, q, attn, Some(skip)))
     }
     /// Many-query attention: see `block.rs` for how the work is cut.
     fn attend_block(&self, cache: &mut PagedCache, blocks: &[NewTokens], attn: AttnParams) -> Result<Vec<f32>> {
@@ -536,11 +537,7 @@ impl Backend for CpuBackend {
         if let Some(r) = crate::backend::int8_blocks(self, cache, blocks, attn) {
             return r;
         }
-        let out = if self.params.threads > 0 {
-            pool(self.params.threads)?.install(|| self.run_block(cache, blocks, attn))
-        } else {
-            self.run_block(cache, blocks, attn)
-        }?;
+        let out = self.on_pool(|| self.run_block(cache, blocks, attn))?;
         evict_after_blocks(cache, blocks)?;
         Ok(out)
     }
