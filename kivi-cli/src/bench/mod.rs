@@ -446,16 +446,12 @@ impl BenchCache {
     }
 }
 
-/// A `LowRankCache` for a `low_rank` scheme: with `--calibration`, the
-/// bases of `--layer` from that file; otherwise bases fitted on another
-/// draw of the benchmark's own K/V, as [`paged_cache`] fits codebooks:
-/// decode speed depends on the rank, not on the basis.
-fn low_rank_cache(bench: &Config, s: &Scheme, l: Layout, cfg: CacheConfig) -> Result<LowRankCache, String> {
+/// An empty calibration for the bench's synthetic model and one layer of
+/// samples to fit it on: another draw of the benchmark's own K/V (1024
+/// tokens, seed 0xca1), as [`paged_cache`] and [`low_rank_cache`] fit
+/// their codebooks and bases when no `--calibration` is given.
+fn synthetic_samples(l: Layout) -> (kivi_runtime::calib::Calibration, kivi_runtime::calib::LayerSamples) {
     use kivi_runtime::calib::{Calibration, LayerSamples, ModelId};
-    let err = |e: kivi_runtime::Error| format!("{}: {e}", s.name);
-    if let Some((cal, layer)) = &bench.calibration {
-        return LowRankCache::with_calibration(s.clone(), cfg, cal, *layer).map_err(err);
-    }
     let tokens = 1024;
     let (k, v) = kv_data(tokens, l, 0xca1);
     let (h, d) = (l.kv_heads as usize, l.head_dim as usize);
@@ -466,7 +462,19 @@ fn low_rank_cache(bench: &Config, s: &Scheme, l: Layout, cfg: CacheConfig) -> Re
         kv_heads: h as u32,
         head_dim: d as u32,
     };
-    let mut cal = Calibration::new(model, "kv_data(1024 tokens, seed 0xca1)");
+    (Calibration::new(model, "kv_data(1024 tokens, seed 0xca1)"), x)
+}
+
+/// A `LowRankCache` for a `low_rank` scheme: with `--calibration`, the
+/// bases of `--layer` from that file; otherwise bases fitted on another
+/// draw of the benchmark's own K/V, as [`paged_cache`] fits codebooks:
+/// decode speed depends on the rank, not on the basis.
+fn low_rank_cache(bench: &Config, s: &Scheme, l: Layout, cfg: CacheConfig) -> Result<LowRankCache, String> {
+    let err = |e: kivi_runtime::Error| format!("{}: {e}", s.name);
+    if let Some((cal, layer)) = &bench.calibration {
+        return LowRankCache::with_calibration(s.clone(), cfg, cal, *layer).map_err(err);
+    }
+    let (mut cal, x) = synthetic_samples(l);
     cal.fit_bases(std::slice::from_ref(&x))
         .map_err(|e| format!("{}: {e}", s.name))?;
     LowRankCache::with_calibration(s.clone(), cfg, &cal, 0).map_err(err)
@@ -478,7 +486,7 @@ fn low_rank_cache(bench: &Config, s: &Scheme, l: Layout, cfg: CacheConfig) -> Re
 /// the same draw, so a pre-RoPE scheme fits too): decode speed depends on
 /// the table's width, not on its values, and the bench needs no model.
 fn paged_cache(bench: &Config, s: &Scheme, l: Layout, cfg: CacheConfig) -> Result<PagedCache, String> {
-    use kivi_runtime::calib::{fit_key, Calibration, FitOptions, LayerSamples, ModelId};
+    use kivi_runtime::calib::{fit_key, FitOptions};
     use kivi_runtime::vq::VqFitOptions;
     use kivi_spec::Tensor;
     if let Some((cal, layer)) = &bench.calibration {
@@ -489,18 +497,8 @@ fn paged_cache(bench: &Config, s: &Scheme, l: Layout, cfg: CacheConfig) -> Resul
     if !nuq && !vq {
         return PagedCache::new(s.clone(), cfg).map_err(|e| format!("{}: {e}", s.name));
     }
-    let tokens = 1024;
-    let (k, v) = kv_data(tokens, l, 0xca1);
-    let (h, d) = (l.kv_heads as usize, l.head_dim as usize);
-    let mut x = LayerSamples::new(0, tokens, l.q_heads as usize, h, d, k.clone(), v);
-    x.keys_pre_rope = Some(k);
-    let model = ModelId {
-        name: "kivi bench synthetic K/V".into(),
-        layers: 1,
-        kv_heads: h as u32,
-        head_dim: d as u32,
-    };
-    let mut cal = Calibration::new(model, "kv_data(1024 tokens, seed 0xca1)");
+    let (mut cal, mut x) = synthetic_samples(l);
+    x.keys_pre_rope = Some(x.keys.clone());
     if nuq {
         cal.fit_codebooks(s, std::slice::from_ref(&x), FitOptions::default())
             .map_err(|e| format!("{}: {e}", s.name))?;
