@@ -756,3 +756,43 @@ fn cpu_partial_decode_matches_the_host_partials() {
         assert!(matches!(e, kivi_runtime::Error::Shape { .. }), "{e}");
     }
 }
+
+/// `Footprint::for_tokens` prices a low-rank scheme as its cache stores it:
+/// R-wide coordinate rows (its coordinate scheme's footprint), plus with
+/// `residual = N` the kept exact rows under `outliers`, byte for byte what
+/// `LowRankCache::memory` counts for them.
+#[test]
+fn footprint_counts_coordinates_and_kept_rows() {
+    use kivi_spec::layout::Footprint;
+    let mut rng = Rng::new(21);
+    let (hq, h, d) = (8, 2, 32);
+    let heads = Heads::from_counts(hq, h as u32);
+    let (cal, mk, mv) = calibrated(&mut rng, 1, hq as usize, h, d, 4);
+    for n_keep in [0usize, 3, 40] {
+        let s = parse_scheme(&format!(
+            "R {{ {Q4}, low_rank: pca(rank = 16, apply = [key, value], residual = {n_keep}) }}"
+        ))
+        .unwrap()
+        .with_shape(heads, d as u32)
+        .unwrap();
+        let coords = s.coordinate_scheme().unwrap();
+        let mut plain = s.clone();
+        plain.low_rank = None;
+        for tokens in [1usize, 2, 31, 200] {
+            let f = Footprint::for_tokens(&s, tokens);
+            let fc = Footprint::for_tokens(&coords, tokens);
+            assert_eq!((f.codes, f.scales, f.windows), (fc.codes, fc.scales, fc.windows), "{n_keep} {tokens}");
+            let kept = 2 * h * tokens.min(n_keep) * (d * s.dtype.bytes() + 4);
+            assert_eq!(f.outliers, fc.outliers + kept, "{n_keep} {tokens}");
+            // R = 16 of D = 32: the coordinates are half the rows' bytes.
+            let fp = Footprint::for_tokens(&plain, tokens);
+            assert_eq!(2 * f.windows, fp.windows, "{tokens}");
+            let mut cache = LowRankCache::with_calibration(s.clone(), CacheConfig::for_tokens(256), &cal, 0).unwrap();
+            let id = cache.add_sequence();
+            let k = low_rank_rows(&mut rng, &mk, tokens, h, d, 4);
+            let v = low_rank_rows(&mut rng, &mv, tokens, h, d, 4);
+            cache.extend(id, &k, &v).unwrap();
+            assert_eq!(cache.memory().outliers, f.outliers, "{n_keep} {tokens}: kept rows");
+        }
+    }
+}

@@ -368,6 +368,17 @@ impl Footprint {
     /// ```
     pub fn for_tokens(s: &Scheme, tokens: usize) -> Footprint {
         let shape = s.shape().expect("Footprint::for_tokens needs a scheme with a shape");
+        // A low-rank scheme stores R-wide coordinate rows (its coordinate
+        // scheme's footprint) plus, with `residual = N`, up to N exact
+        // D-wide rows per tensor and KV head with a 4-byte position each,
+        // counted under `outliers` as `LowRankCache::memory` counts them.
+        // The bases are per cache, like tables, and not counted here.
+        if let (Some(l), Some(coords)) = (s.low_rank, s.coordinate_scheme()) {
+            let mut f = Footprint::for_tokens(&coords, tokens);
+            let kept = tokens.min(l.residual as usize);
+            f.outliers += 2 * shape.kv_heads * kept * (shape.head_dim * s.dtype.bytes() + 4);
+            return f;
+        }
         let d = shape.head_dim;
         let mut f = Footprint::default();
         for t in [Tensor::Key, Tensor::Value] {

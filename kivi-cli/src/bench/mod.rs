@@ -435,13 +435,13 @@ impl BenchCache {
         }
     }
     /// Bytes one decode of `context` tokens per sequence reads: the layout's
-    /// payload (a low-rank cache's coordinates, plus its bases once).
+    /// payload (a low-rank cache's coordinates and kept exact rows, plus
+    /// its bases once).
     fn decode_bytes(&self, s: &Scheme, context: usize, batch: usize) -> usize {
+        let payload = Footprint::for_tokens(s, context).total() * batch;
         match self {
-            BenchCache::Paged(_) => Footprint::for_tokens(s, context).total() * batch,
-            BenchCache::LowRank(c) => {
-                Footprint::for_tokens(c.coordinates().scheme(), context).total() * batch + c.bases().bytes()
-            }
+            BenchCache::Paged(_) => payload,
+            BenchCache::LowRank(c) => payload + c.bases().bytes(),
         }
     }
 }

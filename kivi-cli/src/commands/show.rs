@@ -392,7 +392,9 @@ pub fn run(args: Args) -> super::Result {
     let stored = kivi_templates::kernel_scheme(&bound).into_owned();
     let ((bytes, per), k, v) = per_token(&stored)?;
     let f16_tok = 2 * shape.head_dim * 2;
-    let foot = Footprint::for_tokens(&stored, args.context);
+    // The footprint counts a low-rank scheme's coordinate rows and its
+    // kept exact rows (`residual = N`).
+    let foot = Footprint::for_tokens(&bound, args.context);
     let f16_ctx = f16_bytes(args.context, shape.kv_heads, shape.head_dim);
     let (mem, block_tokens) = if bound.low_rank.is_some() {
         fill_low_rank(&bound, args.context)?
