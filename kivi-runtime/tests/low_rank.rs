@@ -781,7 +781,11 @@ fn footprint_counts_coordinates_and_kept_rows() {
         for tokens in [1usize, 2, 31, 200] {
             let f = Footprint::for_tokens(&s, tokens);
             let fc = Footprint::for_tokens(&coords, tokens);
-            assert_eq!((f.codes, f.scales, f.windows), (fc.codes, fc.scales, fc.windows), "{n_keep} {tokens}");
+            assert_eq!(
+                (f.codes, f.scales, f.windows),
+                (fc.codes, fc.scales, fc.windows),
+                "{n_keep} {tokens}"
+            );
             let kept = 2 * h * tokens.min(n_keep) * (d * s.dtype.bytes() + 4);
             assert_eq!(f.outliers, fc.outliers + kept, "{n_keep} {tokens}");
             // R = 16 of D = 32: the coordinates are half the rows' bytes.
