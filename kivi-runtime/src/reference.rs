@@ -287,25 +287,34 @@ pub fn decode_attention(s: &Scheme, q: &[f32], k: &[f32], v: &[f32], params: Att
                 dot * params.softmax_scale as f64
             })
             .collect();
-        if scores.is_empty() {
-            continue; // an empty cache attends to nothing: the output is zero
-        }
-        let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-        let weights: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-        let sum: f64 = weights.iter().sum();
-        let mut acc = vec![0f64; d];
-        for (i, t) in (start..tokens).enumerate() {
-            let vt = &v[(t * hkv + kvh) * d..][..d];
-            let p = weights[i] / sum;
-            for (a, x) in acc.iter_mut().zip(vt) {
-                *a += p * *x as f64;
-            }
-        }
-        for (o, a) in out[head * d..(head + 1) * d].iter_mut().zip(acc) {
-            *o = a as f32;
-        }
+        // An empty cache attends to nothing: the output stays zero.
+        softmax_values(&scores, v, start, hkv, kvh, &mut out[head * d..(head + 1) * d]);
     }
     Ok(out)
+}
+
+/// `out = sum_t softmax(scores)_t v_t` over tokens `start..` of KV head
+/// `kvh` of the views `v` (`[T, Hkv, D]`), in f64; `out` untouched when
+/// there are no scores.
+fn softmax_values(scores: &[f64], v: &[f32], start: usize, hkv: usize, kvh: usize, out: &mut [f32]) {
+    if scores.is_empty() {
+        return;
+    }
+    let d = out.len();
+    let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let weights: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+    let sum: f64 = weights.iter().sum();
+    let mut acc = vec![0f64; d];
+    for (i, w) in weights.iter().enumerate() {
+        let vt = &v[((start + i) * hkv + kvh) * d..][..d];
+        let p = w / sum;
+        for (a, x) in acc.iter_mut().zip(vt) {
+            *a += p * *x as f64;
+        }
+    }
+    for (o, a) in out.iter_mut().zip(acc) {
+        *o = a as f32;
+    }
 }
 
 /// The whole oracle for one sequence: fill a cache with `k`, `v`
@@ -515,23 +524,7 @@ pub fn decode_attention_int8(
                 score + (0..d).map(|c| qs[c] as f64 * keys.zero[j + c] as f64).sum::<f64>()
             })
             .collect();
-        if scores.is_empty() {
-            continue;
-        }
-        let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-        let weights: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-        let sum: f64 = weights.iter().sum();
-        let mut acc = vec![0f64; d];
-        for (i, t) in (start..tokens).enumerate() {
-            let vt = &v[(t * hkv + kvh) * d..][..d];
-            let p = weights[i] / sum;
-            for (a, x) in acc.iter_mut().zip(vt) {
-                *a += p * *x as f64;
-            }
-        }
-        for (o, a) in out[head * d..(head + 1) * d].iter_mut().zip(acc) {
-            *o = a as f32;
-        }
+        softmax_values(&scores, v, start, hkv, kvh, &mut out[head * d..(head + 1) * d]);
     }
     Ok(out)
 }
