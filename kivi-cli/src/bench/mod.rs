@@ -982,18 +982,12 @@ mod tests {
         );
     }
 
-    /// `levels = nuq` schemes (pre-RoPE keys too) get codebooks fitted on
-    /// the bench's own K/V, pass the oracle check before they are timed,
-    /// and prefill; a scheme file holds each.
-    #[test]
-    fn nuq_schemes_are_calibrated_checked_and_timed() {
-        let dir = std::env::temp_dir().join(format!("kivi-bench-nuq-{}", std::process::id()));
+    /// Runs the bench on MQA at 300 tokens, batch 2, one rep, over
+    /// `first` and the scheme files written from `texts` (`name`, text).
+    fn run_scheme_files(tag: &str, first: &str, texts: &[(&str, &str)], prefill: bool) -> Report {
+        let dir = std::env::temp_dir().join(format!("kivi-bench-{tag}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let texts = [
-            ("nuqk", "nuqk { key: quant(bits = 2, axis = channel, group = 64, levels = nuq), value: quant(bits = 2, axis = token, group = 32, levels = nuq, norm = l2), residual: 32 }"),
-            ("prenuq", "prenuq { key: quant(bits = 2, axis = channel, group = 64, levels = nuq), value: quant(bits = 2, axis = token, group = 32), residual: 32, sinks: 4, rope: pre(theta = 10000, style = half) }"),
-        ];
-        let mut schemes = vec!["kivi2".to_string()];
+        let mut schemes = vec![first.to_string()];
         for (name, text) in texts {
             let p = dir.join(format!("{name}.kivi"));
             std::fs::write(&p, text).unwrap();
@@ -1007,13 +1001,25 @@ mod tests {
             reps: 1,
             params: CpuParams::default(),
             cold: false,
-            prefill: true,
-            prefill_tokens: 300,
+            prefill,
+            prefill_tokens: if prefill { 300 } else { 0 },
             calibration: None,
         };
         let r = run(&cfg, "test".into(), &mut |_| peers::PeerReport::default(), &mut |_| {});
         std::fs::remove_dir_all(&dir).unwrap();
-        let r = r.unwrap();
+        r.unwrap()
+    }
+
+    /// `levels = nuq` schemes (pre-RoPE keys too) get codebooks fitted on
+    /// the bench's own K/V, pass the oracle check before they are timed,
+    /// and prefill; a scheme file holds each.
+    #[test]
+    fn nuq_schemes_are_calibrated_checked_and_timed() {
+        let texts = [
+            ("nuqk", "nuqk { key: quant(bits = 2, axis = channel, group = 64, levels = nuq), value: quant(bits = 2, axis = token, group = 32, levels = nuq, norm = l2), residual: 32 }"),
+            ("prenuq", "prenuq { key: quant(bits = 2, axis = channel, group = 64, levels = nuq), value: quant(bits = 2, axis = token, group = 32), residual: 32, sinks: 4, rope: pre(theta = 10000, style = half) }"),
+        ];
+        let r = run_scheme_files("nuq", "kivi2", &texts, true);
         assert_eq!(r.decode.len(), 3);
         assert!(r.decode[2].path.ends_with("+rope"), "{:?}", r.decode[2].path);
     }
@@ -1022,33 +1028,11 @@ mod tests {
     /// K/V (no `--calibration`), pass the oracle check and are timed.
     #[test]
     fn vq_schemes_are_fitted_checked_and_timed() {
-        let dir = std::env::temp_dir().join(format!("kivi-bench-vq-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
         let texts = [
             ("vqkv", "vqkv { key: vq(dim = 8, entries = 16), value: vq(dim = 8, entries = 16), residual: 32, sinks: 4 }"),
             ("vqv", "vqv { key: quant(bits = 2, axis = channel, group = 64), value: vq(dim = 4, entries = 16), residual: 32, sinks: 4 }"),
         ];
-        let mut schemes = vec!["f16".to_string()];
-        for (name, text) in texts {
-            let p = dir.join(format!("{name}.kivi"));
-            std::fs::write(&p, text).unwrap();
-            schemes.push(p.display().to_string());
-        }
-        let cfg = Config {
-            layouts: vec![MQA],
-            contexts: vec![300],
-            batches: vec![2],
-            schemes,
-            reps: 1,
-            params: CpuParams::default(),
-            cold: false,
-            prefill: false,
-            prefill_tokens: 0,
-            calibration: None,
-        };
-        let r = run(&cfg, "test".into(), &mut |_| peers::PeerReport::default(), &mut |_| {});
-        std::fs::remove_dir_all(&dir).unwrap();
-        let r = r.unwrap();
+        let r = run_scheme_files("vq", "f16", &texts, false);
         assert_eq!(r.decode.len(), 3, "{:?}", r.decode);
     }
 
