@@ -150,8 +150,10 @@ pub fn run(
             };
             progress(&format!("{}: writes of {name}", l.name));
             let config = CacheConfig::for_tokens(tokens + appends + 256);
-            let mut fast = PagedCache::new(s.clone(), config).map_err(|e| e.to_string())?;
-            let mut reference = PagedCache::new(s, config).map_err(|e| e.to_string())?;
+            // Calibrated schemes (`levels = nuq`, `vq(...)`) get tables fitted
+            // on the bench's own K/V, as the decode table's caches do.
+            let mut fast = super::paged_cache(None, &s, l, config)?;
+            let mut reference = super::paged_cache(None, &s, l, config)?;
             reference.set_write_isa(None);
             // `--no-avx512` / `--scalar` cap the vectorised writes too.
             fast.set_write_isa(Some(isa));
