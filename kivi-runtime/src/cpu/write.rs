@@ -152,8 +152,8 @@ pub(crate) struct Plan<'a> {
     pub quant: Option<Quant>,
     pub dtype: Dtype,
     pub isa: Isa,
-    /// The codec pipeline of a token-axis tensor that has one (centering,
-    /// rotation, sparse outliers, Lloyd–Max levels); `None` for plain
+    /// The codec pipeline of a tensor that has one (centering, rotation,
+    /// sparse outliers, table levels), on either axis; `None` for plain
     /// uniform codes and `full` rows.
     pub pipeline: Option<Pipeline<'a>>,
 }
