@@ -725,8 +725,9 @@ impl PagedCache {
     /// uniform codes, `full` rows, windows, sinks and token-axis codec
     /// pipelines (centering, rotation, outliers, Lloyd–Max levels) by
     /// `cpu/write.rs`, one job per block, blocks in parallel when there are
-    /// many; the pipelines `write::pipeline_fits` declines (channel axis,
-    /// more than 16 outliers a token) by the reference `quantize_range`.
+    /// many; the pipelines `write::pipeline_fits` declines (more than 16
+    /// outliers a token, channel groups too large to buffer) by the
+    /// reference `quantize_range`.
     /// `Ok(false)`: declined with nothing visible changed.
     fn extend_fast(&mut self, isa: Isa, id: SeqId, x: [&[f32]; 2], old_tokens: usize) -> Result<bool> {
         let (h, d) = (self.shape.kv_heads, self.shape.head_dim);
@@ -737,9 +738,9 @@ impl PagedCache {
             regions(&self.scheme, Tensor::Value, new_tokens).quantized,
         ];
         let pipeline = [0, 1].map(|i| self.codecs[i].as_ref().is_some_and(|c| !c.is_plain_uniform()));
-        // Token-axis pipelines run in `cpu/write.rs` too; the others take
-        // `quant.rs`'s path, which reads rounded rows.
-        let in_writes = [0, 1].map(|i| self.codecs[i].as_ref().is_some_and(|c| write::pipeline_fits(c, d)));
+        // Pipelines run in `cpu/write.rs` too where they fit; the others
+        // take `quant.rs`'s path, which reads rounded rows.
+        let in_writes = [0, 1].map(|i| self.codecs[i].as_ref().is_some_and(|c| write::pipeline_fits(c, h, d)));
         let mut rounded: [Option<Vec<f32>>; 2] = [None, None];
         for t in [Tensor::Key, Tensor::Value] {
             let i = ti(t);

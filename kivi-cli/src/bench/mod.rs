@@ -383,7 +383,7 @@ fn new_cache(bench: &Config, s: &Scheme, l: Layout, cfg: CacheConfig) -> Result<
     if s.low_rank.is_some() {
         return low_rank_cache(bench, s, l, cfg).map(|c| BenchCache::LowRank(Box::new(c)));
     }
-    paged_cache(bench, s, l, cfg).map(|c| BenchCache::Paged(Box::new(c)))
+    paged_cache(bench.calibration.as_ref(), s, l, cfg).map(|c| BenchCache::Paged(Box::new(c)))
 }
 
 /// The cache one bench row times: a paged cache, or for a `low_rank`
@@ -485,11 +485,16 @@ fn low_rank_cache(bench: &Config, s: &Scheme, l: Layout, cfg: CacheConfig) -> Re
 /// another draw of the benchmark's own K/V (layer 0; keys before RoPE are
 /// the same draw, so a pre-RoPE scheme fits too): decode speed depends on
 /// the table's width, not on its values, and the bench needs no model.
-fn paged_cache(bench: &Config, s: &Scheme, l: Layout, cfg: CacheConfig) -> Result<PagedCache, String> {
+fn paged_cache(
+    calibration: Option<&(kivi_runtime::calib::Calibration, usize)>,
+    s: &Scheme,
+    l: Layout,
+    cfg: CacheConfig,
+) -> Result<PagedCache, String> {
     use kivi_runtime::calib::{fit_key, FitOptions};
     use kivi_runtime::vq::VqFitOptions;
     use kivi_spec::Tensor;
-    if let Some((cal, layer)) = &bench.calibration {
+    if let Some((cal, layer)) = calibration {
         return PagedCache::with_calibration(s.clone(), cfg, cal, *layer).map_err(|e| format!("{}: {e}", s.name));
     }
     let nuq = fit_key(s, Tensor::Key).is_some() || fit_key(s, Tensor::Value).is_some();

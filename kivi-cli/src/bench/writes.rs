@@ -150,8 +150,10 @@ pub fn run(
             };
             progress(&format!("{}: writes of {name}", l.name));
             let config = CacheConfig::for_tokens(tokens + appends + 256);
-            let mut fast = PagedCache::new(s.clone(), config).map_err(|e| e.to_string())?;
-            let mut reference = PagedCache::new(s, config).map_err(|e| e.to_string())?;
+            // Calibrated schemes (`levels = nuq`, `vq(...)`) get tables fitted
+            // on the bench's own K/V, as the decode table's caches do.
+            let mut fast = super::paged_cache(None, &s, l, config)?;
+            let mut reference = super::paged_cache(None, &s, l, config)?;
             reference.set_write_isa(None);
             // `--no-avx512` / `--scalar` cap the vectorised writes too.
             fast.set_write_isa(Some(isa));
@@ -298,5 +300,34 @@ mod tests {
             .iter()
             .all(|w| w.extend_tokens_per_s > 0.0 && w.append_gb_per_s > 0.0));
         assert!(render(&r).contains("append tok/s"));
+    }
+
+    /// A `levels = nuq` scheme (channel-axis pinned-minmax keys, pre-RoPE)
+    /// gets its tables fitted on the bench's own K/V and is timed on both
+    /// paths, rather than stopping the run for want of a calibration.
+    #[test]
+    fn nuq_schemes_are_fitted_and_timed() {
+        let dir = std::env::temp_dir().join(format!("kivi-bench-writes-nuq-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("pinned.kivi");
+        std::fs::write(
+            &p,
+            "pinned { key: quant(bits = 2, axis = channel, group = 32, levels = nuq, norm = minmax_pinned), \
+             value: quant(bits = 1, axis = token, group = 32, levels = nuq, norm = l2), residual: 32, sinks: 4, \
+             rope: pre(theta = 10000, style = half) }",
+        )
+        .unwrap();
+        let l = Layout {
+            name: "tiny",
+            q_heads: 4,
+            kv_heads: 2,
+            head_dim: 32,
+        };
+        let schemes = vec![p.display().to_string()];
+        let r = run(&[l], &schemes, 200, 1, Isa::Avx512, "test".into(), &mut |_| {});
+        std::fs::remove_dir_all(&dir).unwrap();
+        let r = r.unwrap();
+        assert_eq!(r.rows.len(), 2, "{:?}", r.notes);
+        assert!(r.rows.iter().all(|w| w.extend_tokens_per_s > 0.0));
     }
 }

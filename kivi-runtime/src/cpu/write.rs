@@ -14,11 +14,15 @@
 //!   multiply by `1 / s` would not), then round-to-nearest-even, clamp, and
 //!   `c = 0` where `s == 0`.
 //!
-//! Token-axis tensors with a codec pipeline (centering, Hadamard rotation,
-//! sparse outliers, Lloyd–Max levels) run here too ([`Pipeline`]): each row
-//! goes through `quant.rs`'s own transform, then outlier selection and
-//! Lloyd–Max groups re-derived the same way; [`lloyd_group`] says why its
-//! reordered f64 sums still give the oracle's bits.
+//! Tensors with a codec pipeline (centering, Hadamard rotation, sparse
+//! outliers, table levels: Lloyd–Max, calibrated `nuq` with every norm) run
+//! here too ([`Pipeline`]): each row goes through `quant.rs`'s own
+//! transform, then outlier selection and the groups re-derived the same
+//! way. On the token axis a group is part of one row ([`lloyd_group`] says
+//! why its reordered f64 sums still give the oracle's bits); on the channel
+//! axis a group is one channel of `G` rows, so the `G` rows of every head
+//! are buffered and each lane takes one channel ([`channel_pipeline`]): a
+//! lane's sums run over the tokens in the oracle's own order.
 //!
 //! **`full` tensors are checked as they are stored** (the f16 preset; bf16
 //! and f32 rows alike). A write must refuse a non-finite value and lose
@@ -148,16 +152,17 @@ pub(crate) struct Plan<'a> {
     pub quant: Option<Quant>,
     pub dtype: Dtype,
     pub isa: Isa,
-    /// The codec pipeline of a token-axis tensor that has one (centering,
-    /// rotation, sparse outliers, Lloyd–Max levels); `None` for plain
+    /// The codec pipeline of a tensor that has one (centering, rotation,
+    /// sparse outliers, table levels), on either axis; `None` for plain
     /// uniform codes and `full` rows.
     pub pipeline: Option<Pipeline<'a>>,
 }
 
-/// A token-axis tensor's codec pipeline ([`pipeline_fits`]): each row is
-/// rounded here, then transformed, cleared of its outliers and (for
-/// Lloyd–Max levels) quantized by `quant.rs`'s own functions, call for call
-/// as the reference path does, only without a heap buffer per token.
+/// A tensor's codec pipeline ([`pipeline_fits`]): each row is rounded
+/// here, then transformed and cleared of its outliers by `quant.rs`'s own
+/// functions, call for call as the reference path does, and its groups
+/// quantized as `quant::quantize_group_in` does, only without a heap
+/// buffer per token.
 #[derive(Clone, Copy)]
 pub(crate) struct Pipeline<'a> {
     pub codec: &'a TensorCodec,
@@ -165,18 +170,29 @@ pub(crate) struct Pipeline<'a> {
     pub means: Option<&'a [f32]>,
 }
 
-/// Whether the writes take a pipeline tensor: token-axis groups (a row is
-/// quantized on its own, so no buffer of `G` rows) and at most
-/// [`quant::TOP_K_SMALL`] outliers a token (found without allocating).
-/// Lloyd–Max and calibrated `nuq` tables alike ([`lloyd_group`] codes
-/// against the codec's own table).
-pub(crate) fn pipeline_fits(codec: &TensorCodec, d: usize) -> bool {
-    codec.quant.axis == Axis::Token
-        && codec.outliers <= quant::TOP_K_SMALL
+/// Whether the writes take a pipeline tensor of `heads` x `d` rows: at
+/// most [`quant::TOP_K_SMALL`] outliers a token (found without
+/// allocating), tables of at most 16 levels (what validation allows), and
+/// on the channel axis a buffer of `G` rows of every head of at most
+/// [`CHANNEL_BUFFER`] values. Lloyd–Max and calibrated `nuq` tables alike
+/// (coded against the codec's own table).
+pub(crate) fn pipeline_fits(codec: &TensorCodec, heads: usize, d: usize) -> bool {
+    let fits = codec.outliers <= quant::TOP_K_SMALL
         && codec.outliers <= d
         && d <= MAX_D
         && codec.quant.bits <= 8
+        && codec.levels.len() <= 16;
+    match codec.quant.axis {
+        Axis::Token => fits,
+        Axis::Channel => fits && (codec.quant.group as usize).saturating_mul(heads * d) <= CHANNEL_BUFFER,
+    }
 }
+
+/// The most values a channel-axis pipeline buffers (one group of rows,
+/// every head): 16 MiB of f32 per writing thread, grown once. The largest
+/// channel groups (G = 1024 at 8 x 1024) would need twice that; they take
+/// the reference path.
+const CHANNEL_BUFFER: usize = 1 << 22;
 
 /// The instruction set a tensor's writes use: `cap` or the widest below it
 /// whose lane count divides the rows (and, on the token axis, the groups).
@@ -266,7 +282,15 @@ fn job_body<L: Writes>(plan: &Plan, rows: &Rows, job: &mut Job) -> bool {
     let mut codes = [0u8; MAX_D + 32];
     let padded = wpt * per;
     if let Some(pipe) = plan.pipeline {
-        return pipeline_rows::<L>(plan, &pipe, &q, rows, job, &mut codes);
+        return match q.axis {
+            Axis::Token => pipeline_rows::<L>(plan, &pipe, &q, rows, job, &mut codes),
+            Axis::Channel => {
+                let mut sc = CHAN_SCRATCH.take();
+                let ok = channel_pipeline::<L>(plan, &pipe, &q, rows, job, &mut codes, &mut sc);
+                CHAN_SCRATCH.set(sc);
+                ok
+            }
+        };
     }
     match q.axis {
         Axis::Token => {
@@ -450,6 +474,322 @@ fn pipeline_body<L: Writes>(
                 }
                 let vw = &mut part[tl.outlier_val_offset + off * tl.outlier_val_words..][..tl.outlier_val_words];
                 store_row_words::<L>(Src::Stored(&corr[..no]), plan.dtype, vw);
+            }
+        }
+    }
+    true
+}
+
+/// Per-thread scratch of [`channel_pipeline`], grown once.
+#[derive(Default)]
+struct ChanScratch {
+    /// One channel group's rows, `[G][Hkv][D]`, rounded and transformed.
+    rows: Vec<f32>,
+    /// Per (head, channel), `Hkv x D` each: `lo` then the scale, `hi`
+    /// then the zero point; the f64 sums of `x^2` and of `L[c]^2`.
+    a: Vec<f32>,
+    b: Vec<f32>,
+    ss: Vec<f64>,
+    lc: Vec<f64>,
+    /// Per row (`[G][Hkv]`): how many outliers, then per outlier (`K` a
+    /// row) its channel, its original value and the code its channel got.
+    n_out: Vec<u8>,
+    out_idx: Vec<u16>,
+    out_val: Vec<f32>,
+    out_code: Vec<u8>,
+}
+
+thread_local! {
+    static CHAN_SCRATCH: std::cell::Cell<ChanScratch> = std::cell::Cell::new(ChanScratch::default());
+}
+
+/// How `quant::quantize_group_in` codes a group, by levels.
+#[derive(Clone, Copy, PartialEq)]
+enum ChanKind {
+    /// `(x - z) / s` rounded: uniform levels.
+    Uniform,
+    /// `(x - z) / s` against the table: `nuq` with `norm = minmax` or
+    /// `minmax_pinned` (`quant::minmax_group_in`).
+    MinMax,
+    /// `x / rms` against the table, the norm `rms` or, for `l2`, `||x|| /
+    /// ||L[c]||` (`quant::lloyd_group_in`): Lloyd–Max and the other `nuq`.
+    Scaled { l2: bool },
+}
+
+/// The channel-axis groups of a pipeline tensor's job (whole groups, as
+/// [`channel_groups`]): per group, its `G` rows of every head are read
+/// (rounded), transformed and cleared of their outliers into `sc.rows`,
+/// each row as the reference path does it; then every (head, channel) is a
+/// lane, so the group statistics are taken lane by lane over the tokens in
+/// the oracle's order (`lo`/`hi` exactly; the f64 sums of `x^2` and
+/// `L[c]^2` with the same additions in the same order, so the same bits);
+/// then the codes, row by row, packed; then the parameters, and last the
+/// outliers' corrections (an `l2` scale is known only after every code).
+/// `false`: a parameter or a correction overflows (the reference path then
+/// says which).
+#[inline(always)]
+fn channel_pipeline<L: Writes>(
+    plan: &Plan,
+    pipe: &Pipeline,
+    q: &Quant,
+    rows: &Rows,
+    job: &mut Job,
+    codes: &mut [u8],
+    sc: &mut ChanScratch,
+) -> bool {
+    let tl = plan.tl;
+    let (h, d) = (rows.heads, rows.d);
+    let w = h * d;
+    let g = q.group as usize;
+    let (bt, wpt) = (tl.block_tokens, tl.words_per_token);
+    let padded = wpt * kivi_spec::layout::codes_per_word(q.bits);
+    let codec = pipe.codec;
+    let levels = &codec.levels[..];
+    let kind = match q.levels {
+        kivi_spec::Levels::Uniform => ChanKind::Uniform,
+        kivi_spec::Levels::Nuq(Norm::MinMax | Norm::MinMaxPinned) => ChanKind::MinMax,
+        kivi_spec::Levels::LloydMax(n) | kivi_spec::Levels::Nuq(n) => ChanKind::Scaled { l2: n == Norm::L2 },
+    };
+    // An empty table (a `nuq` codec without its codebook, which caches
+    // refuse to build) codes zeros, as `quant.rs` does.
+    let no_table = kind != ChanKind::Uniform && levels.is_empty();
+    let nt = levels.len().saturating_sub(1);
+    let mut thresholds = [0f32; 15];
+    for (t, v) in thresholds.iter_mut().zip(levels.windows(2)) {
+        *t = (v[0] + v[1]) * 0.5;
+    }
+    let thresholds = &thresholds[..nt.min(15)];
+    let mut lsq = [0f64; 16];
+    for (o, l) in lsq.iter_mut().zip(levels) {
+        *o = (*l as f64).powi(2);
+    }
+    let maxc = q.max_code() as f32;
+    let k_out = codec.outliers.min(quant::TOP_K_SMALL);
+    let transform = codec.rotation.is_some() || pipe.means.is_some();
+    sc.rows.resize(g * w, 0.0);
+    sc.a.resize(w, 0.0);
+    sc.b.resize(w, 0.0);
+    if matches!(kind, ChanKind::Scaled { .. }) {
+        sc.ss.resize(w, 0.0);
+        sc.lc.resize(w, 0.0);
+    }
+    if k_out > 0 {
+        sc.n_out.resize(g * h, 0);
+        sc.out_idx.resize(g * h * k_out, 0);
+        sc.out_val.resize(g * h * k_out, 0.0);
+        sc.out_code.resize(g * h * k_out, 0);
+    }
+    let ChanScratch {
+        rows: buf,
+        a,
+        b,
+        ss,
+        lc,
+        n_out,
+        out_idx,
+        out_val,
+        out_code,
+    } = sc;
+    let (buf, a, b) = (&mut buf[..g * w], &mut a[..w], &mut b[..w]);
+    let mut idx = [0usize; quant::TOP_K_SMALL];
+    let mut orig = [0f32; quant::TOP_K_SMALL];
+    let mut corr = [0f32; quant::TOP_K_SMALL];
+    for j0 in (job.first..job.first + job.n).step_by(g) {
+        let off0 = j0 % bt;
+        // The rows, in the input's order (token by token, every head).
+        for k in 0..g {
+            for hh in 0..h {
+                let r = &mut buf[(k * h + hh) * d..][..d];
+                load_row::<L>(rows.row(j0 + k, hh), plan.dtype, r);
+                if transform {
+                    codec.forward(r, pipe.means.map(|m| &m[hh * d..(hh + 1) * d]));
+                }
+                if k_out > 0 {
+                    let no = take_outliers::<L>(codec, r, &mut idx, &mut orig);
+                    let at = (k * h + hh) * k_out;
+                    n_out[k * h + hh] = no as u8;
+                    for i in 0..no {
+                        out_idx[at + i] = idx[i] as u16;
+                        out_val[at + i] = orig[i];
+                    }
+                }
+            }
+        }
+        // The parameters of every (head, channel): `a` the scale, `b` the
+        // zero point.
+        match kind {
+            ChanKind::Uniform | ChanKind::MinMax => {
+                for k in 0..g {
+                    let x = &buf[k * w..(k + 1) * w];
+                    let mut f = 0;
+                    while f < w {
+                        // SAFETY: the lane count divides `d` (`tensor_isa`),
+                        // so `f + N <= w`.
+                        unsafe {
+                            let v = L::load(x.as_ptr().add(f));
+                            let (l, u) = if k == 0 {
+                                (v, v)
+                            } else {
+                                (
+                                    L::min(L::load(a.as_ptr().add(f)), v),
+                                    L::max(L::load(b.as_ptr().add(f)), v),
+                                )
+                            };
+                            L::store(a.as_mut_ptr().add(f), l);
+                            L::store(b.as_mut_ptr().add(f), u);
+                        }
+                        f += L::LANES;
+                    }
+                }
+                // A zero at either end: its sign is the scalar rule's
+                // (redone lane by lane; an outlier taken out leaves one).
+                for f in 0..w {
+                    if a[f] == 0.0 || b[f] == 0.0 {
+                        (a[f], b[f]) = quant::group_lo_hi((0..g).map(|k| buf[k * w + f]));
+                    }
+                }
+                let mut f = 0;
+                while f < w {
+                    // SAFETY: as above; `lo`/`hi` become scale/zero here.
+                    unsafe {
+                        let l = L::load(a.as_ptr().add(f));
+                        let u = L::load(b.as_ptr().add(f));
+                        let span = L::sub(u, l);
+                        let s = match kind {
+                            ChanKind::Uniform => L::div(span, L::splat(maxc)),
+                            _ => span,
+                        };
+                        let s = L::round_scale(s, q.scale);
+                        let z = L::round_scale(l, q.scale);
+                        if !L::all_finite(s) || !L::all_finite(z) {
+                            return false;
+                        }
+                        L::store(a.as_mut_ptr().add(f), s);
+                        L::store(b.as_mut_ptr().add(f), z);
+                    }
+                    f += L::LANES;
+                }
+            }
+            ChanKind::Scaled { .. } => {
+                // `sum x^2` in f64, token after token: each lane's chain
+                // of additions is the oracle's (plain loops: the compiler
+                // widens them, and lane-wise additions keep their bits).
+                let ss = &mut ss[..w];
+                ss.fill(0.0);
+                for k in 0..g {
+                    for (s, x) in ss.iter_mut().zip(&buf[k * w..(k + 1) * w]) {
+                        *s += (*x as f64) * (*x as f64);
+                    }
+                }
+                for f in 0..w {
+                    let rms = if no_table {
+                        0.0
+                    } else {
+                        round_scale1::<L>((ss[f] / g as f64).sqrt() as f32, q.scale)
+                    };
+                    // Stored unless `l2` (checked below): an overflow.
+                    if kind == (ChanKind::Scaled { l2: false }) && !rms.is_finite() {
+                        return false;
+                    }
+                    a[f] = rms;
+                    b[f] = 0.0;
+                }
+                lc[..w].fill(0.0);
+            }
+        }
+        // The codes, row by row.
+        for k in 0..g {
+            let off = off0 + k;
+            for hh in 0..h {
+                let x = &buf[(k * h + hh) * d..][..d];
+                let (s, z) = (&a[hh * d..(hh + 1) * d], &b[hh * d..(hh + 1) * d]);
+                if no_table {
+                    codes[..d].fill(0);
+                } else {
+                    let mut c = 0;
+                    while c < d {
+                        // SAFETY: as above, `c + N <= d`.
+                        unsafe {
+                            let v = L::load(x.as_ptr().add(c));
+                            let (sv, zv) = (L::load(s.as_ptr().add(c)), L::load(z.as_ptr().add(c)));
+                            let out = codes.as_mut_ptr().add(c);
+                            match kind {
+                                ChanKind::Uniform => L::encode(v, zv, sv, maxc, out),
+                                ChanKind::MinMax => L::table_codes(v, zv, sv, true, thresholds, out),
+                                ChanKind::Scaled { .. } => L::table_codes(v, zv, sv, false, thresholds, out),
+                            }
+                        }
+                        c += L::LANES;
+                    }
+                }
+                if kind == (ChanKind::Scaled { l2: true }) {
+                    // `sum L[c]^2`, token after token, as `ss`.
+                    for (l, c) in lc[hh * d..(hh + 1) * d].iter_mut().zip(&codes[..d]) {
+                        *l += lsq[*c as usize];
+                    }
+                }
+                if k_out > 0 {
+                    let at = (k * h + hh) * k_out;
+                    for i in 0..n_out[k * h + hh] as usize {
+                        out_code[at + i] = codes[out_idx[at + i] as usize];
+                    }
+                }
+                codes[d..padded].fill(0);
+                let part = &mut job.block[hh * plan.head_words + plan.offset..][..tl.words];
+                pack_bytes(&codes[..padded], q.bits, &mut part[off * wpt..(off + 1) * wpt]);
+            }
+        }
+        if kind == (ChanKind::Scaled { l2: true }) {
+            for f in 0..w {
+                let (ss, lc) = (ss[f], lc[f]);
+                a[f] = if lc == 0.0 || ss == 0.0 {
+                    0.0
+                } else {
+                    round_scale1::<L>((ss / lc).sqrt() as f32, q.scale)
+                };
+                if !a[f].is_finite() {
+                    return false;
+                }
+            }
+        }
+        for hh in 0..h {
+            let part = &mut job.block[hh * plan.head_words + plan.offset..][..tl.words];
+            for c in 0..d {
+                let i = tl.param_index(off0, c);
+                write_param::<L>(&mut part[tl.scales_offset..], i, a[hh * d + c], q.scale);
+                if q.has_zeros() {
+                    write_param::<L>(&mut part[tl.zeros_offset..], i, b[hh * d + c], q.scale);
+                }
+            }
+        }
+        if k_out > 0 && tl.outliers > 0 {
+            for k in 0..g {
+                let off = off0 + k;
+                for hh in 0..h {
+                    let at = (k * h + hh) * k_out;
+                    let no = n_out[k * h + hh] as usize;
+                    for i in 0..no {
+                        let f = hh * d + out_idx[at + i] as usize;
+                        idx[i] = out_idx[at + i] as usize;
+                        // The codec's own table, as the token axis does.
+                        let p = GroupParams {
+                            scale: a[f],
+                            zero: b[f],
+                        };
+                        let deq = codec.dequantize(out_code[at + i] as u32, p);
+                        match codec.correction(out_val[at + i], deq) {
+                            Some(x) => corr[i] = x,
+                            None => return false,
+                        }
+                    }
+                    let part = &mut job.block[hh * plan.head_words + plan.offset..][..tl.words];
+                    let iw = &mut part[tl.outlier_idx_offset + off * tl.outlier_idx_words..][..tl.outlier_idx_words];
+                    for (wd, pair) in iw.iter_mut().zip(idx[..no].chunks(2)) {
+                        *wd = pair[0] as u32 | (pair.get(1).map_or(0, |x| *x as u32) << 16);
+                    }
+                    let vw = &mut part[tl.outlier_val_offset + off * tl.outlier_val_words..][..tl.outlier_val_words];
+                    store_row_words::<L>(Src::Stored(&corr[..no]), plan.dtype, vw);
+                }
             }
         }
     }
@@ -1072,6 +1412,12 @@ trait Writes: Lanes {
     /// Lloyd–Max codes of the `LANES` values at `x`, one a byte at `out`:
     /// the number of `thresholds` below `x / rms` (`0` when `rms == 0`).
     unsafe fn lloyd_codes(x: *const f32, rms: f32, thresholds: &[f32], out: *mut u8);
+    /// Table codes of every lane, one a byte at `out`: the number of
+    /// `thresholds` below `y`. `minmax` (`quant::minmax_group_in`): `y =
+    /// (x - zero) / scale`, code 0 where `scale == 0`; otherwise
+    /// (`quant::lloyd_group_in`, `zero` unused): `y = x / scale`, `y = 0`
+    /// where `scale == 0`.
+    unsafe fn table_codes(x: Self::F, zero: Self::F, scale: Self::F, minmax: bool, thresholds: &[f32], out: *mut u8);
     /// Bit `i` set where the magnitude of value `i` at `x` (its bits, sign
     /// cleared, as an integer) is above `bar`.
     unsafe fn above(x: *const f32, bar: u32) -> u32;
@@ -1124,6 +1470,21 @@ impl Writes for Scalar {
     unsafe fn lloyd_codes(x: *const f32, rms: f32, thresholds: &[f32], out: *mut u8) {
         let y = if rms == 0.0 { 0.0 } else { *x / rms };
         *out = thresholds.iter().filter(|t| y > **t).count() as u8;
+    }
+    #[inline(always)]
+    unsafe fn table_codes(x: f32, zero: f32, scale: f32, minmax: bool, thresholds: &[f32], out: *mut u8) {
+        let y = if minmax {
+            (x - zero) / scale
+        } else if scale == 0.0 {
+            0.0
+        } else {
+            x / scale
+        };
+        *out = if minmax && scale == 0.0 {
+            0
+        } else {
+            thresholds.iter().filter(|t| y > **t).count() as u8
+        };
     }
     #[inline(always)]
     unsafe fn above(x: *const f32, bar: u32) -> u32 {
@@ -1238,6 +1599,24 @@ impl Writes for Avx512 {
         _mm_storeu_si128(out as *mut __m128i, _mm512_cvtepi32_epi8(c));
     }
     #[inline(always)]
+    unsafe fn table_codes(x: __m512, zero: __m512, scale: __m512, minmax: bool, thresholds: &[f32], out: *mut u8) {
+        let nz = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(scale, _mm512_setzero_ps());
+        let y = if minmax {
+            _mm512_div_ps(_mm512_sub_ps(x, zero), scale)
+        } else {
+            _mm512_maskz_mov_ps(nz, _mm512_div_ps(x, scale))
+        };
+        let mut c = _mm512_setzero_si512();
+        for t in thresholds {
+            let m = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(y, _mm512_set1_ps(*t));
+            c = _mm512_mask_sub_epi32(c, m, c, _mm512_set1_epi32(-1));
+        }
+        if minmax {
+            c = _mm512_maskz_mov_epi32(nz, c);
+        }
+        _mm_storeu_si128(out as *mut __m128i, _mm512_cvtepi32_epi8(c));
+    }
+    #[inline(always)]
     unsafe fn above(x: *const f32, bar: u32) -> u32 {
         let a = _mm512_and_si512(_mm512_loadu_si512(x as *const _), _mm512_set1_epi32(0x7fff_ffff));
         _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(bar as i32)) as u32
@@ -1330,6 +1709,26 @@ impl Writes for Avx2 {
             // All ones (-1) where `y > t`: subtracting it counts.
             let m = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GT_OQ>(y, _mm256_set1_ps(*t)));
             c = _mm256_sub_epi32(c, m);
+        }
+        let w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256::<1>(c));
+        _mm_storel_epi64(out as *mut __m128i, _mm_packus_epi16(w, w));
+    }
+    #[inline(always)]
+    unsafe fn table_codes(x: __m256, zero: __m256, scale: __m256, minmax: bool, thresholds: &[f32], out: *mut u8) {
+        // All ones where `scale != 0`.
+        let nz = _mm256_cmp_ps::<_CMP_NEQ_UQ>(scale, _mm256_setzero_ps());
+        let y = if minmax {
+            _mm256_div_ps(_mm256_sub_ps(x, zero), scale)
+        } else {
+            _mm256_and_ps(nz, _mm256_div_ps(x, scale))
+        };
+        let mut c = _mm256_setzero_si256();
+        for t in thresholds {
+            let m = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GT_OQ>(y, _mm256_set1_ps(*t)));
+            c = _mm256_sub_epi32(c, m);
+        }
+        if minmax {
+            c = _mm256_and_si256(c, _mm256_castps_si256(nz));
         }
         let w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256::<1>(c));
         _mm_storel_epi64(out as *mut __m128i, _mm_packus_epi16(w, w));
