@@ -416,11 +416,12 @@ fn validate_query(s: &Scheme) -> Result<(), Invalid> {
 /// `norm = minmax` (a `nuq` table over `[0, 1]` with a scale and a zero
 /// point per group): only where every kernel that can read it adds the
 /// zero point. The fixed Lloyd–Max table is a unit Gaussian's, not one over
-/// `[0, 1]`; the fused codec loops (`cpu/codec.rs`, token-axis writes,
-/// the CUDA templates) store and fold a norm with no zero, while pre-RoPE
-/// channel-axis keys are decoded by `cpu/rope.rs` (vector path and row
-/// reader alike), which adds it (and, off the vector path, key outliers'
-/// corrections after it).
+/// `[0, 1]`; the fused codec loops (`cpu/codec.rs`, token-axis writes)
+/// store and fold a norm with no zero, while pre-RoPE channel-axis keys
+/// are decoded by `cpu/rope.rs` (vector path and row reader alike), which
+/// adds it (and, off the vector path, key outliers' corrections after
+/// it), and by the CUDA templates, which add it wherever they read table
+/// codes (`MINMAX` tensors, docs/cuda.md).
 ///
 /// `norm = minmax_pinned` (the same with the table's ends fixed at 0 and 1)
 /// follows the same rules, and needs at least 2 bits: at 1 bit both
@@ -484,8 +485,8 @@ fn validate_rope(s: &Scheme, r: &Rope) -> Result<(), Invalid> {
     // kernels would have to leave the codes' domain per token. Key outliers
     // alone are fine: without those transforms the codes' domain is the
     // pre-RoPE one, and each correction is added to the pre-RoPE row before
-    // it is turned (KVQuant's dense-and-sparse keys; the CPU backend and
-    // the oracle do, the CUDA templates refuse it by name).
+    // it is turned (KVQuant's dense-and-sparse keys; the oracle, the CPU
+    // backend and the CUDA decode template do).
     for (on, field, what) in [
         (
             s.rotation_of(Tensor::Key).is_some(),

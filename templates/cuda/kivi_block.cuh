@@ -59,7 +59,7 @@ template <class C, class T> __device__ __forceinline__ float stored_value(const 
     const u32 c = code_at_block<T>(row[d / T::CPW], d % T::CPW);
     const int pi = param_index<C, T>(r.off, d);
     float z = 0.0f;
-    if constexpr (!T::LLOYD) z = load_param<T>(r.part + T::ZEROS, pi);
+    if constexpr (HasZero<T>::value) z = load_param<T>(r.part + T::ZEROS, pi);
     return dequant<T>(c, load_param<T>(r.part + T::SCALES, pi), z);
   }
 }

@@ -42,9 +42,12 @@ template <class T> __device__ __forceinline__ u32 lloyd_code(float x, float norm
 }
 
 // The code of `x` in a group with stored scale `s` and encoding parameter
-// `z` (the zero point; the rms a Lloyd–Max group divides by).
+// `z` (the zero point; the rms a Lloyd–Max group divides by). A table with
+// a zero point (quant::minmax_group_in) codes (x - z) / s, and 0 when s == 0.
 template <class T> __device__ __forceinline__ u32 pipe_code(float x, float s, float z) {
-  if constexpr (T::LLOYD) {
+  if constexpr (MinMax<T>::value) {
+    return s == 0.0f ? 0u : lloyd_code<T>(__fsub_rn(x, z), s);
+  } else if constexpr (T::LLOYD) {
     return lloyd_code<T>(x, z);
   } else {
     return encode<T>(x, s, z);
@@ -184,7 +187,24 @@ __device__ __forceinline__ void extend_pipe(u32* __restrict__ pool, const u32* _
           return rows[i * D + e];
         }
       };
-      if constexpr (T::LLOYD) {
+      if constexpr (MinMax<T>::value) {
+        // quant::minmax_group_in: s = hi - lo and z = lo, each rounded to
+        // the scale dtype; lo and hi as quant::group_lo_hi orders them (-0
+        // below +0: the zero point's sign is stored)
+        float lo = __int_as_float(0x7f800000), hi = neg_inf();
+#pragma unroll 1
+        for (int i = 0; i < G; ++i) {
+          const float x = member(i);
+          const bool neg = (__float_as_uint(x) >> 31) != 0;
+          if (x < lo || (x == lo && neg)) lo = x;
+          if (x > hi || (x == hi && !neg)) hi = x;
+        }
+        const float sc = round_scale<T>(__fsub_rn(hi, lo));
+        const float zp = round_scale<T>(lo);
+        if (!is_finite(sc) || !is_finite(zp)) status[b] = 1;
+        s_s[e] = sc;
+        s_z[e] = zp;
+      } else if constexpr (T::LLOYD) {
         double ss = 0.0;
 #pragma unroll 1
         for (int i = 0; i < G; ++i) {
@@ -222,11 +242,11 @@ __device__ __forceinline__ void extend_pipe(u32* __restrict__ pool, const u32* _
       }
     }
     __syncthreads();
-    // C. parameters (Lloyd–Max: norms only)
+    // C. parameters (Lloyd–Max and table codes without a zero point: norms only)
     u32* part = pool + part_offset<C, T>(table[j0 / C::BLOCK_TOKENS], h);
     const int off = j0 % C::BLOCK_TOKENS;
     store_params<T>(part + T::SCALES, param_index<C, T>(off, 0), ngroups, s_s, tid, C::THREADS);
-    if constexpr (!T::LLOYD) store_params<T>(part + T::ZEROS, param_index<C, T>(off, 0), ngroups, s_z, tid, C::THREADS);
+    if constexpr (HasZero<T>::value) store_params<T>(part + T::ZEROS, param_index<C, T>(off, 0), ngroups, s_z, tid, C::THREADS);
     // D. codes, one thread per word
     auto group_of = [&](int t, int d) -> int {
       if constexpr (T::TOKEN_AXIS) {
@@ -258,7 +278,9 @@ __device__ __forceinline__ void extend_pipe(u32* __restrict__ pool, const u32* _
           const int g = group_of(t, ch[k]);
           const u32 code = pipe_code<T>(rows[t * D + ch[k]], s_s[g], s_z[g]);
           float deq;
-          if constexpr (T::LLOYD) {
+          if constexpr (MinMax<T>::value) {
+            deq = __fadd_rn(__fmul_rn(s_s[g], T::level(code)), s_z[g]);  // quant::dequantize_in
+          } else if constexpr (T::LLOYD) {
             deq = __fmul_rn(s_s[g], T::level(code));
           } else {
             deq = __fadd_rn(__fmul_rn((float)code, s_s[g]), s_z[g]);

@@ -192,8 +192,24 @@ template <class T> __device__ __forceinline__ bool flip(int d) {
   return (z >> 63) != 0;
 }
 
+// Whether tensor T's groups store a zero point: uniform levels, and table
+// codes with `norm = minmax` or `minmax_pinned` (a table over [0, 1]: x^ =
+// z + s * L[c]). The generator writes `MINMAX` only into the configuration
+// of such a table-coded tensor, so every other source's configuration stays
+// as it was; its absence reads as false here.
+template <class T, class = void> struct MinMax {
+  static constexpr bool value = false;
+};
+template <class T> struct MinMax<T, decltype(void(T::MINMAX))> {
+  static constexpr bool value = T::MINMAX;
+};
+template <class T> struct HasZero {
+  static constexpr bool value = !T::LLOYD || MinMax<T>::value;
+};
+
 // What code `c` of tensor T stands for before its group's parameters: the
-// code itself (uniform: x^ = c * s + z) or its Lloyd–Max level (x^ = s * L[c]).
+// code itself (uniform: x^ = c * s + z) or its table level (x^ = s * L[c],
+// or z + s * L[c] with a zero point).
 template <class T> __device__ __forceinline__ float code_level(u32 c) {
   if constexpr (T::LLOYD) {
     return T::level(c);
@@ -204,7 +220,9 @@ template <class T> __device__ __forceinline__ float code_level(u32 c) {
 
 // Decoded value of code `c` with its group's scale (or norm) and zero point.
 template <class T> __device__ __forceinline__ float dequant(u32 c, float s, float z) {
-  if constexpr (T::LLOYD) {
+  if constexpr (MinMax<T>::value) {
+    return fmaf(T::level(c), s, z);
+  } else if constexpr (T::LLOYD) {
     return T::level(c) * s;
   } else {
     return fmaf((float)c, s, z);

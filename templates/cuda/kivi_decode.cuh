@@ -83,7 +83,7 @@ __device__ __forceinline__ void key_dot(const RowRef<C>& r, int tl,
           }
         } else if constexpr (K::TOKEN_AXIS && K::GROUP % K::CPW == 0) {
           // one (s, z) per word: fold them in after the code dot product
-          // (Lloyd–Max: s * (q . L[c]), no zero point)
+          // (table codes: s * (q . L[c]), plus z * sum(q) with a zero point)
           const int pi = param_index<C, K>(r.off, d0);
           const float sc = load_param<K>(r.part + K::SCALES, pi);
           float dot[H];
@@ -95,7 +95,7 @@ __device__ __forceinline__ void key_dot(const RowRef<C>& r, int tl,
 #pragma unroll
             for (int h = 0; h < H; ++h) dot[h] = fmaf(qr[h][slot * K::CPW + i], c, dot[h]);
           }
-          if constexpr (K::LLOYD) {
+          if constexpr (!HasZero<K>::value) {
 #pragma unroll
             for (int h = 0; h < H; ++h) s[h] += sc * dot[h];
           } else {
@@ -126,7 +126,7 @@ __device__ __forceinline__ void key_dot(const RowRef<C>& r, int tl,
             if (d < C::D) {
               const int pi = param_index<C, K>(r.off, d);
               float zp = 0.0f;
-              if constexpr (!K::LLOYD) zp = load_param<K>(r.part + K::ZEROS, pi);
+              if constexpr (HasZero<K>::value) zp = load_param<K>(r.part + K::ZEROS, pi);
               const float x = dequant<K>(code_at<K>(wv[j], i), load_param<K>(r.part + K::SCALES, pi), zp);
 #pragma unroll
               for (int h = 0; h < H; ++h) s[h] = fmaf(qr[h][slot * K::CPW + i], x, s[h]);
@@ -186,7 +186,7 @@ __device__ __forceinline__ void value_acc(const RowRef<C>& r, int tl, const floa
         if constexpr (V::QUANT && V::TOKEN_AXIS && V::GROUP % V::CPW == 0) {
           const int pi = param_index<C, V>(r.off, d0);
           sc = load_param<V>(r.part + V::SCALES, pi);
-          if constexpr (!V::LLOYD) zp = load_param<V>(r.part + V::ZEROS, pi);
+          if constexpr (HasZero<V>::value) zp = load_param<V>(r.part + V::ZEROS, pi);
         }
 #pragma unroll
         for (int i = 0; i < V::CPW; ++i) {
@@ -199,7 +199,7 @@ __device__ __forceinline__ void value_acc(const RowRef<C>& r, int tl, const floa
               if (d >= C::D) continue;
               const int pi = param_index<C, V>(r.off, d);
               float z = 0.0f;
-              if constexpr (!V::LLOYD) z = load_param<V>(r.part + V::ZEROS, pi);
+              if constexpr (HasZero<V>::value) z = load_param<V>(r.part + V::ZEROS, pi);
               x = dequant<V>(code_at<V>(wv[j], i), load_param<V>(r.part + V::SCALES, pi), z);
             }
           } else {
@@ -547,17 +547,35 @@ __device__ __forceinline__ void decode_kernel(
         if constexpr (KQ) {
           // once per quantized row (one lane of the team): q . m and the
           // outliers' corrections against the query in the codes' domain
+          // (pre-RoPE keys: the query turned to -p at the outlier's
+          // channel, as rope_query turns it for the codes, since the oracle
+          // adds each correction to the row before turning it)
           if (r.part != nullptr && kl == 0) {
+            float extra[H];
 #pragma unroll
             for (int h = 0; h < H; ++h) {
-              float extra = 0.0f;
-              if constexpr (K::CENTER) extra = qm[h];
-              for (int o = 0; o < K::OUTL; ++o) {
-                const int ch = outlier_channel<C, K>(r.part, r.off, o);
-                extra = fmaf(s_q[1][h][ch], outlier_value<C, K>(r.part, r.off, o), extra);
-              }
-              s[h] += extra;
+              extra[h] = 0.0f;
+              if constexpr (K::CENTER) extra[h] = qm[h];
             }
+            for (int o = 0; o < K::OUTL; ++o) {
+              const int ch = outlier_channel<C, K>(r.part, r.off, o);
+              const float ov = outlier_value<C, K>(r.part, r.off, o);
+              if constexpr (C::ROPE) {
+                const double ang = (double)(t0 + i) * C::rope_freq(rope_pair<C>(ch));
+                const float co = (float)cos(ang), sn = (float)sin(ang);
+                const int pc = rope_partner<C>(ch);
+#pragma unroll
+                for (int h = 0; h < H; ++h) {
+                  const float qt = fmaf(rope_sign<C>(ch) * s_q[0][h][pc], sn, s_q[1][h][ch] * co);
+                  extra[h] = fmaf(qt, ov, extra[h]);
+                }
+              } else {
+#pragma unroll
+                for (int h = 0; h < H; ++h) extra[h] = fmaf(s_q[1][h][ch], ov, extra[h]);
+              }
+            }
+#pragma unroll
+            for (int h = 0; h < H; ++h) s[h] += extra[h];
           }
         }
       }

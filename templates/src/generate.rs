@@ -45,7 +45,12 @@ fn pipe_tag(s: &Scheme, t: Tensor) -> String {
         Levels::LloydMax(n) => o.push_str(if n == Norm::L2 { ".lml2" } else { ".lm" }),
         // The table itself is named by the `.cb` tag of the shape part
         // (`generate`): the scheme only says that it is calibrated.
-        Levels::Nuq(n) => o.push_str(if n == Norm::L2 { ".nuql2" } else { ".nuq" }),
+        Levels::Nuq(n) => o.push_str(match n {
+            Norm::L2 => ".nuql2",
+            Norm::MinMax => ".nuqmm",
+            Norm::MinMaxPinned => ".nuqmmp",
+            Norm::Rms => ".nuq",
+        }),
         Levels::Uniform => {}
     }
     if let Some(r) = s.rotation_of(t) {
@@ -282,6 +287,15 @@ pub(crate) fn tensor_cfg(
             "  __device__ __forceinline__ static float level(unsigned int c) {{ return {name}_levels[c]; }}"
         );
     }
+    if pipe.minmax {
+        // Only in these tensors' configurations (kivi_common.cuh reads a
+        // missing `MINMAX` as false), so every other source stays as it was.
+        Members(o).flag(
+            "MINMAX",
+            true,
+            "table over [0, 1] with a zero point: x^ = z + s * level(c)",
+        );
+    }
     if s.has_vq() {
         // Only in vq sources (every other source stays byte for byte as it was).
         let (on, dim, entries) = match s.codec(t) {
@@ -305,6 +319,9 @@ pub(crate) struct Pipe {
     /// `nuq` codebook — the same kernels, only the baked table differs.
     pub lloyd: bool,
     pub l2: bool,
+    /// Table codes with a zero point per group (`norm = minmax` or
+    /// `minmax_pinned`): `x^ = z + s * L[c]`, codes of `(x - z) / s`.
+    pub minmax: bool,
     pub rot_block: Option<usize>,
     pub signs: Option<u32>,
     pub center: Option<usize>,
@@ -324,6 +341,7 @@ impl Pipe {
             return Pipe {
                 lloyd: false,
                 l2: false,
+                minmax: false,
                 rot_block: None,
                 signs: None,
                 center: None,
@@ -332,11 +350,11 @@ impl Pipe {
                 work: 0,
             };
         };
-        let (lloyd, l2) = match q.levels {
-            Levels::Uniform => (false, false),
+        let (lloyd, l2, minmax) = match q.levels {
+            Levels::Uniform => (false, false, false),
             // A nuq table is given to `generate` (`Codebooks`); without one
             // the public entry points refuse the scheme before generating.
-            Levels::LloydMax(n) | Levels::Nuq(n) => (true, n == Norm::L2),
+            Levels::LloydMax(n) | Levels::Nuq(n) => (true, n == Norm::L2, n.has_zero()),
         };
         let rot = s.rotation_of(t);
         let outliers = l.tensor(t).outliers;
@@ -347,6 +365,7 @@ impl Pipe {
         let mut p = Pipe {
             lloyd,
             l2,
+            minmax,
             rot_block: rot.map(|r| r.block as usize),
             signs: rot.and_then(|r| r.signs),
             center: s.center_of(t),

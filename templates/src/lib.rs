@@ -324,7 +324,8 @@ impl Codebooks {
 /// without a calibration.
 ///
 /// They implement the whole codec pipeline of the scheme language: uniform
-/// and Lloyd–Max levels (rms or l2 norms), Hadamard rotations with or
+/// and Lloyd–Max levels (rms or l2 norms; calibrated tables also with a
+/// zero point, `norm = minmax` / `minmax_pinned`), Hadamard rotations with or
 /// without a seeded sign flip, sparse outliers and per-channel centering,
 /// on either axis, for keys and values (docs/cuda.md says what each kernel
 /// does for each). Calibrated codebooks (`levels = nuq`) are generated too,
@@ -462,37 +463,10 @@ fn check_codecs(scheme: &Scheme) -> Result<(), GenError> {
             field: kivi_spec::Field::Heads,
         });
     }
-    // A `nuq` table over [0, 1] with a zero point per group (`norm =
-    // minmax` or `minmax_pinned`): the table-code templates fold a norm and
-    // no zero point, so they would decode it wrongly; refused by name until
-    // they add it.
-    for t in [kivi_spec::Tensor::Key, kivi_spec::Tensor::Value] {
-        if let Some(n) = scheme
-            .codec(t)
-            .quant()
-            .and_then(|q| q.levels.norm())
-            .filter(|n| n.has_zero())
-        {
-            return Err(GenError::Unsupported {
-                what: format!(
-                    "{} norm = {} (a nuq table with a zero point; the CPU backend decodes it)",
-                    t.name(),
-                    n.name()
-                ),
-                field: kivi_spec::Field::Norm(t),
-            });
-        }
-    }
-    // Key outliers on pre-RoPE keys: the decode template adds each key
-    // outlier's correction against the query as stored (`s_q`), but with
-    // `rope: pre(...)` it turns the query per row, so the correction would
-    // meet the wrong (unturned) query. Refused until the template turns it.
-    if scheme.rope.is_some() && scheme.outliers_of(kivi_spec::Tensor::Key) > 0 {
-        return Err(GenError::Unsupported {
-            what: "key outliers with rope: pre(...) (the decode template adds key outlier corrections against the unturned query; the CPU backend decodes them)".into(),
-            field: kivi_spec::Field::OutliersApply,
-        });
-    }
+    // `nuq` tables with a zero point (`norm = minmax` / `minmax_pinned`)
+    // and key outliers on pre-RoPE keys are generated: the templates store
+    // and add the zero point (`MINMAX` tensors) and turn each key outlier's
+    // correction with the query (kivi_decode.cuh).
     if scheme.has_vq() {
         check_vq(scheme)?;
     }

@@ -221,52 +221,74 @@ fn pipeline_sources_carry_their_steps_and_tables() {
     assert!(g.source.contains("SEED = 9;"));
 }
 
-/// `norm = minmax` (a nuq table with a zero point per group) has no
-/// template: refused by name, by every entry point, never generated as a
-/// zero-less table code.
+/// `norm = minmax` and `minmax_pinned` (a nuq table with a zero point per
+/// group) generate with their table: the key's configuration says
+/// `MINMAX` (so the templates store and add the zero point), the kernel
+/// name tells the two norms and `rms` apart, and without a table they are
+/// refused as every nuq scheme is — by the levels, not the norm.
 #[test]
-fn minmax_nuq_is_refused_by_name() {
-    let s = parse_scheme(
-        "m { key: quant(bits = 2, axis = channel, group = 32, levels = nuq, norm = minmax), \
-         value: quant(bits = 2, axis = token, group = 32), residual: 32, \
-         rope: pre(theta = 10000, style = half) }",
-    )
-    .unwrap()
-    .with_shape(Heads::Mqa(4), 128)
-    .unwrap();
-    let e = check_supported(&s).unwrap_err().to_string();
-    assert!(e.contains("norm = minmax"), "{e}");
-    let e = generate(&s, Kernel::Decode, &default_variant(&s, Kernel::Decode)).unwrap_err();
-    assert!(e.to_string().contains("norm = minmax"), "{e}");
+fn minmax_nuq_generates_with_its_table() {
+    let text = "m { key: quant(bits = 2, axis = channel, group = 32, levels = nuq, norm = minmax), \
+                value: quant(bits = 2, axis = token, group = 32), residual: 32, \
+                rope: pre(theta = 10000, style = half) }";
+    let cb = Codebooks {
+        key: Some(vec![0.0, 0.3, 0.7, 1.0]),
+        value: None,
+    };
+    let mut names = Vec::new();
+    for (norm, tag) in [("minmax", ".nuqmm-"), ("minmax_pinned", ".nuqmmp-"), ("rms", ".nuq-")] {
+        let s = parse_scheme(&text.replace("norm = minmax", &format!("norm = {norm}")))
+            .unwrap()
+            .with_shape(Heads::Mqa(4), 128)
+            .unwrap();
+        let e = check_supported(&s).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                GenError::Unsupported {
+                    field: kivi_spec::Field::Levels(kivi_spec::Tensor::Key),
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        for k in Kernel::ALL {
+            let g = generate_calibrated(&s, k, &default_variant(&s, k), Default::default(), &cb).unwrap();
+            assert!(g.name.contains(tag), "{}", g.name);
+            let key_cfg = &g.source[g.source.find("struct KeyCfg").unwrap()..];
+            let key_cfg = &key_cfg[..key_cfg.find("};").unwrap()];
+            assert_eq!(key_cfg.contains("MINMAX = true;"), norm != "rms", "{norm} {k}");
+            assert!(!g.source.contains("struct ValueCfg {\n  static constexpr bool MINMAX"));
+            names.push(g.name);
+        }
+    }
+    names.sort();
+    names.dedup();
+    assert_eq!(names.len(), 9, "three norms, three kernels: nine names");
 }
 
-/// `norm = minmax_pinned` is refused like `minmax`, by its own name; key
-/// outliers on pre-RoPE keys are refused by name (the template's key
-/// outlier step meets the unturned query), while the same scheme with the
-/// outliers on values, or without `rope`, still generates.
+/// Key outliers on pre-RoPE keys generate (the decode template turns each
+/// correction with the query); the many-query block kernel still refuses
+/// pre-RoPE keys by name.
 #[test]
-fn pinned_minmax_and_pre_rope_key_outliers_are_refused_by_name() {
+fn pre_rope_key_outliers_generate() {
     let bind = |t: &str| parse_scheme(t).unwrap().with_shape(Heads::Mqa(4), 128).unwrap();
-    let p = bind(
-        "m { key: quant(bits = 2, axis = channel, group = 32, levels = nuq, norm = minmax_pinned), \
-         value: quant(bits = 2, axis = token, group = 32), residual: 32, \
-         rope: pre(theta = 10000, style = half) }",
-    );
-    let e = check_supported(&p).unwrap_err().to_string();
-    assert!(e.contains("norm = minmax_pinned"), "{e}");
     let ko = "k { key: quant(bits = 2, axis = channel, group = 32), value: quant(bits = 2, axis = token, group = 32), \
               outliers: sparse(per_token = 2, apply = [key]), residual: 32, rope: pre(theta = 10000, style = half) }";
     let s = bind(ko);
-    let e = check_supported(&s).unwrap_err().to_string();
-    assert!(e.contains("key outliers with rope: pre"), "{e}");
-    let e = generate(&s, Kernel::Decode, &default_variant(&s, Kernel::Decode)).unwrap_err();
-    assert!(e.to_string().contains("key outliers with rope: pre"), "{e}");
-    for ok in [
-        ko.replace("apply = [key]", "apply = [value]"),
-        ko.replace(", rope: pre(theta = 10000, style = half)", ""),
-    ] {
-        let s = bind(&ok);
-        check_supported(&s).unwrap();
-        generate(&s, Kernel::Decode, &default_variant(&s, Kernel::Decode)).unwrap();
+    check_supported(&s).unwrap();
+    for k in Kernel::ALL {
+        generate(&s, k, &default_variant(&s, k)).unwrap();
     }
+    let e = kivi_templates::generate_block(&s, Default::default()).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            GenError::Unsupported {
+                field: kivi_spec::Field::Rope,
+                ..
+            }
+        ),
+        "{e}"
+    );
 }
