@@ -140,6 +140,11 @@ pub(crate) struct RopeKeys {
     /// vector loads.
     step_c: Vec<f64>,
     step_s: Vec<f64>,
+    /// The vector path's key table: `R(r)` for `r < SUB`, expanded, one
+    /// cosine and one signed sine per channel (`[r][D]`, see the module
+    /// comment), each the f64 value rounded to f32 once.
+    fixed_c: Vec<f32>,
+    fixed_s: Vec<f32>,
 }
 
 /// Scratch of one task: decoded rows, the tile's cosines and sines, and
@@ -150,24 +155,31 @@ pub(crate) struct RopeScratch {
     cs: Vec<(f32, f32)>,
     params: Vec<GroupParams>,
     group: Option<(u32, usize)>,
-    /// Vector path: the group's scales and zero points per channel, the
-    /// tile's expanded cosines and signed sines `[r][D]`, one decoded row,
-    /// and the tile the table holds (`p0`, `n`).
+    /// Vector path: the group's scales and zero points per channel, one
+    /// decoded row, the key group they belong to.
     scales: Vec<f32>,
     zeros: Vec<f32>,
-    cosx: Vec<f32>,
-    sinx: Vec<f32>,
     tmp: Vec<f32>,
-    table_of: Option<(usize, usize)>,
     vgroup: Option<(u32, usize)>,
-    /// The f64 cosines and sines of the next tile's first angles, that
-    /// position and how many tiles carried them since a `sin_cos`.
+    /// The f64 cosines and sines of the last tile's first angles, that
+    /// tile (`p0`, `n`) and how many tiles carried them since a `sin_cos`.
     bc: Vec<f64>,
     bs: Vec<f64>,
-    next: Option<(usize, u32)>,
+    base: Option<(usize, usize, u32)>,
+    /// A sub-tile's turned query `[g][D]` and its f32 cosines and sines
+    /// (`[D/2]`).
+    qt: Vec<f32>,
+    qc: Vec<f32>,
+    qs: Vec<f32>,
     /// `[n][g]` scores on their way to `[g][n]`.
     scores: Vec<f32>,
 }
+
+/// Rows of a vector-path sub-tile: the query is turned once per sub-tile and
+/// each key row by the fixed `R(r)`, `r < SUB` (`2 * SUB * D` floats: 32 KiB
+/// at `D = 256`, in L1). A query turn costs about what `SUB / 4` key turns
+/// do at four heads; 16 makes it a sixth of the rows' turning.
+const SUB: usize = 16;
 
 /// Tiles whose first angles are carried by angle addition before they are
 /// computed afresh: each addition adds a few f64 ulps, so after `CHAIN` the
@@ -195,6 +207,7 @@ impl RopeKeys {
             (c, s)
         });
         let (step_c, step_s) = step.iter().copied().chain(last).unzip();
+        let (fixed_c, fixed_s) = fixed_table(&inv_freq, rope.style);
         Some(RopeKeys {
             rope,
             d,
@@ -207,6 +220,8 @@ impl RopeKeys {
             vec_table: false,
             step_c,
             step_s,
+            fixed_c,
+            fixed_s,
         })
     }
 
@@ -397,7 +412,12 @@ impl RopeKeys {
         }
     }
 
-    /// The vector path of [`RopeKeys::score`] (its conditions: [`RopeKeys::vector`], `n <= tile`).
+    /// The vector path of [`RopeKeys::score`] (its conditions: [`RopeKeys::vector`], `n <= tile`):
+    /// `q . R(p0 + r) k = (R(-(p0 + r0)) q) . (R(r - r0) k)` in sub-tiles of
+    /// [`SUB`] rows from `r0`: the query of every head turned once per
+    /// sub-tile, each key row by the plan's fixed table of `R(0..SUB)` (in
+    /// L1 for good, where a table per tile cost as much to build and read as
+    /// the rest of the key side), the sub-tile's rows scored from L1.
     #[cfg(target_arch = "x86_64")]
     #[allow(clippy::too_many_arguments)]
     fn score_vec(
@@ -418,62 +438,14 @@ impl RopeKeys {
             unreachable!("checked by `vector`")
         };
         let interleaved = self.rope.style == RopeStyle::Interleaved;
-        // The table depends on the tile only: a repeated tile builds it once.
-        if sc.table_of != Some((p0, n)) {
-            sc.cosx.resize(n * d, 0.0);
-            sc.sinx.resize(n * d, 0.0);
-            // The tile's first angles: carried from the previous tile of the
-            // task by one more angle addition (`r = n` of the step table)
-            // where that tile ended at `p0`, else (and every `CHAIN` tiles,
-            // so that the f64 error stays near 1e-15) from `sin_cos`, which
-            // cost as much as the rest of the table.
-            let chained = matches!(sc.next, Some((p, k)) if p == p0 && k < CHAIN);
-            if !chained {
-                sc.bc.clear();
-                sc.bs.clear();
-                for f in &self.inv_freq {
-                    let (s, c) = (p0 as f64 * f).sin_cos();
-                    sc.bc.push(c);
-                    sc.bs.push(s);
-                }
-            }
-            let k = if chained { sc.next.map_or(0, |x| x.1) } else { 0 };
-            assert!(self.step_c.len() > n * half && self.step_s.len() > n * half && sc.bc.len() == half);
-            assert!(sc.bs.len() == half && half.is_multiple_of(4));
-            let table = if isa == Isa::Avx512 && avx512_ok() {
-                vecs::table512
-            } else {
-                vecs::table
-            };
-            // SAFETY: `vector` checked AVX2 + FMA, AVX-512F just above; the
-            // asserts and the resizes bound every index (`r < n`, `i < half`,
-            // `half % 8 == 0`).
-            unsafe {
-                table(
-                    &sc.bc,
-                    &sc.bs,
-                    &self.step_c,
-                    &self.step_s,
-                    n,
-                    half,
-                    interleaved,
-                    &mut sc.cosx,
-                    &mut sc.sinx,
-                )
-            };
-            for i in 0..half {
-                let (cb, sb) = (sc.bc[i], sc.bs[i]);
-                let (cr, sr) = (self.step_c[n * half + i], self.step_s[n * half + i]);
-                sc.bc[i] = cb * cr - sb * sr;
-                sc.bs[i] = sb * cr + cb * sr;
-            }
-            sc.next = Some((p0 + n, k + 1));
-            sc.table_of = Some((p0, n));
-        }
-        sc.rows.resize(n * d, 0.0);
+        self.base_angles(p0, n, sc);
+        sc.rows.resize(SUB * d, 0.0);
         sc.tmp.resize(d, 0.0);
         sc.scales.resize(d, 0.0);
         sc.zeros.resize(d, 0.0);
+        sc.qt.resize(g * d, 0.0);
+        sc.qc.resize(half, 0.0);
+        sc.qs.resize(half, 0.0);
         let (gsz, wpt) = (qz.group as usize, tl.words_per_token);
         let table = self.vec_table;
         // Table levels: the cache codec's table, zero-padded to 16 entries
@@ -489,108 +461,171 @@ impl RopeKeys {
         let wide = isa == Isa::Avx512 && avx512_ok() && (interleaved || d.is_multiple_of(32));
         let decode_turn = vecs::decode_turn(wide, table);
         assert!(wpt * (32 / bits as usize) >= d);
-        let mut r = 0;
-        while r < n {
-            let p = p0 + r;
-            match view.locate(Tensor::Key, p) {
-                Loc::Block(b, off) => {
-                    // A run of rows in one block and key group: located,
-                    // sliced and given their parameters once. Its last row in
-                    // the same block at the matching offset means every row
-                    // between is (a block holds consecutive positions); else
-                    // (a block or window boundary inside) one row at a time.
-                    let mut len = (n - r).min(gsz - off % gsz);
-                    if len > 1
-                        && !matches!(view.locate(Tensor::Key, p + len - 1), Loc::Block(b2, o2) if b2 == b && o2 == off + len - 1)
-                    {
-                        len = 1;
-                    }
-                    let part = view.block_part(b, h, Tensor::Key);
-                    let key = (b, off / gsz);
-                    if sc.vgroup != Some(key) {
-                        // f16 parameters of a channel-axis group lie side by
-                        // side: eight widened per instruction (exact, as
-                        // `params_at`'s one at a time, which cost a division
-                        // per channel: a tenth of the path).
-                        // Table levels have no zero point (`s * table[c]`)
-                        // unless their norm is `minmax` (`s * table[c] + z`).
-                        let i0 = tl.param_index(off, 0);
-                        let halves = |at: usize| part.get(at..).filter(|w| 2 * w.len() >= i0 + d);
-                        let run = qz.scale == ScaleDtype::F16 && tl.param_index(off, d - 1) == i0 + d - 1;
-                        let zw = if table && !qz.has_zeros() {
-                            None
-                        } else {
-                            halves(tl.zeros_offset)
-                        };
-                        match (halves(tl.scales_offset), zw) {
-                            (Some(sw), Some(zw)) if run && qz.has_zeros() => {
-                                // SAFETY: AVX2 + F16C checked by `vector`;
-                                // `halves` checked halves `i0..i0 + d` are
-                                // in both slices, `d` floats in the outputs.
-                                unsafe {
-                                    vecs::f16_run(sw, i0, &mut sc.scales[..d]);
-                                    vecs::f16_run(zw, i0, &mut sc.zeros[..d]);
-                                }
-                            }
-                            (Some(sw), _) if run && table => {
-                                // SAFETY: as above, for the scales.
-                                unsafe { vecs::f16_run(sw, i0, &mut sc.scales[..d]) };
-                                sc.zeros.fill(0.0);
-                            }
-                            _ => {
-                                for c in 0..d {
-                                    let gp = params_at(tl, part, qz, off, c);
-                                    sc.scales[c] = gp.scale;
-                                    sc.zeros[c] = if table && !qz.has_zeros() { 0.0 } else { gp.zero };
-                                }
-                            }
+        let qturn = if isa == Isa::Avx512 && avx512_ok() {
+            vecs::qturn512
+        } else {
+            vecs::qturn
+        };
+        let mut r0 = 0;
+        while r0 < n {
+            let m = (n - r0).min(SUB);
+            // The query of every head turned back by the angles of
+            // `p0 + r0`: the tile's (f64) advanced by `r0` (the step table's
+            // row `r0 < n <= tile`), rounded to f32 once, as the table was.
+            assert!(self.step_c.len() >= (r0 + 1) * half && self.step_s.len() >= (r0 + 1) * half);
+            assert!(q.len() >= g * d && sc.bc.len() == half && sc.bs.len() == half);
+            // SAFETY: `vector` checked AVX2 + FMA, AVX-512F just above; the
+            // slices' lengths are asserted or resized above.
+            unsafe {
+                qturn(
+                    &sc.bc,
+                    &sc.bs,
+                    &self.step_c[r0 * half..(r0 + 1) * half],
+                    &self.step_s[r0 * half..(r0 + 1) * half],
+                    &q[..g * d],
+                    interleaved,
+                    &mut sc.qc,
+                    &mut sc.qs,
+                    &mut sc.qt,
+                )
+            };
+            let mut r = r0;
+            while r < r0 + m {
+                let p = p0 + r;
+                match view.locate(Tensor::Key, p) {
+                    Loc::Block(b, off) => {
+                        // A run of rows in one block and key group: located,
+                        // sliced and given their parameters once. Its last row in
+                        // the same block at the matching offset means every row
+                        // between is (a block holds consecutive positions); else
+                        // (a block or window boundary inside) one row at a time.
+                        let mut len = (r0 + m - r).min(gsz - off % gsz);
+                        if len > 1
+                            && !matches!(view.locate(Tensor::Key, p + len - 1), Loc::Block(b2, o2) if b2 == b && o2 == off + len - 1)
+                        {
+                            len = 1;
                         }
-                        sc.vgroup = Some(key);
+                        let part = view.block_part(b, h, Tensor::Key);
+                        let key = (b, off / gsz);
+                        if sc.vgroup != Some(key) {
+                            // f16 parameters of a channel-axis group lie side by
+                            // side: eight widened per instruction (exact, as
+                            // `params_at`'s one at a time, which cost a division
+                            // per channel: a tenth of the path).
+                            // Table levels have no zero point (`s * table[c]`)
+                            // unless their norm is `minmax` (`s * table[c] + z`).
+                            let i0 = tl.param_index(off, 0);
+                            let halves = |at: usize| part.get(at..).filter(|w| 2 * w.len() >= i0 + d);
+                            let run = qz.scale == ScaleDtype::F16 && tl.param_index(off, d - 1) == i0 + d - 1;
+                            let zw = if table && !qz.has_zeros() {
+                                None
+                            } else {
+                                halves(tl.zeros_offset)
+                            };
+                            match (halves(tl.scales_offset), zw) {
+                                (Some(sw), Some(zw)) if run && qz.has_zeros() => {
+                                    // SAFETY: AVX2 + F16C checked by `vector`;
+                                    // `halves` checked halves `i0..i0 + d` are
+                                    // in both slices, `d` floats in the outputs.
+                                    unsafe {
+                                        vecs::f16_run(sw, i0, &mut sc.scales[..d]);
+                                        vecs::f16_run(zw, i0, &mut sc.zeros[..d]);
+                                    }
+                                }
+                                (Some(sw), _) if run && table => {
+                                    // SAFETY: as above, for the scales.
+                                    unsafe { vecs::f16_run(sw, i0, &mut sc.scales[..d]) };
+                                    sc.zeros.fill(0.0);
+                                }
+                                _ => {
+                                    for c in 0..d {
+                                        let gp = params_at(tl, part, qz, off, c);
+                                        sc.scales[c] = gp.scale;
+                                        sc.zeros[c] = if table && !qz.has_zeros() { 0.0 } else { gp.zero };
+                                    }
+                                }
+                            }
+                            sc.vgroup = Some(key);
+                        }
+                        let words = &part[off * wpt..(off + len) * wpt];
+                        for (i, row) in words.chunks_exact(wpt).enumerate() {
+                            // Row `rr` of the sub-tile, turned by `R(rr)`.
+                            let rr = r - r0 + i;
+                            // SAFETY: AVX2 checked by `vector`, AVX-512F above;
+                            // the row holds `d` codes (assert above), the other
+                            // slices `d` floats; `D % 32` for AVX-512 `half`.
+                            unsafe {
+                                decode_turn(
+                                    row,
+                                    bits,
+                                    &levels,
+                                    &sc.scales,
+                                    &sc.zeros,
+                                    &self.fixed_c[rr * d..(rr + 1) * d],
+                                    &self.fixed_s[rr * d..(rr + 1) * d],
+                                    interleaved,
+                                    &mut sc.rows[rr * d..(rr + 1) * d],
+                                )
+                            };
+                        }
+                        r += len;
                     }
-                    let words = &part[off * wpt..(off + len) * wpt];
-                    for (i, row) in words.chunks_exact(wpt).enumerate() {
-                        let rr = r + i;
-                        // SAFETY: AVX2 checked by `vector`, AVX-512F above;
-                        // the row holds `d` codes (assert above), the other
-                        // slices `d` floats; `D % 32` for AVX-512 `half`.
+                    _ => {
+                        view.row(Tensor::Key, p, h, &mut sc.tmp);
+                        // SAFETY: AVX2 checked; all four slices hold `d` floats.
                         unsafe {
-                            decode_turn(
-                                row,
-                                bits,
-                                &levels,
-                                &sc.scales,
-                                &sc.zeros,
-                                &sc.cosx[rr * d..(rr + 1) * d],
-                                &sc.sinx[rr * d..(rr + 1) * d],
+                            vecs::turn(
+                                &sc.tmp,
+                                &self.fixed_c[(r - r0) * d..(r - r0 + 1) * d],
+                                &self.fixed_s[(r - r0) * d..(r - r0 + 1) * d],
                                 interleaved,
-                                &mut sc.rows[rr * d..(rr + 1) * d],
+                                &mut sc.rows[(r - r0) * d..(r - r0 + 1) * d],
                             )
                         };
+                        r += 1;
                     }
-                    r += len;
-                }
-                _ => {
-                    view.row(Tensor::Key, p, h, &mut sc.tmp);
-                    // SAFETY: AVX2 checked; all four slices hold `d` floats.
-                    unsafe {
-                        vecs::turn(
-                            &sc.tmp,
-                            &sc.cosx[r * d..(r + 1) * d],
-                            &sc.sinx[r * d..(r + 1) * d],
-                            interleaved,
-                            &mut sc.rows[r * d..(r + 1) * d],
-                        )
-                    };
-                    r += 1;
                 }
             }
+            let kr = F32Rows {
+                data: &sc.rows,
+                base: 0,
+                stride: d,
+            };
+            simd::dot(isa, &kr, m, d, &sc.qt, g, &mut out[r0 * g..], g);
+            r0 += m;
         }
-        let kr = F32Rows {
-            data: &sc.rows,
-            base: 0,
-            stride: d,
-        };
-        simd::dot(isa, &kr, n, d, q, g, out, g);
+    }
+
+    /// Sets `sc.bc`, `sc.bs` to the f64 cosines and sines of the angles of
+    /// position `p0` (a tile of `n` tokens): kept where the last tile was
+    /// the same, carried from it by one angle addition (`r = n` of the step
+    /// table) where it ended at `p0`, else (and every [`CHAIN`] tiles, so
+    /// that the f64 error stays near 1e-15) from `sin_cos`, which costs as
+    /// much as the rest of a tile's angle work.
+    fn base_angles(&self, p0: usize, n: usize, sc: &mut RopeScratch) {
+        let half = self.d / 2;
+        match sc.base {
+            Some((p, _, k)) if p == p0 && sc.bc.len() == half => sc.base = Some((p0, n, k)),
+            Some((p, len, k)) if p + len == p0 && len <= self.tile && k < CHAIN && sc.bc.len() == half => {
+                for i in 0..half {
+                    let (cb, sb) = (sc.bc[i], sc.bs[i]);
+                    let (cr, sr) = (self.step_c[len * half + i], self.step_s[len * half + i]);
+                    sc.bc[i] = cb * cr - sb * sr;
+                    sc.bs[i] = sb * cr + cb * sr;
+                }
+                sc.base = Some((p0, n, k + 1));
+            }
+            _ => {
+                sc.bc.clear();
+                sc.bs.clear();
+                for f in &self.inv_freq {
+                    let (s, c) = (p0 as f64 * f).sin_cos();
+                    sc.bc.push(c);
+                    sc.bs.push(s);
+                }
+                sc.base = Some((p0, n, 0));
+            }
+        }
     }
 
     /// Rotates one row by the angles of `cs` (`D/2` pairs), or by their
@@ -628,6 +663,32 @@ impl RopeKeys {
     }
 }
 
+/// `R(r)` for `r < SUB` expanded per channel: `(cos, sin)` of `r * f_i`
+/// from `sin_cos` in f64, rounded to f32 once ([`kivi_spec::Rope::cos_sin`]'s
+/// rounding), channel `j` given its pair's cosine and the sine signed for
+/// its side (`-s` on the pair's first channel), so that a row turns as
+/// `x * cos + partner(x) * sin`.
+fn fixed_table(inv_freq: &[f64], style: RopeStyle) -> (Vec<f32>, Vec<f32>) {
+    let half = inv_freq.len();
+    let d = 2 * half;
+    let (mut co, mut si) = (vec![0f32; SUB * d], vec![0f32; SUB * d]);
+    for r in 0..SUB {
+        for (i, f) in inv_freq.iter().enumerate() {
+            let (s, c) = (r as f64 * f).sin_cos();
+            let (c, s) = (c as f32, s as f32);
+            let (a, b) = match style {
+                RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                RopeStyle::Half => (i, i + half),
+            };
+            co[r * d + a] = c;
+            co[r * d + b] = c;
+            si[r * d + a] = -s;
+            si[r * d + b] = s;
+        }
+    }
+    (co, si)
+}
+
 /// AVX-512F + DQ are there (the wide loops' features).
 #[cfg(target_arch = "x86_64")]
 fn avx512_ok() -> bool {
@@ -656,93 +717,89 @@ fn simd_ok() -> bool {
 mod vecs {
     use super::super::width::{Avx2, Avx512, Lanes, Width};
 
-    /// The expanded table of tokens `p0..p0 + n` from the cosines and sines
-    /// of `p0`'s angles (`bc`, `bs`, `[half]`) and of `r * f_i` (`sc`, `ss`,
-    /// `[r][half]`): `cos(p0 + r) = cb cr - sb sr`, `sin = sb cr + cb sr` in
-    /// f64 (the scalar `table`'s operations, so the same f32 results: Rust
-    /// never contracts them to FMAs), rounded once. Per row, channel `j`
-    /// gets its pair's cosine and the sine signed for its side (`-s` on the
-    /// pair's first channel). Plain arithmetic over slices, which each entry
-    /// point's features let the compiler vectorise at its width (four or
-    /// eight f64 lanes): no intrinsics, so nothing to mirror.
+    /// The query of every head turned back by the angles whose f64
+    /// cosines and sines are `cb cr - sb sr` and `sb cr + cb sr` (a tile's
+    /// first angles `bc`, `bs` advanced by the step table's row `cr`, `sr`),
+    /// rounded to f32 once into `qc`, `qs` (`[D/2]`): per pair `(a, b)`,
+    /// `a' = a c + b s`, `b' = b c - a s`, i.e. `R(-t) q`, so that
+    /// `R(-t) q . R(r) k = q . R(t + r) k`. Plain arithmetic over slices
+    /// that each entry point's features let the compiler vectorise (no
+    /// intrinsics, nothing to mirror); `q` and `out` are `[g][D]`.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    fn table_body(
+    fn qturn_body(
         bc: &[f64],
         bs: &[f64],
-        sc: &[f64],
-        ss: &[f64],
-        n: usize,
-        half: usize,
+        cr: &[f64],
+        sr: &[f64],
+        q: &[f32],
         interleaved: bool,
-        cosx: &mut [f32],
-        sinx: &mut [f32],
+        qc: &mut [f32],
+        qs: &mut [f32],
+        out: &mut [f32],
     ) {
+        let half = qc.len();
         let d = 2 * half;
-        let (bc, bs) = (&bc[..half], &bs[..half]);
-        for r in 0..n {
-            let (co, so) = (&mut cosx[r * d..][..d], &mut sinx[r * d..][..d]);
-            let (cr, sr) = (&sc[r * half..][..half], &ss[r * half..][..half]);
-            let angles = bc
-                .iter()
-                .zip(bs)
-                .zip(cr.iter().zip(sr))
-                .map(|((&cb, &sb), (&cr, &sr))| ((cb * cr - sb * sr) as f32, (sb * cr + cb * sr) as f32));
+        for ((c, s), ((&cb, &sb), (&cr, &sr))) in qc
+            .iter_mut()
+            .zip(qs.iter_mut())
+            .zip(bc.iter().zip(bs).zip(cr.iter().zip(sr)))
+        {
+            *c = (cb * cr - sb * sr) as f32;
+            *s = (sb * cr + cb * sr) as f32;
+        }
+        let (qc, qs) = (&qc[..half], &qs[..half]);
+        for (x, o) in q.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
             if interleaved {
-                // Channels 2i, 2i + 1: (c, -s), (c, s).
-                for ((c2, s2), (c, s)) in co.chunks_exact_mut(2).zip(so.chunks_exact_mut(2)).zip(angles) {
-                    c2[0] = c;
-                    c2[1] = c;
-                    s2[0] = -s;
-                    s2[1] = s;
+                for ((o, x), (&c, &s)) in o.chunks_exact_mut(2).zip(x.chunks_exact(2)).zip(qc.iter().zip(qs)) {
+                    o[0] = x[0] * c + x[1] * s;
+                    o[1] = x[1] * c - x[0] * s;
                 }
             } else {
-                // Channels i and i + half.
-                let (c0, c1) = co.split_at_mut(half);
-                let (s0, s1) = so.split_at_mut(half);
-                for ((((c0, c1), s0), s1), (c, s)) in c0.iter_mut().zip(c1).zip(s0).zip(s1).zip(angles) {
-                    *c0 = c;
-                    *c1 = c;
-                    *s0 = -s;
-                    *s1 = s;
+                let (xa, xb) = x.split_at(half);
+                let (oa, ob) = o.split_at_mut(half);
+                for (((oa, ob), (&a, &b)), (&c, &s)) in
+                    oa.iter_mut().zip(ob).zip(xa.iter().zip(xb)).zip(qc.iter().zip(qs))
+                {
+                    *oa = a * c + b * s;
+                    *ob = b * c - a * s;
                 }
             }
         }
     }
 
-    /// [`table_body`] compiled for AVX2 (four f64 lanes).
+    /// [`qturn_body`] compiled for AVX2 (four f64 lanes).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn table(
+    pub unsafe fn qturn(
         bc: &[f64],
         bs: &[f64],
-        sc: &[f64],
-        ss: &[f64],
-        n: usize,
-        half: usize,
+        cr: &[f64],
+        sr: &[f64],
+        q: &[f32],
         interleaved: bool,
-        cosx: &mut [f32],
-        sinx: &mut [f32],
+        qc: &mut [f32],
+        qs: &mut [f32],
+        out: &mut [f32],
     ) {
-        table_body(bc, bs, sc, ss, n, half, interleaved, cosx, sinx)
+        qturn_body(bc, bs, cr, sr, q, interleaved, qc, qs, out)
     }
 
-    /// [`table_body`] compiled for AVX-512 (eight f64 lanes): the table is a
-    /// tenth of the path's time on AVX2 lanes.
+    /// [`qturn_body`] compiled for AVX-512 (eight f64 lanes).
     #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn table512(
+    pub unsafe fn qturn512(
         bc: &[f64],
         bs: &[f64],
-        sc: &[f64],
-        ss: &[f64],
-        n: usize,
-        half: usize,
+        cr: &[f64],
+        sr: &[f64],
+        q: &[f32],
         interleaved: bool,
-        cosx: &mut [f32],
-        sinx: &mut [f32],
+        qc: &mut [f32],
+        qs: &mut [f32],
+        out: &mut [f32],
     ) {
-        table_body(bc, bs, sc, ss, n, half, interleaved, cosx, sinx)
+        qturn_body(bc, bs, cr, sr, q, interleaved, qc, qs, out)
     }
 
     /// `out[k] = f32(halves[i0 + k])` for the f16 halves packed two a word
