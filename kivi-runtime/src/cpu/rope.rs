@@ -59,6 +59,7 @@ use crate::quant::{dequantize_in, unpack_one, GroupParams};
 use kivi_spec::layout::TensorLayout;
 use kivi_spec::{Axis, Levels, Quant, Rope, RopeStyle, ScaleDtype, Scheme, Tensor};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// Which side of the dot product turns (`KIVI_CPU_ROPE=query` or
 /// [`set_strategy`] picks the query).
@@ -121,9 +122,9 @@ pub fn set_vector(on: bool) {
 pub(crate) struct RopeKeys {
     rope: Rope,
     d: usize,
-    inv_freq: Vec<f64>,
-    /// `(cos, sin)` of `r * f_i` for `r < tile`, `[r][i]`, f64.
-    step: Vec<(f64, f64)>,
+    /// Frequencies and angle tables, shared by every plan of the same RoPE,
+    /// head size and tile.
+    t: Arc<Tables>,
     tile: usize,
     pub strategy: Strategy,
     /// Channel-axis quantized keys: their quantizer and layout, so that a
@@ -136,6 +137,16 @@ pub(crate) struct RopeKeys {
     /// codebook, read from the cache's codec at decode time) rather than
     /// being uniform levels.
     vec_table: bool,
+}
+
+/// The angle tables of one RoPE, head size and tile: a plan is made per
+/// decode call, and computing them there cost `(tile + SUB) * D/2` `sin_cos`
+/// calls each time (~3 % of a 32k-token decode at `D = 256`), so they are
+/// made once per process and key ([`Tables::get`]).
+pub(crate) struct Tables {
+    inv_freq: Vec<f64>,
+    /// `(cos, sin)` of `r * f_i` for `r < tile`, `[r][i]`, f64.
+    step: Vec<(f64, f64)>,
     /// `step` split into cosines and sines (`[r][i]`, `r <= tile`), for
     /// vector loads.
     step_c: Vec<f64>,
@@ -145,6 +156,67 @@ pub(crate) struct RopeKeys {
     /// comment), each the f64 value rounded to f32 once.
     fixed_c: Vec<f32>,
     fixed_s: Vec<f32>,
+}
+
+/// The tables made so far, with their keys (theta and scaling bits, style,
+/// `D`, tile); a handful in practice (a model's one or two RoPE bases),
+/// capped at [`TABLES_KEPT`], the oldest dropped first.
+type TableKey = (u64, u64, bool, usize, usize);
+static TABLES: Mutex<Vec<(TableKey, Arc<Tables>)>> = Mutex::new(Vec::new());
+const TABLES_KEPT: usize = 16;
+
+impl Tables {
+    /// The tables for `rope` at head size `d` and tile `tile`, made on
+    /// first use.
+    fn get(rope: Rope, d: usize, tile: usize) -> Arc<Tables> {
+        let key = (
+            rope.theta.to_bits(),
+            rope.scaling.to_bits(),
+            rope.style == RopeStyle::Interleaved,
+            d,
+            tile,
+        );
+        // A poisoned lock only means another thread panicked while holding
+        // it; the list is valid at every step.
+        let mut kept = TABLES.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, t)) = kept.iter().find(|(k, _)| *k == key) {
+            return t.clone();
+        }
+        let t = Arc::new(Tables::new(rope, d, tile));
+        if kept.len() >= TABLES_KEPT {
+            kept.remove(0);
+        }
+        kept.push((key, t.clone()));
+        t
+    }
+
+    fn new(rope: Rope, d: usize, tile: usize) -> Tables {
+        let half = d / 2;
+        let inv_freq: Vec<f64> = (0..half).map(|i| rope.inv_freq(i, d)).collect();
+        let mut step = Vec::with_capacity(tile * half);
+        for r in 0..tile {
+            for f in &inv_freq {
+                let (s, c) = (r as f64 * f).sin_cos();
+                step.push((c, s));
+            }
+        }
+        // The vector path's step table has one more row, `r = tile`, which
+        // carries a tile's first angles to the next tile's.
+        let last = inv_freq.iter().map(|f| {
+            let (s, c) = (tile as f64 * f).sin_cos();
+            (c, s)
+        });
+        let (step_c, step_s) = step.iter().copied().chain(last).unzip();
+        let (fixed_c, fixed_s) = fixed_table(&inv_freq, rope.style);
+        Tables {
+            inv_freq,
+            step,
+            step_c,
+            step_s,
+            fixed_c,
+            fixed_s,
+        }
+    }
 }
 
 /// Scratch of one task: decoded rows, the tile's cosines and sines, and
@@ -190,38 +262,17 @@ impl RopeKeys {
     /// The state for `s` when it declares `rope: pre(...)`.
     pub fn of(s: &Scheme, d: usize, tile: usize) -> Option<RopeKeys> {
         let rope = s.rope?;
-        let half = d / 2;
-        let inv_freq: Vec<f64> = (0..half).map(|i| rope.inv_freq(i, d)).collect();
         let tile = tile.max(1);
-        let mut step = Vec::with_capacity(tile * half);
-        for r in 0..tile {
-            for f in &inv_freq {
-                let (s, c) = (r as f64 * f).sin_cos();
-                step.push((c, s));
-            }
-        }
-        // The vector path's step table has one more row, `r = tile`, which
-        // carries a tile's first angles to the next tile's.
-        let last = inv_freq.iter().map(|f| {
-            let (s, c) = (tile as f64 * f).sin_cos();
-            (c, s)
-        });
-        let (step_c, step_s) = step.iter().copied().chain(last).unzip();
-        let (fixed_c, fixed_s) = fixed_table(&inv_freq, rope.style);
+        let t = Tables::get(rope, d, tile);
         Some(RopeKeys {
             rope,
             d,
-            inv_freq,
-            step,
+            t,
             tile,
             strategy: Strategy::current(),
             chan: None,
             vec_bits: None,
             vec_table: false,
-            step_c,
-            step_s,
-            fixed_c,
-            fixed_s,
         })
     }
 
@@ -328,6 +379,7 @@ impl RopeKeys {
         let half = self.d / 2;
         cs.clear();
         let base: Vec<(f64, f64)> = self
+            .t
             .inv_freq
             .iter()
             .map(|f| {
@@ -342,7 +394,7 @@ impl RopeKeys {
                 continue;
             }
             for (i, &(cb, sb)) in base.iter().enumerate() {
-                let (cr, sr) = self.step[r * half + i];
+                let (cr, sr) = self.t.step[r * half + i];
                 cs.push(((cb * cr - sb * sr) as f32, (sb * cr + cb * sr) as f32));
             }
         }
@@ -459,7 +511,8 @@ impl RopeKeys {
             }
         }
         let wide = isa == Isa::Avx512 && avx512_ok() && (interleaved || d.is_multiple_of(32));
-        let decode_turn = vecs::decode_turn(wide, table);
+        assert!(matches!(bits, 1 | 2 | 4), "checked by `with_key_layout`");
+        let decode_turn = vecs::decode_turn(wide, table, bits);
         assert!(wpt * (32 / bits as usize) >= d);
         let qturn = if isa == Isa::Avx512 && avx512_ok() {
             vecs::qturn512
@@ -472,7 +525,7 @@ impl RopeKeys {
             // The query of every head turned back by the angles of
             // `p0 + r0`: the tile's (f64) advanced by `r0` (the step table's
             // row `r0 < n <= tile`), rounded to f32 once, as the table was.
-            assert!(self.step_c.len() >= (r0 + 1) * half && self.step_s.len() >= (r0 + 1) * half);
+            assert!(self.t.step_c.len() >= (r0 + 1) * half && self.t.step_s.len() >= (r0 + 1) * half);
             assert!(q.len() >= g * d && sc.bc.len() == half && sc.bs.len() == half);
             // SAFETY: `vector` checked AVX2 + FMA, AVX-512F just above; the
             // slices' lengths are asserted or resized above.
@@ -480,8 +533,8 @@ impl RopeKeys {
                 qturn(
                     &sc.bc,
                     &sc.bs,
-                    &self.step_c[r0 * half..(r0 + 1) * half],
-                    &self.step_s[r0 * half..(r0 + 1) * half],
+                    &self.t.step_c[r0 * half..(r0 + 1) * half],
+                    &self.t.step_s[r0 * half..(r0 + 1) * half],
                     &q[..g * d],
                     interleaved,
                     &mut sc.qc,
@@ -557,12 +610,11 @@ impl RopeKeys {
                             unsafe {
                                 decode_turn(
                                     row,
-                                    bits,
                                     &levels,
                                     &sc.scales,
                                     &sc.zeros,
-                                    &self.fixed_c[rr * d..(rr + 1) * d],
-                                    &self.fixed_s[rr * d..(rr + 1) * d],
+                                    &self.t.fixed_c[rr * d..(rr + 1) * d],
+                                    &self.t.fixed_s[rr * d..(rr + 1) * d],
                                     interleaved,
                                     &mut sc.rows[rr * d..(rr + 1) * d],
                                 )
@@ -576,8 +628,8 @@ impl RopeKeys {
                         unsafe {
                             vecs::turn(
                                 &sc.tmp,
-                                &self.fixed_c[(r - r0) * d..(r - r0 + 1) * d],
-                                &self.fixed_s[(r - r0) * d..(r - r0 + 1) * d],
+                                &self.t.fixed_c[(r - r0) * d..(r - r0 + 1) * d],
+                                &self.t.fixed_s[(r - r0) * d..(r - r0 + 1) * d],
                                 interleaved,
                                 &mut sc.rows[(r - r0) * d..(r - r0 + 1) * d],
                             )
@@ -609,7 +661,7 @@ impl RopeKeys {
             Some((p, len, k)) if p + len == p0 && len <= self.tile && k < CHAIN && sc.bc.len() == half => {
                 for i in 0..half {
                     let (cb, sb) = (sc.bc[i], sc.bs[i]);
-                    let (cr, sr) = (self.step_c[len * half + i], self.step_s[len * half + i]);
+                    let (cr, sr) = (self.t.step_c[len * half + i], self.t.step_s[len * half + i]);
                     sc.bc[i] = cb * cr - sb * sr;
                     sc.bs[i] = sb * cr + cb * sr;
                 }
@@ -618,7 +670,7 @@ impl RopeKeys {
             _ => {
                 sc.bc.clear();
                 sc.bs.clear();
-                for f in &self.inv_freq {
+                for f in &self.t.inv_freq {
                     let (s, c) = (p0 as f64 * f).sin_cos();
                     sc.bc.push(c);
                     sc.bs.push(s);
@@ -820,15 +872,14 @@ mod vecs {
     /// `z = 0` and the reader's `s * table[code]`).
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn decode<W: Width, const TABLE: bool>(
+    unsafe fn decode<W: Width, const TABLE: bool, const BITS: u32>(
         row: *const u32,
-        bits: u32,
         t: [W::F; 2],
         s: *const f32,
         z: *const f32,
         c: usize,
     ) -> W::F {
-        let k = W::codes(row, bits, c);
+        let k = W::codes(row, BITS, c);
         let x = if TABLE { W::lookup16(t, k) } else { W::cvt_i(k) };
         W::add(W::mul(x, W::load(s.add(c))), W::load(z.add(c)))
     }
@@ -843,12 +894,14 @@ mod vecs {
     /// A packed row decoded ([`decode`]) and turned as [`turn`] does,
     /// without the row's round trip through memory: `half` pairs decode
     /// channels `j` and `j + D/2` together (`D/2` a multiple of `LANES`),
-    /// `interleaved` ones swap lanes.
+    /// `interleaved` ones swap lanes. The code width is a constant: with a
+    /// runtime one, each vector of codes cost an integer division (the word
+    /// index) and a shift emulated for out-of-range counts (perf on
+    /// `kivi bench`, MQA 32k).
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn decode_turn_body<W: Width, const TABLE: bool>(
+    unsafe fn decode_turn_body<W: Width, const TABLE: bool, const BITS: u32>(
         row: &[u32],
-        bits: u32,
         table: &[f32; 16],
         s: &[f32],
         z: &[f32],
@@ -860,7 +913,7 @@ mod vecs {
         let d = out.len();
         let half = d / 2;
         let l = W::LANES;
-        debug_assert!(d.is_multiple_of(16) && (32 / bits as usize) >= 8 && row.len() * (32 / bits as usize) >= d);
+        debug_assert!(d.is_multiple_of(16) && (32 / BITS as usize) >= 8 && row.len() * (32 / BITS as usize) >= d);
         debug_assert!(s.len() >= d && z.len() >= d && cos.len() >= d && sin.len() >= d);
         debug_assert!(interleaved || half.is_multiple_of(l));
         let t = W::table16(table.as_ptr());
@@ -868,27 +921,27 @@ mod vecs {
         let (co, si, o) = (cos.as_ptr(), sin.as_ptr(), out.as_mut_ptr());
         if interleaved {
             for c in (0..d).step_by(l) {
-                let v = decode::<W, TABLE>(rp, bits, t, sp, zp, c);
+                let v = decode::<W, TABLE, BITS>(rp, t, sp, zp, c);
                 W::store(o.add(c), rot::<W>(v, W::swap_pairs(v), co.add(c), si.add(c)));
             }
         } else {
             for j in (0..half).step_by(l) {
-                let a = decode::<W, TABLE>(rp, bits, t, sp, zp, j);
-                let b = decode::<W, TABLE>(rp, bits, t, sp, zp, j + half);
+                let a = decode::<W, TABLE, BITS>(rp, t, sp, zp, j);
+                let b = decode::<W, TABLE, BITS>(rp, t, sp, zp, j + half);
                 W::store(o.add(j), rot::<W>(a, b, co.add(j), si.add(j)));
                 W::store(o.add(j + half), rot::<W>(b, a, co.add(j + half), si.add(j + half)));
             }
         }
     }
 
-    /// [`decode_turn_body`] at one width with table or uniform levels.
+    /// [`decode_turn_body`] at one width, table or uniform levels and code
+    /// width.
     macro_rules! decode_turn_entry {
-        ($name:ident, $w:ty, $features:literal, $table:literal) => {
+        ($name:ident, $w:ty, $features:literal, $table:literal, $bits:literal) => {
             #[target_feature(enable = $features)]
             #[allow(clippy::too_many_arguments)]
             unsafe fn $name(
                 row: &[u32],
-                bits: u32,
                 table: &[f32; 16],
                 s: &[f32],
                 z: &[f32],
@@ -897,26 +950,43 @@ mod vecs {
                 interleaved: bool,
                 out: &mut [f32],
             ) {
-                decode_turn_body::<$w, $table>(row, bits, table, s, z, cos, sin, interleaved, out)
+                decode_turn_body::<$w, $table, $bits>(row, table, s, z, cos, sin, interleaved, out)
             }
         };
     }
-    decode_turn_entry!(dt256, Avx2, "avx2,fma,f16c", false);
-    decode_turn_entry!(dt256_table, Avx2, "avx2,fma,f16c", true);
-    decode_turn_entry!(dt512, Avx512, "avx512f,avx512dq,avx2,fma,f16c", false);
-    decode_turn_entry!(dt512_table, Avx512, "avx512f,avx512dq,avx2,fma,f16c", true);
+    decode_turn_entry!(dt256_1, Avx2, "avx2,fma,f16c", false, 1);
+    decode_turn_entry!(dt256_2, Avx2, "avx2,fma,f16c", false, 2);
+    decode_turn_entry!(dt256_4, Avx2, "avx2,fma,f16c", false, 4);
+    decode_turn_entry!(dt256_table_1, Avx2, "avx2,fma,f16c", true, 1);
+    decode_turn_entry!(dt256_table_2, Avx2, "avx2,fma,f16c", true, 2);
+    decode_turn_entry!(dt256_table_4, Avx2, "avx2,fma,f16c", true, 4);
+    decode_turn_entry!(dt512_1, Avx512, "avx512f,avx512dq,avx2,fma,f16c", false, 1);
+    decode_turn_entry!(dt512_2, Avx512, "avx512f,avx512dq,avx2,fma,f16c", false, 2);
+    decode_turn_entry!(dt512_4, Avx512, "avx512f,avx512dq,avx2,fma,f16c", false, 4);
+    decode_turn_entry!(dt512_table_1, Avx512, "avx512f,avx512dq,avx2,fma,f16c", true, 1);
+    decode_turn_entry!(dt512_table_2, Avx512, "avx512f,avx512dq,avx2,fma,f16c", true, 2);
+    decode_turn_entry!(dt512_table_4, Avx512, "avx512f,avx512dq,avx2,fma,f16c", true, 4);
 
     /// The signature of a [`decode_turn`] body.
-    pub type DecodeTurn = unsafe fn(&[u32], u32, &[f32; 16], &[f32], &[f32], &[f32], &[f32], bool, &mut [f32]);
+    pub type DecodeTurn = unsafe fn(&[u32], &[f32; 16], &[f32], &[f32], &[f32], &[f32], bool, &mut [f32]);
 
-    /// The entry point for a width (`wide`: AVX-512) and table or uniform
-    /// levels (`table`: the padded table is read, else ignored).
-    pub fn decode_turn(wide: bool, table: bool) -> DecodeTurn {
-        match (wide, table) {
-            (true, true) => dt512_table,
-            (true, false) => dt512,
-            (false, true) => dt256_table,
-            (false, false) => dt256,
+    /// The entry point for a width (`wide`: AVX-512), table or uniform
+    /// levels (`table`: the padded table is read, else ignored) and code
+    /// width (1, 2 or 4 bits; the caller checked).
+    pub fn decode_turn(wide: bool, table: bool, bits: u32) -> DecodeTurn {
+        match (wide, table, bits) {
+            (true, true, 1) => dt512_table_1,
+            (true, true, 2) => dt512_table_2,
+            (true, true, _) => dt512_table_4,
+            (true, false, 1) => dt512_1,
+            (true, false, 2) => dt512_2,
+            (true, false, _) => dt512_4,
+            (false, true, 1) => dt256_table_1,
+            (false, true, 2) => dt256_table_2,
+            (false, true, _) => dt256_table_4,
+            (false, false, 1) => dt256_1,
+            (false, false, 2) => dt256_2,
+            (false, false, _) => dt256_4,
         }
     }
 
