@@ -257,8 +257,9 @@ const SUB: usize = 16;
 
 /// Tiles whose first angles are carried by angle addition before they are
 /// computed afresh: each addition adds a few f64 ulps, so after `CHAIN` the
-/// angles are still ~1e-14 from exact, far below an f32 ulp (6e-8).
-const CHAIN: u32 = 16;
+/// angles are still ~1e-13 from exact, far below an f32 ulp (6e-8). At 16
+/// the fresh `sin_cos` calls were ~1.5 % of a 32k-token decode at `D = 256`.
+const CHAIN: u32 = 128;
 
 impl RopeKeys {
     /// The state for `s` when it declares `rope: pre(...)`.
