@@ -25,18 +25,24 @@
 //!
 //! The vector path (`avx512-vec+rope` / `avx2-vec+rope`: channel-axis
 //! 1/2/4-bit keys with uniform, Lloyd–Max or calibrated `nuq` levels, no
-//! codec pipeline (so no key outliers), `D % 16 == 0`, key strategy) does the same arithmetic in
-//! vectors, tile by tile, each loop written once over the vector width
-//! ([`super::width::Width`]) and compiled per ISA:
-//! - the tile's table is built four (AVX2) or eight (AVX-512) f64 pairs at a
-//!   time with the same multiplies and subtractions, so the same f32
-//!   cosines and sines, and stored expanded, one cosine and one signed sine
-//!   per channel, so that a row turns as `x * cos + partner(x) * sin`,
-//!   `partner` being the other half (`half`) or the neighbour in the pair
-//!   (`interleaved`, a lane swap); a tile's first angles are carried from
-//!   the previous tile by one more angle addition (a fresh `sin_cos` every
-//!   [`CHAIN`] tiles), since `D/2` `sin_cos` per tile cost as much as the
-//!   rest of the table;
+//! codec pipeline (so no key outliers), `D % 16 == 0`, key strategy) splits
+//! the turn between the two sides: `q . R(p0 + r) k = (R(-(p0 + r0)) q) .
+//! (R(r - r0) k)` over sub-tiles of [`SUB`] rows starting at `r0`, each loop
+//! written once over the vector width ([`super::width::Width`]) and compiled
+//! per ISA:
+//! - the query of every head is turned once per sub-tile by the angles of
+//!   `p0 + r0` (the tile's first angles, carried from the previous tile by
+//!   one more angle addition, a fresh `sin_cos` every [`CHAIN`] tiles,
+//!   advanced by the step table's row `r0`, all in f64, rounded to f32 once);
+//! - each key row is turned by `R(r - r0)` from a fixed table of `SUB` rows
+//!   ([`Tables`], made once per process: 32 KiB at `D = 256`, in L1), stored
+//!   expanded, one cosine and one signed sine per channel, so that a row
+//!   turns as `x * cos + partner(x) * sin`, `partner` being the other half
+//!   (`half`) or the neighbour in the pair (`interleaved`, a lane swap).
+//!   This replaced a table of every token's angles per tile (built in f64,
+//!   `2 * tile * D` floats written and read back from L2), which with its
+//!   `sin_cos` calls was a fifth of a 32k-token decode; the query turns cost
+//!   about a sixth of the key turns at four heads;
 //! - a key row is decoded and turned eight (AVX2) or sixteen (AVX-512,
 //!   `interleaved` or `D % 32 == 0`) channels at a time without leaving
 //!   registers: its word broadcast, shifted per lane, masked and
@@ -46,9 +52,16 @@
 //!   table levels look the code up in a register instead (`vpermps`, two
 //!   and a blend for 16 entries on AVX2) and take `s * table[c] + 0`, the
 //!   row reader's `s * table[c]` ([`crate::quant::dequantize_in`]);
-//! - the turned rows are scored by the ISA's dot product, shared by the
-//!   query heads of the group; where the plan allows the fused path's value
-//!   coding (`kernel.rs`), its softmax and value half takes the scores.
+//! - a sub-tile's turned rows (in L1) are scored by the ISA's dot product
+//!   against the turned queries; where the plan allows the fused path's
+//!   value coding (`kernel.rs`), its softmax and value half takes the
+//!   scores; a tile that starts a block prefetches the next block of both
+//!   tensors into L2, as the kernel's generic loop does for its own keys.
+//!
+//! Rounding: the oracle turns each key by the f32 cosines and sines of
+//! `p0 + r`; here the query and the key are each turned by f32 rounded
+//! angles whose sum is that angle, so scores differ by a few f32 ulps of
+//! `|q| |k|` (the 1e-5 contract holds with orders of magnitude to spare).
 //!
 //! The row reader took a bounds-checked unpack, a parameter read and a call
 //! per element, and the scalar turn a match per pair: that was the 13-35x.
@@ -607,26 +620,25 @@ impl RopeKeys {
                             }
                             sc.vgroup = Some(key);
                         }
-                        let words = &part[off * wpt..(off + len) * wpt];
-                        for (i, row) in words.chunks_exact(wpt).enumerate() {
-                            // Row `rr` of the sub-tile, turned by `R(rr)`.
-                            let rr = r - r0 + i;
-                            // SAFETY: AVX2 checked by `vector`, AVX-512F above;
-                            // the row holds `d` codes (assert above), the other
-                            // slices `d` floats; `D % 32` for AVX-512 `half`.
-                            unsafe {
-                                decode_turn(
-                                    row,
-                                    &levels,
-                                    &sc.scales,
-                                    &sc.zeros,
-                                    &self.t.fixed_c[rr * d..(rr + 1) * d],
-                                    &self.t.fixed_s[rr * d..(rr + 1) * d],
-                                    interleaved,
-                                    &mut sc.rows[rr * d..(rr + 1) * d],
-                                )
-                            };
-                        }
+                        // Rows `rr..rr + len` of the sub-tile, row `i` turned
+                        // by `R(i)`: one call for the run.
+                        let rr = r - r0;
+                        // SAFETY: AVX2 checked by `vector`, AVX-512F above;
+                        // each row holds `d` codes (assert above), the other
+                        // slices `d` floats a row; `D % 32` for AVX-512 `half`.
+                        unsafe {
+                            decode_turn(
+                                &part[off * wpt..(off + len) * wpt],
+                                wpt,
+                                &levels,
+                                &sc.scales[..d],
+                                &sc.zeros[..d],
+                                &self.t.fixed_c[rr * d..(rr + len) * d],
+                                &self.t.fixed_s[rr * d..(rr + len) * d],
+                                interleaved,
+                                &mut sc.rows[rr * d..(rr + len) * d],
+                            )
+                        };
                         r += len;
                     }
                     _ => {
@@ -963,13 +975,16 @@ mod vecs {
     }
 
     /// [`decode_turn_body`] at one width, table or uniform levels and code
-    /// width.
+    /// width, over the rows of a run (`wpt` words each; `cos`, `sin` and
+    /// `out` `d = s.len()` floats a row): one call per run, where a call per
+    /// row cost its argument setup again for every 256 channels.
     macro_rules! decode_turn_entry {
         ($name:ident, $w:ty, $features:literal, $table:literal, $bits:literal) => {
             #[target_feature(enable = $features)]
             #[allow(clippy::too_many_arguments)]
             unsafe fn $name(
-                row: &[u32],
+                rows: &[u32],
+                wpt: usize,
                 table: &[f32; 16],
                 s: &[f32],
                 z: &[f32],
@@ -978,7 +993,20 @@ mod vecs {
                 interleaved: bool,
                 out: &mut [f32],
             ) {
-                decode_turn_body::<$w, $table, $bits>(row, table, s, z, cos, sin, interleaved, out)
+                let d = s.len();
+                for (i, row) in rows.chunks_exact(wpt).enumerate() {
+                    let (c, si) = (&cos[i * d..(i + 1) * d], &sin[i * d..(i + 1) * d]);
+                    decode_turn_body::<$w, $table, $bits>(
+                        row,
+                        table,
+                        s,
+                        z,
+                        c,
+                        si,
+                        interleaved,
+                        &mut out[i * d..(i + 1) * d],
+                    )
+                }
             }
         };
     }
@@ -996,7 +1024,7 @@ mod vecs {
     decode_turn_entry!(dt512_table_4, Avx512, "avx512f,avx512dq,avx2,fma,f16c", true, 4);
 
     /// The signature of a [`decode_turn`] body.
-    pub type DecodeTurn = unsafe fn(&[u32], &[f32; 16], &[f32], &[f32], &[f32], &[f32], bool, &mut [f32]);
+    pub type DecodeTurn = unsafe fn(&[u32], usize, &[f32; 16], &[f32], &[f32], &[f32], &[f32], bool, &mut [f32]);
 
     /// The entry point for a width (`wide`: AVX-512), table or uniform
     /// levels (`table`: the padded table is read, else ignored) and code
