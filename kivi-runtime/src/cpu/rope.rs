@@ -14,7 +14,7 @@
 //!
 //! Cosines and sines: per tile, the angle of its first token is computed in
 //! f64 and every later token's comes from the angle-addition formula with a
-//! per-plan table of `r * f_i` (`r` below the tile size), also in f64, so a
+//! table of `r * f_i` (`r` below the tile size, [`Tables`]), also in f64, so a
 //! tile costs `D/2` sine/cosine pairs rather than `n * D/2`; each result is
 //! rounded to f32 once, as [`kivi_spec::Rope::cos_sin`] does.
 //!
