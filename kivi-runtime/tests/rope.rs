@@ -478,3 +478,76 @@ fn key_outliers_on_pre_rope_keys_match_the_oracle() {
     }
     assert_eq!(mattered, 2 * 2 * 3);
 }
+
+/// The vector path's sub-tiles (the query turned once per 16 rows, each key
+/// row by the fixed `R(0..16)`): tiles that are not whole sub-tiles (8, 24,
+/// 40) and whole ones (64), one split and several, on AVX-512 and AVX2, at
+/// positions far past the step tables (a 20000-token sequence, whose tiles
+/// carry their first angles across many chains), with the values of the
+/// issue-12 schemes (1-bit Lloyd–Max on Hadamard-rotated values with two
+/// outliers per token, `codec.rs`) and with KIVI values (the fused half).
+/// The path name is asserted, and every output equals the oracle.
+#[test]
+fn vector_sub_tiles_match_the_oracle_at_odd_tiles_and_long_positions() {
+    let Some(has512) = x86_features() else {
+        eprintln!("no AVX2: the vector path is not planned here");
+        return;
+    };
+    let mut rng = Rng::new(0x13_05);
+    let codec_values = parse_scheme(
+        "pk { key: quant(bits = 2, axis = channel, group = 128), value: quant(bits = 1, axis = token, group = 64, levels = lloyd_max, norm = l2), rotation: hadamard(block = 64, apply = [value]), outliers: sparse(per_token = 2, apply = [value]), residual: 128, sinks: 4 }",
+    )
+    .unwrap();
+    let table_keys = parse_scheme(
+        "tk { key: quant(bits = 2, axis = channel, group = 32, levels = lloyd_max), value: quant(bits = 2, axis = token, group = 32), residual: 32, sinks: 4 }",
+    )
+    .unwrap();
+    let _lock = STRATEGY.lock().unwrap_or_else(|e| e.into_inner());
+    kivi_runtime::cpu::set_rope_strategy(false);
+    let mut case = 0usize;
+    for base in [&codec_values, &table_keys] {
+        for (heads, d) in [(Heads::Mqa(4), 64u32), (Heads::Gqa { q: 8, kv: 2 }, 64)] {
+            for (t, style) in [
+                (20_000usize, RopeStyle::Half),
+                (1000, RopeStyle::Interleaved),
+                (33, RopeStyle::Half),
+            ] {
+                case += 1;
+                let theta = BASES[case % 2];
+                let s = with_rope(&base.with_shape(heads, d).unwrap(), theta, style);
+                let shape = s.shape().unwrap();
+                let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+                let k = rng.kv(t, hkv, d, true);
+                let v = rng.kv(t, hkv, d, false);
+                let q = rng.kv(1, hq, d, false);
+                let attn = AttnParams::of(&s, shape);
+                let want = reference::attend(&s, &q, &k, &v, attn).unwrap();
+                let (c, id) = filled(&s, &k, &v);
+                for avx512 in [true, false] {
+                    for (splits, tile_tokens) in [(0, 64), (3, 8), (2, 24), (5, 40)] {
+                        let b = CpuBackend::new(CpuParams {
+                            splits,
+                            tile_tokens,
+                            avx512,
+                            ..CpuParams::default()
+                        })
+                        .unwrap();
+                        let path = if avx512 && has512 {
+                            "avx512-vec+rope"
+                        } else {
+                            "avx2-vec+rope"
+                        };
+                        assert_eq!(b.kernel_path(&c), path);
+                        let got = b.decode(&c, &[id], &q, attn).unwrap();
+                        let what = format!(
+                            "{} theta {theta} {} {heads} T={t} {path} splits {splits} tile {tile_tokens}",
+                            s.name,
+                            style.name()
+                        );
+                        check(&got, &want, &what);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -376,12 +376,18 @@ impl CodecRows {
         wts.resize(ng * n * g + g * ng, 0.0);
         let (w, zs) = wts.split_at_mut(ng * n * g);
         for r in 0..n {
+            let pr = &p[r * g..(r + 1) * g];
             for gi in 0..ng {
                 let (s, z) = self.params(part, off + r, gi);
-                for h in 0..g {
-                    let pr = p[r * g + h];
-                    w[(gi * n + r) * g + h] = pr * s;
-                    zs[h * ng + gi] += pr * z;
+                // Heads innermost and contiguous: vector multiplies.
+                for (w, &pr) in w[(gi * n + r) * g..][..g].iter_mut().zip(pr) {
+                    *w = pr * s;
+                }
+                // Table levels have no zero point (`params` reads none).
+                if self.uniform {
+                    for h in 0..g {
+                        zs[h * ng + gi] += pr[h] * z;
+                    }
                 }
             }
         }
@@ -411,11 +417,14 @@ impl CodecRows {
                 }
             }
         }
-        for r in 0..n {
-            for k in 0..self.tl.outliers {
-                let (c, v) = self.outlier(part, off + r, k);
-                for h in 0..g {
-                    acc[h * d + c] += p[r * g + h] * v;
+        if self.tl.outliers > 0 {
+            for r in 0..n {
+                let pr = &p[r * g..(r + 1) * g];
+                for k in 0..self.tl.outliers {
+                    let (c, v) = self.outlier(part, off + r, k);
+                    for (a, &pr) in acc[c..].iter_mut().step_by(d).zip(pr) {
+                        *a += pr * v;
+                    }
                 }
             }
         }
