@@ -94,3 +94,76 @@ fn vq_tunes_on_the_simulated_device_under_its_calibration() {
     assert_ne!(decision_hash(&other, &s), decision_hash(&target, &s));
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `levels = nuq` schemes (here 2c64 pinned-minmax pre-RoPE keys and nuq
+/// values) on the CUDA target: the tables are baked into the sources, so
+/// the target has no candidates until `with_calibration` generates them;
+/// then every candidate is checked against the reference on caches built
+/// with the calibration, and another calibration gives other sources.
+#[test]
+fn nuq_tunes_on_the_simulated_device_with_its_tables_baked_in() {
+    if kivi_runtime::sim::find_compiler().is_err() {
+        println!("SKIP nuq tune: no C++ compiler for the simulator");
+        return;
+    }
+    let s = parse_scheme(
+        "m { key: quant(bits = 2, axis = channel, group = 64, levels = nuq, norm = minmax_pinned), \
+         value: quant(bits = 2, axis = token, group = 32, levels = nuq, norm = l2), residual: 16, sinks: 2, \
+         rope: pre(theta = 10000, style = half) }",
+    )
+    .unwrap()
+    .with_shape(Heads::Gqa { q: 4, kv: 2 }, 32)
+    .unwrap();
+    let fit = |seed: u64| {
+        let mut rng = kivi_runtime::rand::Rng::new(seed);
+        let mut x = LayerSamples::new(0, 128, 4, 2, 32, rng.vec(128 * 64), rng.vec(128 * 64));
+        x.keys_pre_rope = Some(rng.vec(128 * 64));
+        let mut c = Calibration::new(
+            ModelId {
+                name: "toy".into(),
+                layers: 1,
+                kv_heads: 2,
+                head_dim: 32,
+            },
+            format!("nuq draw {seed}"),
+        );
+        c.fit_codebooks(&s, &[x], Default::default()).unwrap();
+        c
+    };
+    let cal = fit(3);
+    let bare = CudaTarget::sim(&s, SimDevice::shared()).unwrap();
+    assert!(bare.candidates(&Bucket::of(2, 77, 2)).is_empty());
+    let target = CudaTarget::sim(&s, SimDevice::shared())
+        .unwrap()
+        .with_calibration(&cal, 0)
+        .unwrap();
+    let bucket = Bucket::of(2, 77, 2);
+    let cands = target.candidates(&bucket);
+    assert_eq!(cands.len(), variants(&s, Kernel::Decode).len());
+    let other = CudaTarget::sim(&s, SimDevice::shared())
+        .unwrap()
+        .with_calibration(&fit(4), 0)
+        .unwrap();
+    assert_ne!(
+        other.candidates(&bucket)[0].hash,
+        cands[0].hash,
+        "tables are part of the source"
+    );
+    let dir = std::env::temp_dir().join(format!("kivi-nuq-tune-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let store = Store::new(dir.clone(), target.device(), target.toolchain());
+    let plan = Plan {
+        budget_s: 60.0,
+        ..Plan::default()
+    };
+    let mut w = Vec::new();
+    let out = tune::run(&target, &store, &s, &[bucket], &plan, &mut (), &mut w);
+    assert!(
+        matches!(out[0].origin, DecisionOrigin::Tuned { .. }),
+        "{:?} {w:?}",
+        out[0].origin
+    );
+    let e = out[0].entry.as_ref().unwrap();
+    assert!(target.variant(&e.chosen).is_some(), "{}", e.chosen);
+    let _ = std::fs::remove_dir_all(dir);
+}

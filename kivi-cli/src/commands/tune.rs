@@ -68,7 +68,7 @@ pub struct Args {
     /// No progress bar
     #[arg(long)]
     quiet: bool,
-    /// A calibration file (`kivi calibrate`) for a scheme with levels = nuq (cpu backend), vq(...) codecs or low_rank (any backend: their codebooks or bases); decisions are keyed by the scheme and this calibration together
+    /// A calibration file (`kivi calibrate`) for a scheme with levels = nuq tensors, vq(...) codecs or low_rank (any backend: their codebooks, tables or bases); decisions are keyed by the scheme and this calibration together
     #[arg(long)]
     calibration: Option<PathBuf>,
     /// The model layer whose codebooks or bases `--calibration` supplies
@@ -110,14 +110,14 @@ fn calibration(scheme: &Scheme, args: &Args) -> super::Result<Option<kivi_runtim
 }
 
 /// The CUDA target `t` (GPU or simulated), with `--calibration`'s vq
-/// codebooks where the scheme needs them.
-fn with_vq_calibration(
+/// codebooks and `nuq` tables where the scheme needs them.
+fn with_cuda_calibration(
     t: kivi_tuner::cuda::CudaTarget,
     scheme: &Scheme,
     args: &Args,
 ) -> super::Result<kivi_tuner::cuda::CudaTarget> {
-    if !scheme.has_vq() {
-        return Ok(t);
+    if scheme.low_rank.is_some() {
+        return Ok(t); // the calibration holds its bases: LowRankTarget takes them
     }
     match calibration(scheme, args)? {
         None => Ok(t),
@@ -394,19 +394,6 @@ pub fn run(args: Args) -> super::Result {
             None => cpu_target(&scheme, &args),
         }
     };
-    // The CUDA target takes vq codebooks (kernel arguments) but not nuq
-    // tables (baked into the source).
-    if args.calibration.is_some()
-        && low_rank.is_none()
-        && !scheme.has_vq()
-        && matches!(args.backend, BackendChoice::Sim | BackendChoice::Cuda)
-    {
-        return Err(
-            "--calibration is supported with --backend cpu (or auto without a GPU) only, yet, except for vq(...) \
-                    schemes: the CUDA tuning target does not take levels = nuq tables"
-                .into(),
-        );
-    }
     let target: Box<dyn Target> = match args.backend {
         // `reference` is not offered (BACKENDS): there is nothing to tune in it.
         BackendChoice::Cpu | BackendChoice::Reference => Box::new(cpu()?),
@@ -419,14 +406,14 @@ pub fn run(args: Args) -> super::Result {
                  about a GPU; the run checks every candidate against the reference"
                     .into(),
             );
-            Box::new(with_vq_calibration(
+            Box::new(with_cuda_calibration(
                 kivi_tuner::cuda::CudaTarget::sim(&tuned, dev)?,
                 &scheme,
                 &args,
             )?)
         }
         // Asked for a GPU by name: no GPU is an error, never another backend.
-        BackendChoice::Cuda => Box::new(with_vq_calibration(
+        BackendChoice::Cuda => Box::new(with_cuda_calibration(
             kivi_tuner::cuda::CudaTarget::new(&tuned).map_err(|why| {
                 format!("--backend cuda: {why} (use --backend sim to tune on the simulated device, or cpu)")
             })?,
@@ -434,7 +421,7 @@ pub fn run(args: Args) -> super::Result {
             &args,
         )?),
         BackendChoice::Auto => match kivi_tuner::cuda::CudaTarget::new(&tuned) {
-            Ok(t) => Box::new(with_vq_calibration(t, &scheme, &args)?),
+            Ok(t) => Box::new(with_cuda_calibration(t, &scheme, &args)?),
             Err(why) => {
                 // No GPU here: tune what can run, and still say how the
                 // CUDA variants compare on paper.

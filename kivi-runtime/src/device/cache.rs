@@ -213,7 +213,8 @@ fn device_books(dev: &Arc<dyn Device>, books: &[Option<Arc<VqBook>>; 2]) -> Resu
 
 /// The `nuq` tables of `levels` ([`crate::calib::levels_for`]'s answer):
 /// the fixed Lloyd–Max tables are the templates' own and are left out.
-fn nuq_codebooks(scheme: &Scheme, levels: [Option<Vec<f32>>; 2]) -> Codebooks {
+/// What [`kivi_templates::generate_calibrated`] bakes into a kernel.
+pub fn nuq_codebooks(scheme: &Scheme, levels: [Option<Vec<f32>>; 2]) -> Codebooks {
     let [k, v] = levels;
     let nuq = |t: Tensor| {
         scheme

@@ -38,7 +38,7 @@ mod cache;
 mod low_rank;
 mod sim;
 
-pub use cache::{DecodeRun, DeviceBackend, DeviceCache};
+pub use cache::{nuq_codebooks, DecodeRun, DeviceBackend, DeviceCache};
 pub use low_rank::{DeviceLowRankCache, NOT_DEVICE};
 pub use sim::SimDevice;
 
