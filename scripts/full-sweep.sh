@@ -9,6 +9,10 @@
 # (sim_vq), the barrier-deletion proof — under each of the
 # simulator's strict thread schedules (in order, reverse, two seeded
 # permutations), so a race that one order hides shows up in another.
+# Then, once (NVRTC does not depend on the schedule), every variant of every
+# kernel compiled by NVRTC for sm_80 and sm_90 (nvrtc_all_variants with
+# KIVI_FULL_SWEEP=1; CI compiles a sample of them), with NVRTC provisioned
+# by scripts/provision-cuda.sh.
 #
 # Usage: scripts/full-sweep.sh [LOG_DIR]     (default target/full-sweep)
 # Builds in the dev profile (optimised, see Cargo.toml), so it reuses what
@@ -36,5 +40,20 @@ for sched in inorder reverse 1 2; do
     grep -E '^test result' "$log" | awk '{p+=$4; f+=$6} END {printf "    %d tests passed, %d failed\n", p, f}'
     grep -E '^(sim|cuda): ' "$log" | sed 's/^/    /' | sort -u | head -20
 done
-echo "full sweep: $((SECONDS - start)) s, $failed of 4 schedules failed"
+runs=4
+if [ -f scripts/provision-cuda.sh ]; then
+    runs=5
+    log="$logs/nvrtc-all-variants.log"
+    echo "==> nvrtc_all_variants, every variant (KIVI_FULL_SWEEP=1)"
+    if bash scripts/provision-cuda.sh --quiet >"$log" 2>&1 &&
+        (. .cache/nvidia/env.sh && KIVI_REQUIRE_NVRTC=1 KIVI_FULL_SWEEP=1 \
+            cargo test -p kivi-runtime --test nvrtc_all_variants -- --nocapture) >>"$log" 2>&1; then
+        echo "    ok"
+    else
+        echo "    FAILED (see $log)"
+        failed=$((failed + 1))
+    fi
+    grep -E '^(nvrtc|  )' "$log" | sed 's/^/    /' | head -8
+fi
+echo "full sweep: $((SECONDS - start)) s, $failed of $runs runs failed"
 [ "$failed" -eq 0 ]

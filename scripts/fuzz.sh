@@ -16,15 +16,17 @@ export KIVI_FUZZ_CASES="$cases" KIVI_FUZZ_SEED="$seed"
 echo "fuzz.sh: $cases cases per target, seed $seed"
 
 failed=0
+# `run WHAT FILTER CARGO-ARGS...`: FILTER picks the target's module out of
+# a crate's one test binary (tests/all), or is empty.
 run() {
-    local what="$1"
-    shift
+    local what="$1" filter="$2"
+    shift 2
     echo
     echo "==> $what"
     local start=$SECONDS
     # The targets print their counts themselves (to stderr, past the
     # harness's capture); --nocapture shows the panic messages too.
-    cargo test "$@" -- --nocapture 2>&1 | grep -E '^fuzz |panicked|panic at|failure at|test result'
+    cargo test "$@" -- --nocapture $filter 2>&1 | grep -E '^fuzz |panicked|panic at|failure at|test result'
     if [ "${PIPESTATUS[0]}" -ne 0 ]; then
         failed=$((failed + 1))
         echo "==> $what: FAILED ($((SECONDS - start)) s)"
@@ -33,10 +35,10 @@ run() {
     fi
 }
 
-run "scheme text" -p kivi --test fuzz_scheme_text
-run "cache operations" -p kivi-runtime --test fuzz_cache_ops
-run "npy files" -p kivi-cli --test fuzz_npy
-run "decision files" -p kivi-tuner --test fuzz_decisions
+run "scheme text" "" -p kivi --test fuzz_scheme_text
+run "cache operations" "" -p kivi-runtime --test fuzz_cache_ops
+run "npy files" fuzz_npy:: -p kivi-cli --test all
+run "decision files" fuzz_decisions:: -p kivi-tuner --test all
 
 echo
 echo "fuzz.sh: $((4 - failed)) passed, $failed failed"

@@ -124,21 +124,36 @@ cargo_tests() {
     cargo test --workspace --no-fail-fast
 }
 
+# The numpy check and the smoke test run the `kivi` binary and the main_job
+# example that the workspace step built. Building them with `-p kivi-cli` or
+# `cargo run --example` would resolve a different feature set for shared
+# dependencies (`syn`, `half`, `proc-macro2`: cargo unifies features over
+# the selected packages only) and rebuild much of the dependency tree, about
+# two minutes of CI. `--no-run` again is a no-op after the workspace step and
+# makes sure that what runs is what that step built (and links them again).
+workspace_builds() {
+    cargo test --workspace --no-run --quiet
+}
+
 numpy_check() {
     [ -n "$PY" ] || { echo "no Python environment with numpy (see the first step)"; return 1; }
-    cargo build --quiet -p kivi-cli --bin kivi || return 1
+    workspace_builds || return 1
     "$PY" tests/python/check_attend.py --kivi "$target/debug/kivi"
 }
 
 main_job_smoke() {
-    KIVI_MAIN_JOB_GENERATE=8 cargo run --quiet --example main_job -- 600
+    workspace_builds || return 1
+    KIVI_MAIN_JOB_GENERATE=8 "$target/debug/examples/main_job" 600
 }
 
 # `kivi generate` needs the `eval` feature (it brings the model), which the
 # workspace run leaves off: its end-to-end tests run here, last, so that the
-# feature's rebuild of the kivi binary happens once.
+# feature's rebuild of the kivi binary happens once. `--workspace` keeps the
+# workspace step's feature set for every other crate (only kivi-cli is
+# rebuilt); `--test all` with the two modules' filters runs just them (the
+# other crates' `all` binaries match none of their tests).
 generate_tests() {
-    cargo test -p kivi-cli --features eval --test generate --test policy
+    cargo test --workspace --features kivi-cli/eval --test all -- generate:: policy::
 }
 
 # The decision-cache tests that watch system calls need strace (part of the

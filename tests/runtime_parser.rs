@@ -1,7 +1,7 @@
 //! The run-time parser (`kivi::parse_scheme`, used for scheme files and by
 //! the CLI) must reject exactly what `kivi::scheme!` rejects, with the same
-//! message, at the same place. For every compile-fail case in `tests/ui/`
-//! this test blanks everything outside the macro's braces (keeping line
+//! message, at the same place. For every compile-fail case in
+//! `kivi-macros/tests/ui/` this test blanks everything outside the macro's braces (keeping line
 //! breaks, so positions do not move), parses the rest at run time and
 //! compares message, line and column with the compiler's `.stderr` snapshot.
 
@@ -57,7 +57,7 @@ fn macro_body_in_place(source: &str) -> (String, bool) {
 }
 
 fn ui_cases() -> Vec<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/ui");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("kivi-macros/tests/ui");
     let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().path())

@@ -15,7 +15,7 @@
 //! finds their kernels in its on-disk cache (`target/kivi-sim`) when that
 //! suite ran first, and compiles each once otherwise.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, Tensor};
 use common::{random, rows_of};

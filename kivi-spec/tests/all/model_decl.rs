@@ -166,7 +166,7 @@ fn errors_point_at_the_offending_token() {
 /// The README's model declaration parses and means what it says.
 #[test]
 fn readme_declaration_parses() {
-    let readme = include_str!("../../README.md");
+    let readme = include_str!("../../../README.md");
     let at = readme.find("### A scheme per layer").unwrap();
     let block = &readme[at..];
     let start = block.find("```text\n").unwrap() + "```text\n".len();

@@ -425,7 +425,7 @@ fn pipeline_rules() {
 #[test]
 fn study_candidates_parse_and_fit_their_class() {
     // eval/schemes/study.kivi: the codec study of docs/accuracy.md.
-    let all = parse_schemes(include_str!("../../eval/schemes/study.kivi")).unwrap();
+    let all = parse_schemes(include_str!("../../../eval/schemes/study.kivi")).unwrap();
     assert!(all.len() >= 15);
     for s in &all {
         let b = layout::bits_per_element(&s.with_shape(Heads::Mqa(4), 256).unwrap());
@@ -441,8 +441,8 @@ fn study_candidates_parse_and_fit_their_class() {
 /// change to either shows up here rather than as a wrong table.
 #[test]
 fn two_bit_candidates_fit_the_budget_and_match_the_doc() {
-    let all = parse_schemes(include_str!("../../eval/schemes/acc2.kivi")).unwrap();
-    let diag = parse_schemes(include_str!("../../eval/schemes/acc2-diag.kivi")).unwrap();
+    let all = parse_schemes(include_str!("../../../eval/schemes/acc2.kivi")).unwrap();
+    let diag = parse_schemes(include_str!("../../../eval/schemes/acc2-diag.kivi")).unwrap();
     assert_eq!((all.len(), diag.len()), (15, 3));
     let bits = |s: &Scheme| layout::bits_per_element(&s.with_shape(Heads::Mqa(4), 256).unwrap());
     for s in &all {
@@ -543,7 +543,7 @@ fn minmax_nuq_parses_prices_and_refuses_where_unsupported() {
 /// head whatever else the outliers field applies to).
 #[test]
 fn round5_candidates_fit_the_budget_and_match_the_doc() {
-    let all = parse_schemes(include_str!("../../eval/schemes/acc3.kivi")).unwrap();
+    let all = parse_schemes(include_str!("../../../eval/schemes/acc3.kivi")).unwrap();
     let bits = |s: &Scheme| layout::bits_per_element(&s.with_shape(Heads::Mqa(4), 256).unwrap());
     let doc = [
         ("pre_k64_u", 1.90625),

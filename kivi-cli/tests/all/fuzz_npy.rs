@@ -9,11 +9,11 @@
 //! back bit for bit.
 
 #[macro_use]
-#[path = "../../tests/fuzz_support/mod.rs"]
+#[path = "../../../tests/fuzz_support/mod.rs"]
 mod fuzz;
 // The reader is part of the `kivi` binary, not the library: include it.
 #[allow(dead_code)]
-#[path = "../src/npy.rs"]
+#[path = "../../src/npy.rs"]
 mod npy;
 
 use fuzz::{check_message, pick, Rng};

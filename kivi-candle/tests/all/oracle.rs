@@ -3,7 +3,7 @@
 //! odd chunk sizes, GQA and MQA, per-layer schemes and windows; and every
 //! bad input is a typed error that leaves the cache as it was.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, Tensor};
 use common::{random, rows_of};

@@ -2,7 +2,7 @@
 //! verification, elimination, tie-breaks, the budget, cache hits and
 //! misses, reuse when a variant is added, pins.
 
-mod common;
+use crate::common;
 
 use common::*;
 use kivi_tuner::decisions::{entry_key, Status, Store};

@@ -1,7 +1,7 @@
 //! The decision cache on disk: corrupt files, concurrent writers (threads
 //! and processes), bundles, and selection through it.
 
-mod common;
+use crate::common;
 
 use common::*;
 use kivi_tuner::decisions::{self, entry_key, Store};
@@ -161,7 +161,7 @@ fn concurrent_writers_in_processes_keep_every_entry() {
     let children: Vec<_> = (0..3)
         .map(|id| {
             std::process::Command::new(&exe)
-                .args(["--exact", "writer_child", "--test-threads=1"])
+                .args(["--exact", test_name("writer_child").as_str(), "--test-threads=1"])
                 .env("KIVI_TUNER_TEST_WRITER", format!("{}|{id}", dir.display()))
                 .stdout(std::process::Stdio::null())
                 .spawn()
@@ -294,7 +294,7 @@ fn two_processes_breaking_a_stale_lock_take_turns() {
         let children: Vec<_> = (0..3)
             .map(|_| {
                 std::process::Command::new(&exe)
-                    .args(["--exact", "stale_lock_child", "--test-threads=1"])
+                    .args(["--exact", test_name("stale_lock_child").as_str(), "--test-threads=1"])
                     .env("KIVI_TUNER_TEST_STALE_LOCK", &st.dir)
                     .stdout(std::process::Stdio::null())
                     .spawn()
@@ -348,6 +348,16 @@ fn stale_lock_racer() {
     .unwrap();
 }
 
+/// A test of this file as the harness names it, for a child process that
+/// runs just that one (`--exact`): `decision_cache::NAME` in the crate's
+/// one test binary (tests/all), whatever the module path above this file.
+fn test_name(name: &str) -> String {
+    match module_path!().split_once("::") {
+        Some((_, module)) => format!("{module}::{name}"),
+        None => name.to_string(),
+    }
+}
+
 /// Whether `strace` can trace a child here (it is part of the project's
 /// machine image; ptrace may be forbidden in some containers).
 fn strace_works() -> Result<(), String> {
@@ -387,7 +397,7 @@ fn a_waiter_delayed_while_breaking_a_stale_lock_never_removes_a_fresh_one() {
         .args(["-f", "-qq", "-o", "/dev/null", "-e", "trace=unlink,unlinkat"])
         .args(["-e", "inject=unlink,unlinkat:delay_enter=600000"])
         .arg(&exe)
-        .args(["--exact", "stale_lock_racer", "--test-threads=1"])
+        .args(["--exact", test_name("stale_lock_racer").as_str(), "--test-threads=1"])
         .env("KIVI_TUNER_TEST_RACER", racer("slow", 100))
         .stdout(std::process::Stdio::null())
         .spawn()
@@ -401,7 +411,7 @@ fn a_waiter_delayed_while_breaking_a_stale_lock_never_removes_a_fresh_one() {
     // The slow waiter is now inside its delayed removal of the stale lock.
     std::thread::sleep(std::time::Duration::from_millis(200));
     let mut fast = std::process::Command::new(&exe)
-        .args(["--exact", "stale_lock_racer", "--test-threads=1"])
+        .args(["--exact", test_name("stale_lock_racer").as_str(), "--test-threads=1"])
         .env("KIVI_TUNER_TEST_RACER", racer("fast", 1500))
         .stdout(std::process::Stdio::null())
         .spawn()
@@ -450,7 +460,7 @@ fn a_save_syncs_the_directory_after_the_rename() {
         .arg(&trace)
         .args(["-e", "trace=rename,renameat,renameat2,fsync,fdatasync"])
         .arg(std::env::current_exe().unwrap())
-        .args(["--exact", "saver_child", "--test-threads=1"])
+        .args(["--exact", test_name("saver_child").as_str(), "--test-threads=1"])
         .env("KIVI_TUNER_TEST_SAVER", &dir)
         .stdout(std::process::Stdio::null())
         .status()

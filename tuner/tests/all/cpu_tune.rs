@@ -1,7 +1,7 @@
 //! A short real tuning run of the CPU backend (tiny contexts so it stays
 //! fast), then selection served from the cache it wrote.
 
-mod common;
+use crate::common;
 
 use kivi_runtime::{AttnParams, Backend, CacheConfig, PagedCache, ReferenceBackend};
 use kivi_spec::{presets, Heads};

@@ -12,9 +12,9 @@
 //! selection only ever returns a variant the target offers.
 
 #[macro_use]
-#[path = "../../tests/fuzz_support/mod.rs"]
+#[path = "../../../tests/fuzz_support/mod.rs"]
 mod fuzz;
-mod common;
+use crate::common;
 
 use common::*;
 use fuzz::{check_message, pick, Rng};

@@ -9,7 +9,8 @@
 //! chunked prefill) and the model's total is 15 local + 3 global. Before
 //! eviction a local layer holds what a global one does.
 //!
-//! `cargo test -p kivi-candle --test gemma_memory -- --nocapture` prints it.
+//! `cargo test -p kivi-candle --test all gemma_memory:: -- --nocapture`
+//! prints it.
 
 use candle_core::{Device, Tensor};
 use kivi_candle::{KiviKvCache, ModelShape};

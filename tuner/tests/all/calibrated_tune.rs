@@ -3,7 +3,7 @@
 //! calibration; a decision made under one calibration is not served under
 //! another; without a calibration every key is the scheme hash, as before.
 
-mod common;
+use crate::common;
 
 use kivi_runtime::calib::{fit_key, identity, Calibration, Entry as CalEntry, Kind, ModelId, Stage};
 use kivi_spec::{lloyd_max_levels, parse_scheme, presets, Heads, Scheme, Tensor};
