@@ -70,22 +70,7 @@ fn vq_tunes_on_the_simulated_device_under_its_calibration() {
         decision_hash(&target, &s),
         identity(kivi_spec::scheme_hash(&s), Some(cal.hash()))
     );
-    let dir = std::env::temp_dir().join(format!("kivi-vq-tune-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let store = Store::new(dir.clone(), target.device(), target.toolchain());
-    let plan = Plan {
-        budget_s: 60.0,
-        ..Plan::default()
-    };
-    let mut w = Vec::new();
-    let out = tune::run(&target, &store, &s, &[Bucket::of(2, 77, 2)], &plan, &mut (), &mut w);
-    assert!(
-        matches!(out[0].origin, DecisionOrigin::Tuned { .. }),
-        "{:?} {w:?}",
-        out[0].origin
-    );
-    let chosen = out[0].entry.as_ref().unwrap().chosen.clone();
-    assert!(target.variant(&chosen).is_some(), "{chosen}");
+    tunes_to_a_variant(&target, &s, Bucket::of(2, 77, 2), "vq");
     // Another calibration: another key, so nothing is served from the first.
     let other = CudaTarget::sim(&s, SimDevice::shared())
         .unwrap()
@@ -149,7 +134,13 @@ fn nuq_tunes_on_the_simulated_device_with_its_tables_baked_in() {
         cands[0].hash,
         "tables are part of the source"
     );
-    let dir = std::env::temp_dir().join(format!("kivi-nuq-tune-{}", std::process::id()));
+    tunes_to_a_variant(&target, &s, bucket, "nuq");
+}
+
+/// Tunes `bucket` on `target` into a fresh decision store: a measured
+/// decision whose chosen name is one of the target's variants.
+fn tunes_to_a_variant(target: &CudaTarget, s: &Scheme, bucket: Bucket, tag: &str) {
+    let dir = std::env::temp_dir().join(format!("kivi-{tag}-tune-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let store = Store::new(dir.clone(), target.device(), target.toolchain());
     let plan = Plan {
@@ -157,7 +148,7 @@ fn nuq_tunes_on_the_simulated_device_with_its_tables_baked_in() {
         ..Plan::default()
     };
     let mut w = Vec::new();
-    let out = tune::run(&target, &store, &s, &[bucket], &plan, &mut (), &mut w);
+    let out = tune::run(target, &store, s, &[bucket], &plan, &mut (), &mut w);
     assert!(
         matches!(out[0].origin, DecisionOrigin::Tuned { .. }),
         "{:?} {w:?}",
