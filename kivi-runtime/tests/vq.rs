@@ -240,7 +240,8 @@ fn vq_values_match_the_oracle_at_every_vector_chunking() {
 
 /// Scheme `text` (number `i`, for the seeds) at head width `d` on every
 /// layout of [`layouts`]: caches against the oracle bit for bit, exact
-/// memory, and the CPU backend on every instruction set within 1e-5.
+/// memory, and the CPU backend on every instruction set, at one and at
+/// three splits, within 1e-5.
 fn check_against_oracle(i: usize, text: &str, d: usize) {
     let s0 = parse_scheme(text).unwrap();
     for (j, heads) in layouts().into_iter().enumerate() {
@@ -289,8 +290,17 @@ fn check_against_oracle(i: usize, text: &str, d: usize) {
             .enumerate()
             .flat_map(|(b, (kw, vw))| decode_attention(&s, &q[b * per..(b + 1) * per], kw, vw, attn).unwrap())
             .collect();
+        // Every instruction set, each with the automatic splits and with
+        // three splits of 48-token tiles (splits and tiles that start off
+        // the block grid, so the lookups' pieces have odd row counts).
         let p0 = CpuParams::default();
-        for p in [p0, CpuParams { avx512: false, ..p0 }, CpuParams { scalar: true, ..p0 }] {
+        let p3 = CpuParams {
+            splits: 3,
+            tile_tokens: 48,
+            ..p0
+        };
+        let isas = |p: CpuParams| [p, CpuParams { avx512: false, ..p }, CpuParams { scalar: true, ..p }];
+        for p in isas(p0).into_iter().chain(isas(p3)) {
             let got = CpuBackend::new(p).unwrap().decode(&caches[0], &seqs, &q, attn).unwrap();
             for (b, n) in lens.iter().enumerate() {
                 let (w, g) = (&want[b * per..(b + 1) * per], &got[b * per..(b + 1) * per]);
