@@ -210,9 +210,12 @@ fn vq_caches_match_the_oracle_odd_lengths_and_layouts() {
 }
 
 /// Value sub-vectors the CPU's vector loops take in chunks of 8, 2 and 1
-/// (`S` = 11, 3, 24, 48), centroids of 16, 2 and 1 channel(s) (a head a
-/// vector on AVX-512, eight or sixteen heads a vector, by heads where the
-/// centroid is wider than AVX2's eight lanes), 6-bit and 1-bit codes.
+/// (`S` = 11, 3, 24, 48, 44), centroids of 16, 4, 2 and 1 channel(s) (a
+/// head a vector on AVX-512, four, eight or sixteen heads a vector, by
+/// heads where the centroid is wider than AVX2's eight lanes), 8-, 6- and
+/// 1-bit codes. Keys are scored in chunks of 8, 4, 2 and 1 sub-vectors
+/// (as many tables as fit 32 KiB): `i`'s byte codes at `S` = 11 take
+/// 8 + 2 + 1 at one and four heads, 4 + 4 + 2 + 1 at seven and eight.
 #[test]
 fn vq_values_match_the_oracle_at_every_vector_chunking() {
     let cases = [
@@ -231,6 +234,10 @@ fn vq_values_match_the_oracle_at_every_vector_chunking() {
         (
             "h { key: vq(dim = 8, entries = 256), value: vq(dim = 1, entries = 2), residual: 8, sinks: 2 }",
             48,
+        ),
+        (
+            "i { key: vq(dim = 16, entries = 256), value: vq(dim = 4, entries = 256), residual: 8, sinks: 3 }",
+            176,
         ),
     ];
     for (i, (text, d)) in cases.into_iter().enumerate() {
