@@ -210,9 +210,12 @@ fn vq_caches_match_the_oracle_odd_lengths_and_layouts() {
 }
 
 /// Value sub-vectors the CPU's vector loops take in chunks of 8, 2 and 1
-/// (`S` = 11, 3, 24, 48), centroids of 16, 2 and 1 channel(s) (a head a
-/// vector on AVX-512, eight or sixteen heads a vector, by heads where the
-/// centroid is wider than AVX2's eight lanes), 6-bit and 1-bit codes.
+/// (`S` = 11, 3, 24, 48, 44), centroids of 16, 4, 2 and 1 channel(s) (a
+/// head a vector on AVX-512, four, eight or sixteen heads a vector, by
+/// heads where the centroid is wider than AVX2's eight lanes), 8-, 6- and
+/// 1-bit codes. Keys are scored in chunks of 8, 4, 2 and 1 sub-vectors
+/// (as many tables as fit 32 KiB): `i`'s byte codes at `S` = 11 take
+/// 8 + 2 + 1 at one and four heads, 4 + 4 + 2 + 1 at seven and eight.
 #[test]
 fn vq_values_match_the_oracle_at_every_vector_chunking() {
     let cases = [
@@ -232,6 +235,10 @@ fn vq_values_match_the_oracle_at_every_vector_chunking() {
             "h { key: vq(dim = 8, entries = 256), value: vq(dim = 1, entries = 2), residual: 8, sinks: 2 }",
             48,
         ),
+        (
+            "i { key: vq(dim = 16, entries = 256), value: vq(dim = 4, entries = 256), residual: 8, sinks: 3 }",
+            176,
+        ),
     ];
     for (i, (text, d)) in cases.into_iter().enumerate() {
         check_against_oracle(10 + i, text, d);
@@ -240,7 +247,8 @@ fn vq_values_match_the_oracle_at_every_vector_chunking() {
 
 /// Scheme `text` (number `i`, for the seeds) at head width `d` on every
 /// layout of [`layouts`]: caches against the oracle bit for bit, exact
-/// memory, and the CPU backend on every instruction set within 1e-5.
+/// memory, and the CPU backend on every instruction set, at one and at
+/// three splits, within 1e-5.
 fn check_against_oracle(i: usize, text: &str, d: usize) {
     let s0 = parse_scheme(text).unwrap();
     for (j, heads) in layouts().into_iter().enumerate() {
@@ -289,8 +297,17 @@ fn check_against_oracle(i: usize, text: &str, d: usize) {
             .enumerate()
             .flat_map(|(b, (kw, vw))| decode_attention(&s, &q[b * per..(b + 1) * per], kw, vw, attn).unwrap())
             .collect();
+        // Every instruction set, each with the automatic splits and with
+        // three splits of 48-token tiles (splits and tiles that start off
+        // the block grid, so the lookups' pieces have odd row counts).
         let p0 = CpuParams::default();
-        for p in [p0, CpuParams { avx512: false, ..p0 }, CpuParams { scalar: true, ..p0 }] {
+        let p3 = CpuParams {
+            splits: 3,
+            tile_tokens: 48,
+            ..p0
+        };
+        let isas = |p: CpuParams| [p, CpuParams { avx512: false, ..p }, CpuParams { scalar: true, ..p }];
+        for p in isas(p0).into_iter().chain(isas(p3)) {
             let got = CpuBackend::new(p).unwrap().decode(&caches[0], &seqs, &q, attn).unwrap();
             for (b, n) in lens.iter().enumerate() {
                 let (w, g) = (&want[b * per..(b + 1) * per], &got[b * per..(b + 1) * per]);

@@ -8,12 +8,17 @@
 //! GQA group are the table's innermost axis, so one code selects the
 //! entries of every head at once, one 128-bit load per four heads; and all
 //! `g` heads of a token touch `S` cache lines, not `g * S` (vq2's tables
-//! are 256 KiB at MQA 4:1 d256 and stay in L2 only this way). Scores take
-//! four tokens at a time, four independent addition chains, so the loads'
-//! latency overlaps; each head's sum runs over `j = 0, 1, ..` in order.
-//! 8-bit codes are read as bytes where they are used, and GQA's group
-//! sizes 4 and 8 are constants, so a lookup's address is a byte load, an
-//! add and a shift (no offsets buffer, no multiply).
+//! are 256 KiB at MQA 4:1 d256 and stay in L2 only this way). Scores run
+//! a few sub-vectors at a time over every row of a piece ([`score_body`]:
+//! eight of vq2's 4 KiB tables, 32 KiB, stay in L1 while the piece's rows
+//! look them up), each row's sums kept in the output between chunks, so
+//! each head's sum still runs over `j = 0, 1, ..` in order. 8-bit codes
+//! are read as bytes where they are used, with `E = 256` a constant, and
+//! GQA's group sizes 4 and 8 are constants, so a lookup is a byte load, a
+//! shift and an add from the table at a constant offset of the chunk's
+//! first (no offsets buffer, no multiply: three instructions, where the
+//! earlier four-rows-at-a-time loop took five and reloaded spilled
+//! registers).
 //!
 //! Values ([`VqValues`]), where the group's `g * M` channels of a
 //! sub-vector fill one vector exactly (vq2's 4-wide centroids at four
@@ -436,7 +441,6 @@ fn run_body<W: Lanes>(pc: &Piece, job: Job, offs: &mut Vec<u32>) {
             // SAFETY: the piece's words (checked in `run`).
             p: unsafe { pc.words.as_ptr().add(pc.base) } as *const u8,
             row: 4 * pc.wpt,
-            e,
         };
         return job_body::<W, _>(pc, job, codes);
     }
@@ -485,19 +489,38 @@ trait Codes: Copy {
     unsafe fn at(&self, r: usize, j: usize) -> usize;
 }
 
-/// 8-bit codes: row `r`'s code `j` is its byte `j`.
+/// 8-bit codes: row `r`'s code `j` is its byte `j`; `E = 2^8` (checked
+/// in [`run`]) is a constant here, so the compiler folds `j * E` of an
+/// unrolled chunk into the load's displacement.
 #[derive(Clone, Copy)]
 struct Bytes {
     p: *const u8,
     row: usize,
-    e: usize,
 }
 
 impl Codes for Bytes {
     #[inline(always)]
     unsafe fn at(&self, r: usize, j: usize) -> usize {
-        j * self.e + *self.p.add(r * self.row + j) as usize
+        (j << 8) + opaque(*self.p.add(r * self.row + j) as usize)
     }
+}
+
+/// `x`, hidden from the optimiser at no cost (an empty `asm!` that
+/// takes and gives it in a register): LLVM's SLP vectorizer otherwise
+/// merges a row's adjacent code bytes into one vector load and takes each
+/// address back out with `vpextrq` / `vextracti32x4` (11 vector-to-scalar
+/// moves per 8 lookups in vq2's value loop, on the ports its FMAs need).
+#[inline(always)]
+fn opaque(x: usize) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let mut x = x;
+        // SAFETY: an empty template; it reads and writes only `x`'s register.
+        unsafe { std::arch::asm!("/* {0} */", inout(reg) x, options(pure, nomem, nostack, preserves_flags)) };
+        x
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    x
 }
 
 /// Indices unpacked by [`offsets`], `[len][S]`.
@@ -514,51 +537,82 @@ impl Codes for Unpacked<'_> {
     }
 }
 
-/// [`Job::Score`]: four rows at a time, four heads a vector; `G` the
-/// group size, or 0 for `pc.g`.
+/// [`Job::Score`]; `G` the group size, or 0 for `pc.g`.
 #[inline(always)]
 fn score_body<C: Codes, const G: usize>(pc: &Piece, lut: &[f32], out: &mut [f32], codes: C) {
-    let (s, len) = (pc.book.subvectors, pc.len);
+    let (s, e, len) = (pc.book.subvectors, pc.book.entries, pc.len);
     let g = if G == 0 { pc.g } else { G };
-    let lp = lut.as_ptr();
-    let mut r = 0;
-    while r < len {
-        let n = (len - r).min(4);
-        // A short last group repeats its last row (its sums are not stored).
-        let rows = [r, r + 1.min(n - 1), r + 2.min(n - 1), r + 3.min(n - 1)];
-        let mut h0 = 0;
-        while h0 + 4 <= g {
-            let mut acc = [v4::zero(); 4];
-            for j in 0..s {
-                // SAFETY: rows below `len`, `j < S`; an index is below
-                // `S * E`, so `index * g + h0 + 3` is below `S * E * g <=
-                // lut.len()` (checked in `run`).
-                unsafe {
-                    for (a, &row) in acc.iter_mut().zip(&rows) {
-                        *a = v4::add(*a, v4::load(lp.add(codes.at(row, j) * g + h0)));
-                    }
-                }
-            }
-            for (t, a) in acc.iter().enumerate().take(n) {
-                let o = &mut out[(r + t) * g + h0..][..4];
-                // SAFETY: `o` holds four floats.
-                unsafe { v4::store(o.as_mut_ptr(), *a) };
-            }
-            h0 += 4;
+    let out = &mut out[..len * g];
+    out.fill(0.0);
+    // Sub-vectors `J` at a time over every row, so that the `J` tables in
+    // use (`E * g` floats each) stay in L1 across the piece's rows.
+    let table = e * g * 4;
+    let mut j0 = 0;
+    if 8 * table <= KEY_TABLES {
+        while j0 + 8 <= s {
+            score_chunk::<C, G, 8>(pc, lut, out, j0, codes);
+            j0 += 8;
         }
-        for hh in h0..g {
-            let mut acc = [0f32; 4];
-            for j in 0..s {
-                for (a, &row) in acc.iter_mut().zip(&rows) {
-                    // SAFETY: as above, with `hh < g`.
-                    *a += unsafe { *lp.add(codes.at(row, j) * g + hh) };
+    }
+    if 4 * table <= KEY_TABLES {
+        while j0 + 4 <= s {
+            score_chunk::<C, G, 4>(pc, lut, out, j0, codes);
+            j0 += 4;
+        }
+    }
+    if 2 * table <= KEY_TABLES {
+        while j0 + 2 <= s {
+            score_chunk::<C, G, 2>(pc, lut, out, j0, codes);
+            j0 += 2;
+        }
+    }
+    while j0 < s {
+        score_chunk::<C, G, 1>(pc, lut, out, j0, codes);
+        j0 += 1;
+    }
+}
+
+/// Bytes of key tables [`score_body`] keeps in use at once: eight of
+/// vq2's 4 KiB tables at four heads (32 KiB, an L1 of 48 KiB holds them
+/// with the piece's codes and sums).
+const KEY_TABLES: usize = 32 << 10;
+
+/// Sub-vectors `j0..j0 + J` of [`score_body`]: every row's sums (in
+/// `out`) plus its `J` lookups, in order.
+#[inline(always)]
+fn score_chunk<C: Codes, const G: usize, const J: usize>(
+    pc: &Piece,
+    lut: &[f32],
+    out: &mut [f32],
+    j0: usize,
+    codes: C,
+) {
+    let g = if G == 0 { pc.g } else { G };
+    let (lp, op) = (lut.as_ptr(), out.as_mut_ptr());
+    for r in 0..pc.len {
+        // SAFETY: `r < len`, `j0 + k < S`; an index is below `S * E`, so
+        // `index * g + h` (`h < g`) is below `S * E * g <= lut.len()`
+        // (checked in `run`); `out` holds `len * g` floats.
+        unsafe {
+            let idx: [usize; J] = std::array::from_fn(|k| codes.at(r, j0 + k) * g);
+            let o = op.add(r * g);
+            let mut h0 = 0;
+            while h0 + 4 <= g {
+                let mut a = v4::load(o.add(h0));
+                for &i in &idx {
+                    a = v4::add(a, v4::load(lp.add(i + h0)));
                 }
+                v4::store(o.add(h0), a);
+                h0 += 4;
             }
-            for (t, a) in acc.iter().enumerate().take(n) {
-                out[(r + t) * g + hh] = *a;
+            for hh in h0..g {
+                let mut a = *o.add(hh);
+                for &i in &idx {
+                    a += *lp.add(i + hh);
+                }
+                *o.add(hh) = a;
             }
         }
-        r += n;
     }
 }
 
