@@ -85,12 +85,16 @@ pub use rope::set_strategy as set_rope_strategy;
 pub use rope::set_vector as set_rope_vector;
 pub use simd::Isa;
 
-/// A hash of the CPU kernels' source code (this module's files), fixed at
-/// build time. Tuning decisions for the CPU backend are keyed by it, so a
-/// changed kernel is measured again instead of trusted.
+/// A hash of the CPU kernels' source code (this module's decode files and
+/// the quantizer they decode), fixed at build time. Tuning decisions for
+/// the CPU backend are keyed by it, so a changed kernel is measured again
+/// instead of trusted. (`write.rs` and `probe.rs` decide no decode time.)
 pub const KERNEL_HASH: u64 = {
-    const PARTS: [&str; 10] = [
+    const PARTS: [&str; 13] = [
         include_str!("mod.rs"),
+        include_str!("vq.rs"),
+        include_str!("block.rs"),
+        include_str!("mla.rs"),
         include_str!("int8.rs"),
         include_str!("width.rs"),
         include_str!("rope.rs"),
