@@ -77,7 +77,6 @@ fn vq_tunes_on_the_simulated_device_under_its_calibration() {
         .with_calibration(&calibration(&s, 2), 0)
         .unwrap();
     assert_ne!(decision_hash(&other, &s), decision_hash(&target, &s));
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// `levels = nuq` schemes (here 2c64 pinned-minmax pre-RoPE keys and nuq
