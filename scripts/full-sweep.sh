@@ -6,7 +6,8 @@
 # schemes, odd shapes, the codec pipeline (and every decode variant of
 # codec2 and codec15, KIVI_FULL_SWEEP=1), low-rank caches (every decode variant
 # of one case, KIVI_FULL_SWEEP=1), every decode variant of every vq case
-# (sim_vq), the barrier-deletion proof — under each of the
+# (sim_vq), every decode variant of the minmax-table / pre-RoPE key-outlier
+# cases (sim_minmax), the barrier-deletion proof — under each of the
 # simulator's strict thread schedules (in order, reverse, two seeded
 # permutations), so a race that one order hides shows up in another.
 # Then, once (NVRTC does not depend on the schedule), every variant of every
@@ -25,7 +26,7 @@ logs="${1:-target/full-sweep}"
 mkdir -p "$logs"
 tests=(--test sim_variants --test sim_schemes --test sim_extend --test sim_smoke
        --test device_decode --test device_extend --test device_codecs --test device_block --test sim_barriers --test sim_strict
-       --test sim_low_rank --test sim_vq)
+       --test sim_low_rank --test sim_vq --test sim_minmax)
 failed=0
 start=$SECONDS
 for sched in inorder reverse 1 2; do
