@@ -20,7 +20,7 @@ mod device_util;
 mod sim_util;
 
 use codec_util::codec_schemes;
-use device_util::{assert_same, devices};
+use device_util::{assert_same, devices, write_both};
 use kivi_runtime::device::{Device, DeviceBackend, DeviceCache};
 use kivi_runtime::{reference, AttnParams, Backend, CacheConfig, PagedCache};
 use kivi_spec::{presets, Heads, Scheme, Tensor};
@@ -159,30 +159,12 @@ fn codec_writes_match_paged_cache_bit_for_bit() {
             let cfg = CacheConfig::for_tokens(8192);
             let mut host = PagedCache::new(s.clone(), cfg).unwrap();
             let mut dc = DeviceCache::new(dev.clone(), s, LENS.len(), 1100, cfg).unwrap();
-            let ids: Vec<u64> = LENS.iter().map(|_| host.add_sequence()).collect();
             let mut rng = Rng::new(500 + i as u64);
-            let mut ks: Vec<Vec<f32>> = LENS.iter().map(|&t| inputs(&mut rng, t, row, true)).collect();
-            let mut vs: Vec<Vec<f32>> = LENS.iter().map(|&t| inputs(&mut rng, t, row, false)).collect();
-            for (b, &id) in ids.iter().enumerate() {
-                host.extend(id, &ks[b], &vs[b]).unwrap();
-            }
-            dc.extend(&LENS, &ks.concat(), &vs.concat()).unwrap();
-            assert_same(s, &host, &ids, &dc, "after prefill");
             // appends: every sequence crosses a flush (and the 1-token one
             // reaches its centering tokens) on the way
-            for step in 0..40 {
-                let k = inputs(&mut rng, ids.len(), row, true);
-                let v = inputs(&mut rng, ids.len(), row, false);
-                for (b, &id) in ids.iter().enumerate() {
-                    host.append(id, &k[b * row..][..row], &v[b * row..][..row]).unwrap();
-                    ks[b].extend(&k[b * row..][..row]);
-                    vs[b].extend(&v[b * row..][..row]);
-                }
-                dc.extend(&vec![1; ids.len()], &k, &v).unwrap();
-                if step % 13 == 0 || step == 39 {
-                    assert_same(s, &host, &ids, &dc, &format!("after append step {step}"));
-                }
-            }
+            let (ids, ks, vs) = write_both(s, &mut host, &mut dc, &LENS, &mut rng, 40, 13, |r, t, key| {
+                inputs(r, t, row, key)
+            });
             let attn = AttnParams::of(s, shape);
             let q = rng.vec(ids.len() * shape.q_heads * shape.head_dim);
             let got = dc.decode(&q, attn, None).unwrap();

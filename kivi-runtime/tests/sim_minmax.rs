@@ -22,7 +22,7 @@ mod device_util;
 #[path = "sim_util/mod.rs"]
 mod sim_util;
 
-use device_util::{assert_same, devices};
+use device_util::{devices, write_both};
 use kivi_runtime::calib::{Calibration, FitOptions, LayerSamples, ModelId};
 use kivi_runtime::device::{Device, DeviceBackend, DeviceCache};
 use kivi_runtime::reference::{cache_view_calibrated, decode_attention};
@@ -271,29 +271,11 @@ fn minmax_writes_match_paged_cache_bit_for_bit() {
                 None => DeviceCache::new(dev.clone(), s, LENS.len(), 1100, cfg).unwrap(),
             };
             assert_eq!(dc.identity(), host.identity());
-            let ids: Vec<u64> = LENS.iter().map(|_| host.add_sequence()).collect();
             let mut rng = Rng::new(500 + i as u64);
-            let mut ks: Vec<Vec<f32>> = LENS.iter().map(|&t| inputs(&mut rng, t, row, true)).collect();
-            let mut vs: Vec<Vec<f32>> = LENS.iter().map(|&t| inputs(&mut rng, t, row, false)).collect();
-            for (b, &id) in ids.iter().enumerate() {
-                host.extend(id, &ks[b], &vs[b]).unwrap();
-            }
-            dc.extend(&LENS, &ks.concat(), &vs.concat()).unwrap();
-            assert_same(s, &host, &ids, &dc, "after prefill");
             // 33 appends: every sequence crosses a flush on the way
-            for step in 0..33 {
-                let k = inputs(&mut rng, ids.len(), row, true);
-                let v = inputs(&mut rng, ids.len(), row, false);
-                for (b, &id) in ids.iter().enumerate() {
-                    host.append(id, &k[b * row..][..row], &v[b * row..][..row]).unwrap();
-                    ks[b].extend(&k[b * row..][..row]);
-                    vs[b].extend(&v[b * row..][..row]);
-                }
-                dc.extend(&vec![1; ids.len()], &k, &v).unwrap();
-                if step % 16 == 0 || step == 32 {
-                    assert_same(s, &host, &ids, &dc, &format!("after append step {step}"));
-                }
-            }
+            let (ids, ks, vs) = write_both(s, &mut host, &mut dc, &LENS, &mut rng, 33, 16, |r, t, key| {
+                inputs(r, t, row, key)
+            });
             let attn = AttnParams::of(s, shape);
             let q = rng.vec(ids.len() * shape.q_heads * shape.head_dim);
             let got = dc.decode(&q, attn, None).unwrap();

@@ -20,7 +20,7 @@ mod device_util;
 #[path = "sim_util/mod.rs"]
 mod sim_util;
 
-use device_util::{assert_same, devices};
+use device_util::{devices, write_both};
 use kivi_runtime::calib::{CalibError, Calibration, FitOptions, LayerSamples, ModelId};
 use kivi_runtime::device::{Device, DeviceBackend, DeviceCache};
 use kivi_runtime::reference::{block_attention_views, cache_view_calibrated, decode_attention, round_inputs};
@@ -239,29 +239,11 @@ fn nuq_writes_match_paged_cache_bit_for_bit() {
             let mut host = PagedCache::with_calibration(s.clone(), cfg, &cal, 0).unwrap();
             let mut dc = DeviceCache::with_calibration(dev.clone(), s, LENS.len(), 1100, cfg, &cal, 0).unwrap();
             assert_eq!(dc.identity(), host.identity());
-            let ids: Vec<u64> = LENS.iter().map(|_| host.add_sequence()).collect();
             let mut rng = Rng::new(500 + i as u64);
-            let mut ks: Vec<Vec<f32>> = LENS.iter().map(|&t| inputs(&mut rng, t, row, true, 0)).collect();
-            let mut vs: Vec<Vec<f32>> = LENS.iter().map(|&t| inputs(&mut rng, t, row, false, 0)).collect();
-            for (b, &id) in ids.iter().enumerate() {
-                host.extend(id, &ks[b], &vs[b]).unwrap();
-            }
-            dc.extend(&LENS, &ks.concat(), &vs.concat()).unwrap();
-            assert_same(s, &host, &ids, &dc, "after prefill");
             // 33 appends: every sequence crosses a flush on the way
-            for step in 0..33 {
-                let k = inputs(&mut rng, ids.len(), row, true, 0);
-                let v = inputs(&mut rng, ids.len(), row, false, 0);
-                for (b, &id) in ids.iter().enumerate() {
-                    host.append(id, &k[b * row..][..row], &v[b * row..][..row]).unwrap();
-                    ks[b].extend(&k[b * row..][..row]);
-                    vs[b].extend(&v[b * row..][..row]);
-                }
-                dc.extend(&vec![1; ids.len()], &k, &v).unwrap();
-                if step % 16 == 0 || step == 32 {
-                    assert_same(s, &host, &ids, &dc, &format!("after append step {step}"));
-                }
-            }
+            let (ids, ks, vs) = write_both(s, &mut host, &mut dc, &LENS, &mut rng, 33, 16, |r, t, key| {
+                inputs(r, t, row, key, 0)
+            });
             let attn = AttnParams::of(s, shape);
             let q = rng.vec(ids.len() * shape.q_heads * shape.head_dim);
             let got = dc.decode(&q, attn, None).unwrap();

@@ -171,3 +171,47 @@ pub fn assert_same(s: &Scheme, host: &PagedCache, ids: &[u64], dev: &DeviceCache
         }
     }
 }
+
+/// Writes the same tokens to `host` and `dc` (new caches): one sequence per
+/// entry of `lens`, prefilled with that many tokens, then `appends`
+/// one-token steps of every sequence at once. The caches are compared word
+/// for word ([`assert_same`]) after the prefill, after every
+/// `check_every`-th step and after the last. `gen(rng, tokens, key)` draws
+/// `tokens` rows of keys (`key`) or values. Returns the host's sequence ids
+/// and each sequence's keys and values as written, for the oracle.
+#[allow(clippy::too_many_arguments)]
+pub fn write_both(
+    s: &Scheme,
+    host: &mut PagedCache,
+    dc: &mut DeviceCache,
+    lens: &[usize],
+    rng: &mut kivi_runtime::rand::Rng,
+    appends: usize,
+    check_every: usize,
+    mut gen: impl FnMut(&mut kivi_runtime::rand::Rng, usize, bool) -> Vec<f32>,
+) -> (Vec<u64>, Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let shape = s.shape().unwrap();
+    let row = shape.kv_heads * shape.head_dim;
+    let ids: Vec<u64> = lens.iter().map(|_| host.add_sequence()).collect();
+    let mut ks: Vec<Vec<f32>> = lens.iter().map(|&t| gen(rng, t, true)).collect();
+    let mut vs: Vec<Vec<f32>> = lens.iter().map(|&t| gen(rng, t, false)).collect();
+    for (b, &id) in ids.iter().enumerate() {
+        host.extend(id, &ks[b], &vs[b]).unwrap();
+    }
+    dc.extend(lens, &ks.concat(), &vs.concat()).unwrap();
+    assert_same(s, host, &ids, dc, "after prefill");
+    for step in 0..appends {
+        let k = gen(rng, ids.len(), true);
+        let v = gen(rng, ids.len(), false);
+        for (b, &id) in ids.iter().enumerate() {
+            host.append(id, &k[b * row..][..row], &v[b * row..][..row]).unwrap();
+            ks[b].extend(&k[b * row..][..row]);
+            vs[b].extend(&v[b * row..][..row]);
+        }
+        dc.extend(&vec![1; ids.len()], &k, &v).unwrap();
+        if step % check_every == 0 || step + 1 == appends {
+            assert_same(s, host, &ids, dc, &format!("after append step {step}"));
+        }
+    }
+    (ids, ks, vs)
+}
