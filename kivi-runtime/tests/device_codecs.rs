@@ -65,19 +65,7 @@ fn kernels() -> Vec<Generated> {
 /// Keys with a per-channel offset and a few loud channels, values with an
 /// offset: what centering and outliers are for.
 fn inputs(rng: &mut Rng, tokens: usize, row: usize, key: bool) -> Vec<f32> {
-    rng.vec(tokens * row)
-        .iter()
-        .enumerate()
-        .map(|(j, x)| {
-            let ch = j % row;
-            let offset = ((ch * 7 % 13) as f32 - 6.0) * 0.25;
-            if key && ch % 16 == 3 {
-                x * 6.0 + offset
-            } else {
-                x + offset
-            }
-        })
-        .collect()
+    device_util::offset_rows(rng, tokens, row, key)
 }
 
 fn load_all(dev: &Arc<dyn Device>) {

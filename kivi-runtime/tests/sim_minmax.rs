@@ -95,19 +95,7 @@ fn cases() -> Vec<Scheme> {
 /// Pre-RoPE keys with per-channel offsets (what minmax tables are for) and
 /// a few loud channels; values with an offset.
 fn inputs(rng: &mut Rng, tokens: usize, row: usize, key: bool) -> Vec<f32> {
-    rng.vec(tokens * row)
-        .iter()
-        .enumerate()
-        .map(|(j, x)| {
-            let ch = j % row;
-            let offset = ((ch * 7 % 13) as f32 - 6.0) * 0.25;
-            if key && ch % 16 == 3 {
-                x * 6.0 + offset
-            } else {
-                x + offset
-            }
-        })
-        .collect()
+    device_util::offset_rows(rng, tokens, row, key)
 }
 
 /// A one-layer calibration fitted for `s` on pre-RoPE keys (the post-RoPE

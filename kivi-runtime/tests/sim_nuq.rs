@@ -63,20 +63,13 @@ fn cases() -> Vec<Scheme> {
 /// Keys with a per-channel offset and a few loud channels, values with an
 /// offset; layer 1's are cubed (heavy tails), so its codebooks differ.
 fn inputs(rng: &mut Rng, tokens: usize, row: usize, key: bool, layer: usize) -> Vec<f32> {
-    rng.vec(tokens * row)
-        .iter()
-        .enumerate()
-        .map(|(j, x)| {
-            let ch = j % row;
-            let x = if layer == 1 { 2.0 * x * x * x } else { *x };
-            let offset = ((ch * 7 % 13) as f32 - 6.0) * 0.25;
-            if key && ch % 16 == 3 {
-                x * 6.0 + offset
-            } else {
-                x + offset
-            }
-        })
-        .collect()
+    let x = rng.vec(tokens * row);
+    let x = if layer == 1 {
+        x.iter().map(|x| 2.0 * x * x * x).collect()
+    } else {
+        x
+    };
+    device_util::with_offsets(x, row, key)
 }
 
 /// A two-layer calibration fitted for `s` (its shape) on samples drawn as

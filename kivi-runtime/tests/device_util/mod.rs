@@ -215,3 +215,25 @@ pub fn write_both(
     }
     (ids, ks, vs)
 }
+
+/// `rows` (`[tokens, row]`) shaped like a layer's K/V: a per-channel
+/// offset on every row, and for keys (`key`) a few loud channels (every
+/// 16th, from channel 3, six times louder) — what centering, outliers and
+/// minmax tables are for.
+pub fn with_offsets(mut rows: Vec<f32>, row: usize, key: bool) -> Vec<f32> {
+    for (j, x) in rows.iter_mut().enumerate() {
+        let ch = j % row;
+        let offset = ((ch * 7 % 13) as f32 - 6.0) * 0.25;
+        *x = if key && ch % 16 == 3 {
+            *x * 6.0 + offset
+        } else {
+            *x + offset
+        };
+    }
+    rows
+}
+
+/// [`with_offsets`] of `tokens` rows of standard normal draws.
+pub fn offset_rows(rng: &mut kivi_runtime::rand::Rng, tokens: usize, row: usize, key: bool) -> Vec<f32> {
+    with_offsets(rng.vec(tokens * row), row, key)
+}
